@@ -1,0 +1,284 @@
+"""PuzzleKV: page-wise low-rank decomposition of the KV cache (PuzzleKV paper, §3; INT4 in §4.3).
+
+Each layer's keys and values are split, per KV head, into pages of ``P`` tokens. The first page is a
+dense sink, the most recent completed page and the page being filled form a dense local window, and
+every other completed page is factorized independently by a truncated SVD, computed in batches
+through the ``P×P`` Gram matrix (``kvpack.ops.lowrank``): ``X̂_p = L_p R_p`` with ``L = U_r`` and
+``R = Σ_r W_rᵀ``. Attention reads a factorized page from its factors, contracting the query with
+the small factors first — ``s = (q Rᵀ) Lᵀ``, ``o = (exp(s − m) L) R`` — and merges pages by online
+softmax (``kvpack.attention.pages``). While decoding, a page that fills and leaves the window is
+factorized once and its dense slot released; factorized pages are never revisited.
+
+Storage ratio of a factorized page pair (Eq. 3): ``ρ = (r_K + r_V)(P + d) / (2 P d)``. The paper's
+``(r_K, r_V) = (16, 14)`` at ``P = 32, d = 128`` gives ρ ≈ 0.586; for another head dimension kvpack
+takes the largest total rank ``R`` with ``ρ ≤ 0.6`` and splits it ``r_K = R//2 + 1, r_V = R − r_K``
+(keys get the extra rank, as in the paper's choice) — ``(13, 12)`` at ``d = 64`` (ρ = 0.586),
+``(16, 14)`` at ``d = 128``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.pages import factorized_pages_partial
+from ..ops.int4 import dequantize_int4, quantize_int4
+from ..ops.lowrank import gram_eigh_factors
+from ..ops.rope import invert_rope
+from .base import DENSE_REFERENCE_BYTES_PER_ELEMENT, Codec, CodecConfig, LayerLayout, register_codec, require_int
+from .segmented import SegmentedStore
+
+DEFAULT_PAGE_RATIO = 0.6  # target factorized-page ratio of the default ranks (paper: ≈ 0.586)
+
+
+@dataclass
+class PuzzleConfig(CodecConfig):
+    """PuzzleKV parameters.
+
+    Attributes:
+        page_size: tokens per page ``P`` (default 32).
+        rank_k, rank_v: ranks of key and value pages; None = derived (see module doc), or from
+            ``budget`` when it is set. Each must be in ``[1, min(P, head_dim)]``.
+        sink_pages: dense pages at the start (default 1).
+        window_pages: completed pages kept dense besides the page being filled (default 1).
+        key_rope: ``"post"`` (default, factorize the cached post-RoPE keys) or ``"pre"``
+            (factorize pre-RoPE keys; RoPE is re-applied at attention time at the original positions).
+        int4: quantize the factors to symmetric INT4 with Σ^½ absorbed into both (paper §4.3).
+        tile_pages: factorized pages processed per attention tile (bounds transient memory).
+        budget: when set, the ranks are chosen per input as the largest pair whose total bytes
+            (factors and dense regions, for the coming page cycle) stay within ``budget × dense``.
+    """
+
+    page_size: int = 32
+    rank_k: int | None = None
+    rank_v: int | None = None
+    sink_pages: int = 1
+    window_pages: int = 1
+    key_rope: str = "post"
+    int4: bool = False
+    tile_pages: int = 256
+
+    def validate(self) -> None:
+        super().validate()
+        require_int(self, "page_size", minimum=1)
+        require_int(self, "sink_pages", minimum=0)
+        require_int(self, "window_pages", minimum=0)
+        require_int(self, "tile_pages", minimum=1)
+        for name in ("rank_k", "rank_v"):
+            if getattr(self, name) is not None:
+                require_int(self, name, minimum=1, maximum=self.page_size)
+        if (self.rank_k is None) != (self.rank_v is None):
+            raise ValueError("rank_k and rank_v must be set together (or both left to be derived)")
+        if self.budget is not None and self.rank_k is not None:
+            raise ValueError("set either budget or rank_k/rank_v, not both: budget picks the ranks")
+        if self.key_rope not in ("post", "pre"):
+            raise ValueError(f"key_rope must be 'post' or 'pre', got {self.key_rope!r}")
+        if not isinstance(self.int4, bool):
+            raise ValueError(f"int4 must be a boolean, got {self.int4!r}")
+
+
+def split_total_rank(total: int) -> tuple[int, int]:
+    """Split a total rank between keys and values, keys getting the extra rank (16/14 at 30)."""
+    rank_k = min(total // 2 + 1, total - 1) if total > 1 else 1
+    return rank_k, max(total - rank_k, 1) if total > 1 else 1
+
+
+def page_ratio(page_size: int, head_dim: int, rank_k: int, rank_v: int) -> float:
+    """Eq. 3: bytes of a factorized key+value page pair over its dense bytes (same dtype)."""
+    return (rank_k + rank_v) * (page_size + head_dim) / (2 * page_size * head_dim)
+
+
+def default_ranks(page_size: int, head_dim: int, target: float = DEFAULT_PAGE_RATIO) -> tuple[int, int]:
+    """Largest total rank with page ratio ≤ ``target``, split keys-first."""
+    cap = min(page_size, head_dim)
+    best = 2
+    for total in range(2, 2 * cap + 1):
+        rk, rv = split_total_rank(total)
+        if rk <= cap and rv <= cap and page_ratio(page_size, head_dim, rk, rv) <= target:
+            best = total
+    return split_total_rank(best)
+
+
+def layout_at(seq_len: int, cfg: PuzzleConfig) -> tuple[int, int]:
+    """``(dense_tokens, factorized_pages)`` of one head after ``seq_len`` tokens under ``cfg``'s policy."""
+    P = cfg.page_size
+    sink = min(seq_len, cfg.sink_pages * P)
+    complete = (seq_len - sink) // P
+    pages = max(0, complete - cfg.window_pages)
+    return seq_len - pages * P, pages
+
+
+def factor_bytes_per_page(cfg: PuzzleConfig, head_dim: int, rank_k: int, rank_v: int, elem_bytes: int) -> int:
+    """Bytes of one factorized key+value page pair of one head, as the store holds it."""
+    P = cfg.page_size
+    if not cfg.int4:
+        return (rank_k + rank_v) * (P + head_dim) * elem_bytes
+    packed = lambda rows, cols: rows * ((cols + 1) // 2)  # noqa: E731
+    scale = 2  # fp16
+    key = packed(P, rank_k) + rank_k * scale + packed(rank_k, head_dim) + head_dim * scale  # L_K, R_K column-wise
+    value = packed(P, rank_v) + P * scale + packed(rank_v, head_dim) + head_dim * scale  # L_V row-, R_V column-wise
+    return key + value
+
+
+def expected_bytes(seq_len: int, cfg: PuzzleConfig, kv_heads: int, head_dim: int, rank_k: int, rank_v: int,
+                   elem_bytes: int) -> int:
+    """Bytes one layer's store holds after ``seq_len`` tokens: dense regions plus factor pages."""
+    dense, pages = layout_at(seq_len, cfg)
+    per_head = dense * 2 * head_dim * elem_bytes + pages * factor_bytes_per_page(cfg, head_dim, rank_k, rank_v,
+                                                                                 elem_bytes)
+    return kv_heads * per_head
+
+
+def ranks_for_budget(seq_len: int, cfg: PuzzleConfig, head_dim: int, elem_bytes: int) -> tuple[int, int]:
+    """Largest keys-first rank pair keeping the bytes ≤ budget × dense over the next page cycle.
+
+    The check runs over ``seq_len .. seq_len + P`` so that the decode tokens that wait dense in the
+    window before their page is factorized do not push the store over the budget.
+
+    Raises:
+        ValueError: even rank (1, 1) exceeds the budget (the dense sink and window alone cost more).
+    """
+    cap = min(cfg.page_size, head_dim)
+    dense_per_token = 2 * head_dim * DENSE_REFERENCE_BYTES_PER_ELEMENT
+    for total in range(2 * cap, 1, -1):
+        rk, rv = split_total_rank(total)
+        if rk > cap or rv > cap:
+            continue
+        if all(
+            expected_bytes(s, cfg, 1, head_dim, rk, rv, elem_bytes) <= cfg.budget * s * dense_per_token
+            for s in range(max(seq_len, 1), seq_len + cfg.page_size + 1)
+        ):
+            return rk, rv
+    dense, pages = layout_at(seq_len, cfg)
+    raise ValueError(
+        f"puzzle: budget {cfg.budget} is below PuzzleKV's fixed cost at {seq_len} tokens: the dense sink and "
+        f"window hold {dense} of {seq_len} tokens ({dense / max(seq_len, 1):.2f} of the dense bytes) with "
+        f"{pages} factorizable pages; use a longer input, a larger budget or fewer dense pages"
+    )
+
+
+class PuzzleStore(SegmentedStore):
+    """One sequence, one layer: dense sink + factorized pages + dense window (see module doc).
+
+    Factor tensors (per KV head ``h`` and factorized page ``n``), float form:
+    ``lk [H, N, P, r_K]``, ``rk [H, N, r_K, d]``, ``lv [H, N, P, r_V]``, ``rv [H, N, r_V, d]``.
+    INT4 form: the same matrices as packed nibbles (``*_q``, last axis halved) plus fp16 scales
+    (``*_s``): column-wise for ``lk``, ``rk`` and ``rv``, row-wise for ``lv``.
+    """
+
+    def __init__(self, layout: LayerLayout, config: PuzzleConfig):
+        super().__init__(layout, config)
+        if config.key_rope == "pre" and layout.rope is None:
+            raise ValueError("puzzle: key_rope='pre' needs the model's rotary embedding (none was found)")
+        cap = min(config.page_size, layout.head_dim)
+        if config.rank_k is not None and (config.rank_k > cap or config.rank_v > cap):
+            raise ValueError(
+                f"puzzle: ranks must be <= min(page_size, head_dim) = {cap}, got rank_k={config.rank_k}, "
+                f"rank_v={config.rank_v}"
+            )
+        self.ranks: tuple[int, int] | None = None
+        if config.budget is None:
+            self.ranks = (config.rank_k, config.rank_v) if config.rank_k else default_ranks(config.page_size,
+                                                                                            layout.head_dim)
+        self.factors: dict[str, torch.Tensor] = {}
+        self.n_pages = 0
+        self.factorizations = 0  # pages factorized so far (each exactly once)
+
+    # -- layout -----------------------------------------------------------------------------
+
+    @property
+    def sink_capacity(self) -> int:
+        return self.config.sink_pages * self.config.page_size
+
+    def history_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.factors)
+
+    def resolved_ranks(self) -> tuple[int, int] | None:
+        return self.ranks
+
+    # -- compression ------------------------------------------------------------------------
+
+    def compress(self) -> None:
+        cfg = self.config
+        P = cfg.page_size
+        if self.ranks is None:  # budget mode: choose ranks once, on the first (prefill) chunk
+            self.ranks = ranks_for_budget(self.seq_len, cfg, self.layout.head_dim, self.storage_dtype.itemsize)
+        # Tail = window pages + partial page; every completed page beyond the window is factorized.
+        n_new = max(0, self.tail_k.shape[1] // P - cfg.window_pages)
+        if n_new == 0:
+            return
+        start = self.tail_start
+        k, v = self.pop_tail(n_new * P)
+        H, d = self.layout.kv_heads, self.layout.head_dim
+        k = k.float().reshape(H, n_new, P, d)
+        v = v.float().reshape(H, n_new, P, d)
+        if cfg.key_rope == "pre":
+            cos, sin = self.layout.rope.cos_sin(torch.arange(start, start + n_new * P, device=k.device))
+            k = invert_rope(k, cos.reshape(n_new, P, d), sin.reshape(n_new, P, d))
+        new = self._factorize(k, v)
+        for name, t in new.items():
+            old = self.factors.get(name)
+            self.factors[name] = t if old is None else torch.cat([old, t], dim=1)
+        self.n_pages += n_new
+        self.factorizations += n_new
+
+    def _factorize(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Factor ``[H, n, P, d]`` key and value pages into the stored form."""
+        rank_k, rank_v = self.ranks
+        lk, rk, sk = gram_eigh_factors(k, rank_k)
+        lv, rv, sv = gram_eigh_factors(v, rank_v)
+        if not self.config.int4:
+            dt = self.storage_dtype
+            return {"lk": lk.to(dt), "rk": rk.to(dt), "lv": lv.to(dt), "rv": rv.to(dt)}
+        # §4.3: absorb Σ^½ into both factors, L̃ = U Σ^½, R̃ = Σ^½ Wᵀ = Σ^-½ R (zero where σ = 0).
+        out = {}
+        for name, left, right, sigma, left_dim in (("k", lk, rk, sk, -2), ("v", lv, rv, sv, -1)):
+            root = sigma.sqrt()
+            inv_root = torch.where(root > 0, 1.0 / root.clamp_min(1e-30), torch.zeros_like(root))
+            left_t = left * root.unsqueeze(-2)
+            right_t = right * inv_root.unsqueeze(-1)
+            # keys: L̃_K and R̃_K column-wise; values: L̃_V row-wise, R̃_V column-wise.
+            out[f"l{name}_q"], out[f"l{name}_s"] = quantize_int4(left_t, dim=left_dim)
+            out[f"r{name}_q"], out[f"r{name}_s"] = quantize_int4(right_t, dim=-2)
+        return out
+
+    # -- attention --------------------------------------------------------------------------
+
+    def _tile_factors(self, lo: int, hi: int) -> tuple[torch.Tensor, ...]:
+        """Float factors of pages ``[lo, hi)`` (dequantized per tile in INT4 mode)."""
+        f = self.factors
+        if not self.config.int4:
+            return f["lk"][:, lo:hi], f["rk"][:, lo:hi], f["lv"][:, lo:hi], f["rv"][:, lo:hi]
+        rank_k, rank_v = self.ranks
+        d = self.layout.head_dim
+        return (
+            dequantize_int4(f["lk_q"][:, lo:hi], f["lk_s"][:, lo:hi], rank_k),
+            dequantize_int4(f["rk_q"][:, lo:hi], f["rk_s"][:, lo:hi], d),
+            dequantize_int4(f["lv_q"][:, lo:hi], f["lv_s"][:, lo:hi], rank_v),
+            dequantize_int4(f["rv_q"][:, lo:hi], f["rv_s"][:, lo:hi], d),
+        )
+
+    def history_partials(self, qg, scaling):
+        states = []
+        P, tile = self.config.page_size, self.config.tile_pages
+        first = self.sink_k.shape[1]
+        for lo in range(0, self.n_pages, tile):
+            hi = min(lo + tile, self.n_pages)
+            rope = None
+            if self.config.key_rope == "pre":
+                pos = torch.arange(first + lo * P, first + hi * P, device=qg.device)
+                cos, sin = self.layout.rope.cos_sin(pos)
+                rope = (cos.reshape(hi - lo, P, -1), sin.reshape(hi - lo, P, -1))
+            states.append(factorized_pages_partial(qg, *self._tile_factors(lo, hi), scaling, rope=rope))
+        return states
+
+
+@register_codec("puzzle")
+class PuzzleKV(Codec):
+    """PuzzleKV (page-wise low-rank KV cache). See :class:`PuzzleConfig`."""
+
+    Config = PuzzleConfig
+
+    def new_store(self, layout: LayerLayout) -> PuzzleStore:
+        return PuzzleStore(layout, self.config)

@@ -1,0 +1,126 @@
+"""Stores laid out as [dense sink] [compressed history] [dense recent tail].
+
+This is the shape every resident codec of kvpack shares (DESIGN.md): the first tokens stay dense
+(attention sinks), the most recent tokens stay dense (they are read most and may still be filling
+a page), and the codec compresses what lies between. Attention over the store merges the partial
+softmax states of the sink, of the codec's compressed history, of the tail and of the new chunk
+(causal) — one softmax, never a rebuilt dense history.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+import torch.nn.functional as F
+
+from ..attention.softmax_merge import (
+    PartialAttention,
+    causal_chunk_mask,
+    dense_partial,
+    finalize,
+    group_queries,
+    merge_partials,
+    ungroup_output,
+)
+from .base import LayerStore
+
+
+class SegmentedStore(LayerStore):
+    """Base for codecs with a dense sink, compressed history and a dense tail.
+
+    Subclasses define :attr:`sink_capacity`, :meth:`history_partials` (attention over their
+    compressed history), :meth:`history_tensors` and :meth:`compress` (move tokens from the tail
+    into the compressed history, by their own policy).
+
+    Token order: sink tokens are positions ``[0, n_sink)``, the compressed history covers
+    ``[n_sink, n_sink + n_history)`` and the tail the rest, up to ``seq_len``.
+    """
+
+    def __init__(self, layout, config):
+        super().__init__(layout, config)
+        empty = torch.empty(layout.kv_heads, 0, layout.head_dim, dtype=self.storage_dtype)
+        self.sink_k, self.sink_v = empty, empty.clone()
+        self.tail_k, self.tail_v = empty.clone(), empty.clone()
+
+    # -- codec hooks ------------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def sink_capacity(self) -> int:
+        """Number of leading tokens kept dense."""
+
+    @abstractmethod
+    def history_partials(self, qg: torch.Tensor, scaling: float) -> list[PartialAttention]:
+        """Partial states of grouped queries ``[kv_heads, rows, d]`` over the compressed history."""
+
+    @abstractmethod
+    def history_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the compressed history."""
+
+    @abstractmethod
+    def compress(self) -> None:
+        """Move tail tokens into the compressed history as the codec's policy says."""
+
+    # -- shared machinery -------------------------------------------------------------------
+
+    @property
+    def tail_start(self) -> int:
+        """Position of the first tail token."""
+        return self.seq_len - self.tail_k.shape[1]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            "sink_k": self.sink_k,
+            "sink_v": self.sink_v,
+            "tail_k": self.tail_k,
+            "tail_v": self.tail_v,
+            **self.history_tensors(),
+        }
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+        self.check_chunk(q, k, v)
+        lay = self.layout
+        if self.seq_len == 0:
+            # Prefill: exact dense causal attention over the chunk, as the model would compute it.
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(0), k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype),
+                is_causal=q.shape[1] > 1, scale=scaling, enable_gqa=lay.group > 1,
+            )
+            return out.squeeze(0)
+        qg = group_queries(q, lay.kv_heads)
+        states = []
+        if self.sink_k.shape[1]:
+            states.append(dense_partial(qg, self.sink_k, self.sink_v, scaling))
+        states.extend(self.history_partials(qg, scaling))
+        if self.tail_k.shape[1]:
+            states.append(dense_partial(qg, self.tail_k, self.tail_v, scaling))
+        chunk_mask = causal_chunk_mask(q.shape[1], lay.group, q.device) if q.shape[1] > 1 else None
+        states.append(dense_partial(qg, k, v, scaling, mask=chunk_mask))
+        out = finalize(merge_partials(states))
+        return ungroup_output(out, lay.q_heads).to(q.dtype)
+
+    def append(self, k, v, q=None, out=None) -> None:
+        self.check_chunk(q, k, v)
+        k = k.to(self.storage_dtype)
+        v = v.to(self.storage_dtype)
+        n_sink = min(self.sink_capacity - self.sink_k.shape[1], k.shape[1]) if not self.tail_k.shape[1] else 0
+        if n_sink > 0:
+            self.sink_k = torch.cat([self.sink_k, k[:, :n_sink]], dim=1)
+            self.sink_v = torch.cat([self.sink_v, v[:, :n_sink]], dim=1)
+        self.tail_k = torch.cat([self.tail_k, k[:, max(n_sink, 0):]], dim=1)
+        self.tail_v = torch.cat([self.tail_v, v[:, max(n_sink, 0):]], dim=1)
+        self.seq_len += k.shape[1]
+        self.on_append(q, out, k.shape[1])
+        self.compress()
+
+    def on_append(self, q: torch.Tensor | None, out: torch.Tensor | None, n_new: int) -> None:
+        """Hook for codecs that keep statistics of the queries/outputs (eviction scores)."""
+
+    def pop_tail(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Remove and return the ``n`` oldest tail tokens ``([kv_heads, n, d], [kv_heads, n, d])``."""
+        k, v = self.tail_k[:, :n], self.tail_v[:, :n]
+        # .clone() releases the popped tokens' storage instead of keeping a view of the old buffer.
+        self.tail_k = self.tail_k[:, n:].clone()
+        self.tail_v = self.tail_v[:, n:].clone()
+        return k, v

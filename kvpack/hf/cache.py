@@ -1,0 +1,243 @@
+"""kvpack as a transformers ``Cache``: compressed full-attention layers, the model's own sliding layers.
+
+``KVPackCache(model, "puzzle", budget=0.6)`` builds the cache transformers would build for the model
+(``DynamicCache(config=...)``) and replaces every full-attention layer by a :class:`KVPackLayer`
+that holds one codec store per batch row. Sliding-window (and other special) layers keep the
+model's own cache layer.
+
+How a compressed layer serves attention (no patching): ``update()`` receives the chunk's keys and
+values and the ``kwargs`` dict the attention module will pass to the attention function; it parks
+the chunk and adds ``kvpack_layer=self`` to that dict. The attention function registered as
+``"kvpack"`` (``kvpack.hf.attention``) then calls :meth:`KVPackLayer.attend`, which computes
+attention over each row's store plus the chunk and then appends the chunk to the store, so each
+layer compresses right after its own prefill attention.
+
+Batches: each row has its own store. Padding (left or anywhere) is read from the attention mask
+transformers builds; padded tokens are never stored, so a row stores exactly the tokens it would
+store alone, and its pages line up as in batch 1.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+
+from ..codecs.base import DENSE_REFERENCE_BYTES_PER_ELEMENT, Codec, LayerLayout, LayerStore, get_codec
+from ..ops.rope import RotaryTable
+from .attention import use_kvpack_attention
+
+
+class KVPackLayer(CacheLayerMixin):
+    """One full-attention layer whose history lives in codec stores (one per batch row)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, codec: Codec, layout: LayerLayout):
+        super().__init__()
+        self.codec = codec
+        self.layout = layout
+        self.rows: list[LayerStore] = []
+        self.columns = 0  # tokens seen incl. padding: the length transformers' masks and positions use
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # -- transformers' layer API ------------------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.rows = [self.codec.new_store(self.layout) for _ in range(key_states.shape[0])]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Park the chunk ``[B, kv_heads, Q, d]`` for the attention function; return it unchanged."""
+        if self._pending is not None:
+            raise RuntimeError(
+                f"layer {self.layout.layer_idx}: the previous chunk was never attended; the model must run "
+                "with attn_implementation='kvpack' (KVPackCache(model, ...) sets it)"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != len(self.rows):
+            raise ValueError(
+                f"layer {self.layout.layer_idx}: batch size changed from {len(self.rows)} to {key_states.shape[0]}"
+            )
+        attn_kwargs = kwargs.get("kwargs")
+        if not isinstance(attn_kwargs, dict):
+            raise RuntimeError(
+                f"layer {self.layout.layer_idx}: the model's attention does not pass its kwargs to cache.update(); "
+                "kvpack cannot route this layer's attention to the compressed store"
+            )
+        attn_kwargs["kvpack_layer"] = self
+        self._pending = (key_states, value_states)
+        self.columns += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.columns + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.columns
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.rows = []
+        self.columns = 0
+        self._pending = None
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("kvpack caches cannot be cropped (compressed tokens cannot be un-stored)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if beam_idx.tolist() != list(range(len(self.rows))):
+            self.rows = [self.rows[i] for i in beam_idx.tolist()]
+            if len(set(beam_idx.tolist())) != len(self.rows):
+                raise NotImplementedError("kvpack caches do not support beam search (rows would share stores)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise NotImplementedError("kvpack caches do not support num_return_sequences > 1 or beam search")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.rows = [self.rows[i] for i in indices.tolist()]
+
+    def offload(self):
+        raise NotImplementedError("kvpack caches do not support offloading")
+
+    def prefetch(self):
+        raise NotImplementedError("kvpack caches do not support offloading")
+
+    # -- attention --------------------------------------------------------------------------
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """Attention of the parked chunk's queries over each row's store, then store the chunk.
+
+        Args:
+            query: ``[B, q_heads, Q, d]``; key, value: the tensors ``update`` returned.
+            attention_mask: transformers' 4-D mask ``[B, 1, Q, columns]`` (bool, True = attend, or
+                additive float) or None (no padding).
+
+        Returns:
+            ``[B, Q, q_heads, d]`` as transformers' attention functions return it.
+        """
+        if self._pending is None or key is not self._pending[0]:
+            raise RuntimeError(f"layer {self.layout.layer_idx}: attention called without a matching cache update")
+        self._pending = None
+        B, _, n_q, _ = query.shape
+        valid = _valid_chunk_tokens(attention_mask, B, n_q)
+        out = torch.zeros_like(query)
+        for b, store in enumerate(self.rows):
+            if valid is None:
+                q_b, k_b, v_b = query[b], key[b], value[b]
+            else:
+                keep = valid[b].nonzero().squeeze(-1)
+                if keep.numel() == 0:
+                    continue
+                q_b, k_b, v_b = query[b][:, keep], key[b][:, keep], value[b][:, keep]
+            o_b = store.attend(q_b, k_b, v_b, scaling)
+            store.append(k_b, v_b, q=q_b, out=o_b)
+            if valid is None:
+                out[b] = o_b
+            else:
+                out[b][:, keep] = o_b
+        return out.transpose(1, 2).contiguous()
+
+    # -- accounting -------------------------------------------------------------------------
+
+    def nbytes(self) -> int:
+        return sum(store.nbytes() for store in self.rows)
+
+    def dense_reference_bytes(self) -> int:
+        return sum(store.dense_reference_bytes() for store in self.rows)
+
+
+def _valid_chunk_tokens(mask: torch.Tensor | None, batch: int, n_q: int) -> torch.Tensor | None:
+    """``[B, Q]`` bool: which of the chunk's tokens are real (not padding); None = all are."""
+    if mask is None:
+        return None
+    if mask.dim() != 4:
+        raise ValueError(f"kvpack attention expects a 4-D attention mask, got shape {list(mask.shape)}")
+    chunk = mask[:, 0, :, -n_q:]  # [B, Q, Q]: the chunk's own columns
+    attend = chunk if chunk.dtype == torch.bool else chunk == 0
+    # A real token is seen by at least one query (itself); a padded one by none.
+    valid = attend.any(dim=1)
+    if batch != valid.shape[0]:
+        valid = valid.expand(batch, -1)
+    return None if bool(valid.all()) else valid
+
+
+def _find_rotary(model: torch.nn.Module) -> torch.nn.Module | None:
+    for name, module in model.named_modules():
+        if name.endswith("rotary_emb"):
+            return module
+    return None
+
+
+class KVPackCache(Cache):
+    """A transformers cache whose full-attention layers are compressed by a kvpack codec.
+
+    Args:
+        model: the model it serves (its config gives the layer layout; its attention is switched to
+            ``"kvpack"``, which computes plain SDPA for every layer that is not a kvpack layer).
+        codec: a :class:`Codec` or a registered codec name.
+        **config: codec config fields when ``codec`` is a name (e.g. ``budget=0.6``).
+
+    ``model.generate(**inputs, cache=KVPackCache(model, "puzzle"))`` generates with the compressed
+    cache; ``kv_bytes()`` and ``dense_kv_bytes()`` report measured and reference bytes.
+    """
+
+    def __init__(self, model: torch.nn.Module, codec: Codec | str = "full", **config):
+        if isinstance(codec, str):
+            codec = get_codec(codec, **config)
+        elif config:
+            raise ValueError("pass config fields only with a codec name, or build the Codec yourself")
+        self.codec = codec
+        use_kvpack_attention(model)
+        text = model.config.get_text_config(decoder=True)
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        rotary = _find_rotary(model)
+        layer_types = getattr(text, "layer_types", None)
+        layers = DynamicCache(config=model.config).layers
+        for i, layer in enumerate(layers):
+            if type(layer) is DynamicLayer:  # plain full attention: compress it
+                layer_type = layer_types[i] if layer_types else None
+                layout = LayerLayout(
+                    layer_idx=i, kv_heads=kv_heads, q_heads=text.num_attention_heads, head_dim=head_dim,
+                    model_dtype=model.dtype,
+                    rope=RotaryTable(rotary, head_dim, layer_type) if rotary is not None else None,
+                )
+                layers[i] = KVPackLayer(codec, layout)
+        if not any(isinstance(layer, KVPackLayer) for layer in layers):
+            raise ValueError("this model has no full-attention layer with a standard cache for kvpack to compress")
+        super().__init__(layers=layers)
+
+    @property
+    def kvpack_layers(self) -> list[KVPackLayer]:
+        return [layer for layer in self.layers if isinstance(layer, KVPackLayer)]
+
+    def kv_bytes(self) -> int:
+        """Live bytes of every layer's KV: compressed stores plus the model's own (sliding) layers."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, KVPackLayer):
+                total += layer.nbytes()
+            elif getattr(layer, "keys", None) is not None:
+                total += layer.keys.numel() * layer.keys.element_size()
+                total += layer.values.numel() * layer.values.element_size()
+        return total
+
+    def dense_kv_bytes(self) -> int:
+        """The same tokens in bf16 (for the model's own layers: the tokens they hold)."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, KVPackLayer):
+                total += layer.dense_reference_bytes()
+            elif getattr(layer, "keys", None) is not None:
+                total += (layer.keys.numel() + layer.values.numel()) * DENSE_REFERENCE_BYTES_PER_ELEMENT
+        return total
