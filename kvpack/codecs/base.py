@@ -226,6 +226,10 @@ class LayerStore(ABC):
 
     # -- shared -----------------------------------------------------------------------------
 
+    def resolved_params(self) -> dict[str, Any]:
+        """Parameters the store derived from its input (e.g. ranks chosen for a budget)."""
+        return {}
+
     def nbytes(self) -> int:
         """Live bytes: the sum of the bytes of every tensor held."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())

@@ -25,7 +25,7 @@ import torch
 from ..attention.pages import factorized_pages_partial
 from ..ops.int4 import dequantize_int4, quantize_int4
 from ..ops.lowrank import gram_eigh_factors
-from ..ops.rope import invert_rope
+from ..ops.rope import apply_rope, invert_rope
 from .base import DENSE_REFERENCE_BYTES_PER_ELEMENT, Codec, CodecConfig, LayerLayout, register_codec, require_int
 from .segmented import SegmentedStore
 
@@ -78,10 +78,11 @@ class PuzzleConfig(CodecConfig):
             raise ValueError(f"int4 must be a boolean, got {self.int4!r}")
 
 
-def split_total_rank(total: int) -> tuple[int, int]:
-    """Split a total rank between keys and values, keys getting the extra rank (16/14 at 30)."""
-    rank_k = min(total // 2 + 1, total - 1) if total > 1 else 1
-    return rank_k, max(total - rank_k, 1) if total > 1 else 1
+def split_total_rank(total: int, cap: int) -> tuple[int, int]:
+    """Split a total rank (>= 2) between keys and values, keys getting the extra rank (16/14 at 30),
+    each capped at ``cap = min(P, d)``."""
+    rank_k = min(total // 2 + 1, cap, total - 1)
+    return rank_k, total - rank_k
 
 
 def page_ratio(page_size: int, head_dim: int, rank_k: int, rank_v: int) -> float:
@@ -94,10 +95,9 @@ def default_ranks(page_size: int, head_dim: int, target: float = DEFAULT_PAGE_RA
     cap = min(page_size, head_dim)
     best = 2
     for total in range(2, 2 * cap + 1):
-        rk, rv = split_total_rank(total)
-        if rk <= cap and rv <= cap and page_ratio(page_size, head_dim, rk, rv) <= target:
+        if page_ratio(page_size, head_dim, *split_total_rank(total, cap)) <= target:
             best = total
-    return split_total_rank(best)
+    return split_total_rank(best, cap)
 
 
 def layout_at(seq_len: int, cfg: PuzzleConfig) -> tuple[int, int]:
@@ -142,9 +142,7 @@ def ranks_for_budget(seq_len: int, cfg: PuzzleConfig, head_dim: int, elem_bytes:
     cap = min(cfg.page_size, head_dim)
     dense_per_token = 2 * head_dim * DENSE_REFERENCE_BYTES_PER_ELEMENT
     for total in range(2 * cap, 1, -1):
-        rk, rv = split_total_rank(total)
-        if rk > cap or rv > cap:
-            continue
+        rk, rv = split_total_rank(total, cap)
         if all(
             expected_bytes(s, cfg, 1, head_dim, rk, rv, elem_bytes) <= cfg.budget * s * dense_per_token
             for s in range(max(seq_len, 1), seq_len + cfg.page_size + 1)
@@ -194,8 +192,8 @@ class PuzzleStore(SegmentedStore):
     def history_tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.factors)
 
-    def resolved_ranks(self) -> tuple[int, int] | None:
-        return self.ranks
+    def resolved_params(self):
+        return {} if self.ranks is None else {"rank_k": self.ranks[0], "rank_v": self.ranks[1]}
 
     # -- compression ------------------------------------------------------------------------
 
@@ -242,6 +240,26 @@ class PuzzleStore(SegmentedStore):
             out[f"l{name}_q"], out[f"l{name}_s"] = quantize_int4(left_t, dim=left_dim)
             out[f"r{name}_q"], out[f"r{name}_s"] = quantize_int4(right_t, dim=-2)
         return out
+
+    def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense ``(K̂, V̂)`` ``[kv_heads, seq_len, d]`` fp32 (post-RoPE keys) of everything stored.
+
+        For tests and inspection only: attention never calls it.
+        """
+        parts_k, parts_v = [self.sink_k.float()], [self.sink_v.float()]
+        if self.n_pages:
+            lk, rk, lv, rv = self._tile_factors(0, self.n_pages)
+            H, P = self.layout.kv_heads, self.config.page_size
+            k = (lk.float() @ rk.float()).reshape(H, self.n_pages * P, -1)
+            if self.config.key_rope == "pre":
+                first = self.sink_k.shape[1]
+                cos, sin = self.layout.rope.cos_sin(torch.arange(first, first + self.n_pages * P))
+                k = apply_rope(k, cos, sin)
+            parts_k.append(k)
+            parts_v.append((lv.float() @ rv.float()).reshape(H, self.n_pages * P, -1))
+        parts_k.append(self.tail_k.float())
+        parts_v.append(self.tail_v.float())
+        return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
 
     # -- attention --------------------------------------------------------------------------
 

@@ -1,0 +1,28 @@
+"""Shared fixtures: tiny random models for mechanics, the packaged SmolLM2 for end-to-end checks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def tiny_llama(q_heads: int = 6, kv_heads: int = 2, head_dim: int = 16, layers: int = 2, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=q_heads * head_dim, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=q_heads, num_key_value_heads=kv_heads,
+                      head_dim=head_dim, max_position_embeddings=1024)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of the packaged default model, loaded once per session."""
+    from kvpack.hf.models import load_model
+
+    return load_model("smollm2")

@@ -1,0 +1,151 @@
+"""The transformers integration on tiny random models: exactness, chunks, batches, layer kinds."""
+
+import pytest
+import torch
+
+from kvpack.hf.attention import restore_attention
+from kvpack.hf.cache import KVPackCache, KVPackLayer
+
+from .conftest import tiny_llama
+
+
+@pytest.mark.parametrize("q_heads,kv_heads", [(6, 2), (4, 4), (8, 2)])
+def test_full_generates_exactly_like_transformers(q_heads, kv_heads):
+    model = tiny_llama(q_heads=q_heads, kv_heads=kv_heads)
+    ids = torch.randint(0, 128, (1, 77), generator=torch.Generator().manual_seed(0))
+    ref = model.generate(ids, max_new_tokens=24, do_sample=False)
+    cache = KVPackCache(model, "full")
+    out = model.generate(ids, max_new_tokens=24, do_sample=False, cache=cache)
+    assert torch.equal(out, ref)
+    assert cache.get_seq_length() == 77 + 24 - 1  # the last generated token is never fed back
+    assert all(isinstance(layer, KVPackLayer) for layer in cache.layers)
+
+
+def test_puzzle_full_rank_generates_like_transformers():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 90), generator=torch.Generator().manual_seed(1))
+    ref = model.generate(ids, max_new_tokens=30, do_sample=False)
+    cache = KVPackCache(model, "puzzle", page_size=8, rank_k=8, rank_v=8, storage_dtype="float32")
+    out = model.generate(ids, max_new_tokens=30, do_sample=False, cache=cache)
+    assert torch.equal(out, ref)
+    store = cache.kvpack_layers[0].rows[0]
+    assert store.n_pages == (90 + 29 - 8) // 8 - 1 and store.factorizations == store.n_pages
+
+
+@pytest.mark.parametrize("method,config", [("full", {}), ("puzzle", dict(page_size=8, rank_k=8, rank_v=8,
+                                                                             storage_dtype="float32"))])
+def test_chunk_after_compression_attends_history_and_itself(method, config):
+    """A second multi-token chunk over a (compressed) cache gives the logits of one dense pass."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model(ids).logits
+        cache = KVPackCache(model, method, **config)
+        model(ids[:, :50], cache=cache)
+        out = model(ids[:, 50:], cache=cache).logits
+    torch.testing.assert_close(out, ref[:, 50:], rtol=1e-4, atol=1e-4)
+    assert cache.get_seq_length() == 70
+
+
+def test_low_rank_chunk_matches_reference_over_reconstruction():
+    """With real compression, the chunk's attention equals attention over the reconstructed history."""
+    from kvpack.attention.reference import reference_attention
+
+    model = tiny_llama(layers=1)
+    ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(3))
+    cache = KVPackCache(model, "puzzle", page_size=8, rank_k=2, rank_v=2, storage_dtype="float32")
+    with torch.no_grad():
+        model(ids[:, :45], cache=cache)
+        store = cache.kvpack_layers[0].rows[0]
+        k_hat, v_hat = store.reconstruct()
+        q = torch.randn(6, 5, 16)
+        k_new, v_new = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+        out = store.attend(q, k_new, v_new, 0.25)
+    ref = reference_attention(q, torch.cat([k_hat, k_new], 1), torch.cat([v_hat, v_new], 1), 0.25, causal_offset=45)
+    torch.testing.assert_close(out, ref.float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method,config", [
+    ("full", {}),
+    ("puzzle", dict(page_size=8, rank_k=3, rank_v=3)),
+    ("puzzle", dict(page_size=8, budget=0.7)),
+])
+def test_batch_with_left_padding_matches_batch_of_one(method, config):
+    model = tiny_llama()
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 128, (n,), generator=g) for n in (70, 43, 58)]
+    singles = []
+    for p in prompts:
+        cache = KVPackCache(model, method, **config)
+        out = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=12,
+                             do_sample=False, cache=cache, pad_token_id=0)
+        singles.append(out[0, len(p):])
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = p
+        mask[i, width - len(p):] = 1
+    cache = KVPackCache(model, method, **config)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, cache=cache, pad_token_id=0)
+    for i, p in enumerate(prompts):
+        assert torch.equal(out[i, width:], singles[i]), f"row {i}"
+        assert cache.kvpack_layers[0].rows[i].seq_len == len(p) + 11  # padding is never stored
+
+
+def test_sliding_window_layers_keep_their_own_cache():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                           max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"] * 2)
+    model = Gemma3ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(5))
+    ref = model.generate(ids, max_new_tokens=15, do_sample=False)
+    cache = KVPackCache(model, "full")
+    out = model.generate(ids, max_new_tokens=15, do_sample=False, cache=cache)
+    assert torch.equal(out, ref)
+    kinds = [type(layer) for layer in cache.layers]
+    assert kinds == [DynamicSlidingWindowLayer, KVPackLayer] * 2
+    cache = KVPackCache(model, "puzzle", page_size=8, rank_k=8, rank_v=8, storage_dtype="float32", key_rope="pre")
+    out = model.generate(ids, max_new_tokens=15, do_sample=False, cache=cache)
+    assert torch.equal(out, ref)  # full rank, pre-RoPE through Gemma3's per-layer-type rotary tables
+
+
+def test_key_norm_model_pre_rope_full_rank_exact():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    model = Qwen3ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(6))
+    ref = model.generate(ids, max_new_tokens=15, do_sample=False)
+    cache = KVPackCache(model, "puzzle", page_size=8, rank_k=8, rank_v=8, storage_dtype="float32", key_rope="pre")
+    out = model.generate(ids, max_new_tokens=15, do_sample=False, cache=cache)
+    assert torch.equal(out, ref)
+    assert cache.kvpack_layers[0].rows[0].n_pages > 0
+
+
+def test_attention_switch_is_undone_and_plain_caches_still_work():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(7))
+    ref = model.generate(ids, max_new_tokens=5, do_sample=False)
+    KVPackCache(model, "full")
+    assert model.config._attn_implementation == "kvpack"
+    assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), ref)  # plain DynamicCache via SDPA
+    restore_attention(model)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_cache_refuses_to_run_without_kvpack_attention():
+    model = tiny_llama()
+    cache = KVPackCache(model, "full")
+    restore_attention(model)
+    ids = torch.randint(0, 128, (1, 10))
+    with pytest.raises(RuntimeError, match="attn_implementation='kvpack'"):
+        with torch.no_grad():
+            model(ids, cache=cache)
+            model(ids[:, :1], cache=cache)
