@@ -21,16 +21,14 @@ def _codec_config(method: str, budget: float | None, sets: list[str]) -> dict:
 
 
 def cmd_generate(args) -> int:
+    from .codecs.base import get_codec
     from .generate import generate
     from .hf.models import load_model
 
-    config = _codec_config(args.method, args.budget, args.set)
-    if args.prompt_file:
-        prompt = Path(args.prompt_file).read_text()
-    else:
-        prompt = args.prompt
+    codec = get_codec(args.method, **_codec_config(args.method, args.budget, args.set))  # validate before loading
+    prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
     model, tokenizer = load_model(args.model)
-    result = generate(model, tokenizer, prompt, args.method, config, chat=args.chat,
+    result = generate(model, tokenizer, prompt, codec, chat=args.chat,
                       max_new_tokens=args.max_new_tokens, progress=not args.quiet)
     if args.json:
         print(json.dumps(result.to_dict()))

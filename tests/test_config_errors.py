@@ -1,0 +1,96 @@
+"""Bad input is refused with a message naming the problem."""
+
+import json
+
+import pytest
+import torch
+
+from kvpack.cli import main
+from kvpack.codecs import LayerLayout, available_codecs, get_codec
+from kvpack.codecs.puzzle import PuzzleConfig
+from kvpack.hf.models import load_model
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(page_size=0), "page_size must be >= 1"),
+    (dict(page_size=-4), "page_size must be >= 1"),
+    (dict(page_size=2.5), "page_size must be an integer"),
+    (dict(rank_k=0, rank_v=4), "rank_k must be >= 1"),
+    (dict(rank_k=4, rank_v=-1), "rank_v must be >= 1"),
+    (dict(rank_k=40, rank_v=4), "rank_k must be <= 32"),
+    (dict(rank_k=4), "rank_k and rank_v must be set together"),
+    (dict(budget=0.0), r"budget must be in \(0, 1\]"),
+    (dict(budget=1.5), r"budget must be in \(0, 1\]"),
+    (dict(budget=float("nan")), r"budget must be in \(0, 1\]"),
+    (dict(budget="half"), "budget must be a number"),
+    (dict(budget=0.5, rank_k=4, rank_v=4), "either budget or rank_k"),
+    (dict(key_rope="middle"), "key_rope must be 'post' or 'pre'"),
+    (dict(storage_dtype="int8"), "storage_dtype must be one of"),
+])
+def test_invalid_puzzle_config(fields, match):
+    with pytest.raises(ValueError, match=match):
+        PuzzleConfig(**fields)
+
+
+def test_rank_above_head_dim_refused_at_store():
+    codec = get_codec("puzzle", page_size=64, rank_k=40, rank_v=40)
+    with pytest.raises(ValueError, match=r"ranks must be <= min\(page_size, head_dim\) = 32"):
+        codec.new_store(LayerLayout(layer_idx=0, kv_heads=2, q_heads=2, head_dim=32))
+
+
+def test_config_json_roundtrip_and_unknown_field():
+    cfg = PuzzleConfig(page_size=16, rank_k=6, rank_v=5, int4=True)
+    assert PuzzleConfig.from_dict(json.loads(cfg.to_json())) == cfg
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['rank'\]"):
+        PuzzleConfig.from_dict({"rank": 3})
+    with pytest.raises(ValueError, match="version 99 is not supported"):
+        PuzzleConfig.from_dict({"version": 99})
+    assert PuzzleConfig.parse_overrides(["page_size=16", "int4=true", "rank_k=none"]) == {
+        "page_size": 16, "int4": True, "rank_k": None}
+    with pytest.raises(ValueError, match="cannot parse 'x' as int"):
+        PuzzleConfig.parse_overrides(["page_size=x"])
+
+
+def test_unknown_method_and_model():
+    with pytest.raises(ValueError, match="unknown method 'nope'; known methods: .*puzzle"):
+        get_codec("nope")
+    assert {"full", "puzzle"} <= set(available_codecs())
+    with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
+        load_model("no-such-model")
+
+
+@pytest.fixture
+def store():
+    return get_codec("puzzle", page_size=8, rank_k=2, rank_v=2).new_store(
+        LayerLayout(layer_idx=3, kv_heads=2, q_heads=4, head_dim=16))
+
+
+def test_store_rejects_bad_tensors(store):
+    good = torch.randn(2, 10, 16)
+    with pytest.raises(ValueError, match=r"keys must be \[kv_heads=2, tokens, head_dim=16\], got \[3, 10, 16\]"):
+        store.append(torch.randn(3, 10, 16), torch.randn(3, 10, 16))
+    with pytest.raises(ValueError, match="keys .* and values .* must have the same shape"):
+        store.append(good, torch.randn(2, 9, 16))
+    with pytest.raises(TypeError, match="keys must be a floating-point tensor, got torch.int64"):
+        store.append(torch.ones(2, 10, 16, dtype=torch.long), good)
+    bad = good.clone()
+    bad[1, 4, 2] = float("nan")
+    with pytest.raises(ValueError, match="values of layer 3 contain NaN or Inf"):
+        store.append(good, bad)
+    bad[1, 4, 2] = float("inf")
+    with pytest.raises(ValueError, match="keys of layer 3 contain NaN or Inf"):
+        store.append(bad, good)
+    with pytest.raises(ValueError, match=r"queries must be \[q_heads=4"):
+        store.attend(torch.randn(2, 10, 16), good, good, 0.25)
+    assert store.seq_len == 0 and store.nbytes() == 0  # nothing half-stored
+
+
+def test_cli_reports_errors_cleanly(capsys):
+    assert main(["generate", "--method", "nope", "--prompt", "hi"]) == 2
+    assert "unknown method 'nope'" in capsys.readouterr().err
+    assert main(["generate", "--method", "puzzle", "--budget", "2", "--prompt", "hi"]) == 2
+    assert "budget must be in (0, 1]" in capsys.readouterr().err
+    assert main(["generate", "--model", "nowhere", "--prompt", "hi"]) == 2
+    assert "unknown model 'nowhere'" in capsys.readouterr().err
+    assert main(["generate", "--set", "page_size=0", "--prompt", "hi"]) == 2
+    assert "page_size must be >= 1" in capsys.readouterr().err

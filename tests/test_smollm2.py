@@ -1,0 +1,69 @@
+"""End-to-end on the packaged SmolLM2-135M-Instruct (no network): exactness, needle, bytes, CLI."""
+
+import json
+
+import pytest
+import torch
+
+from kvpack.codecs.puzzle import PuzzleConfig, expected_bytes
+from kvpack.generate import encode_prompt, generate
+from kvpack.hf.cache import KVPackCache
+from kvpack.prompts import needle_prompt
+
+pytestmark = pytest.mark.model
+
+
+def test_full_generates_exactly_like_transformers(smollm2):
+    model, tok = smollm2
+    ids = encode_prompt(tok, "Write one sentence about the sea.", chat=True)
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                         cache=KVPackCache(model, "full"))
+    assert torch.equal(out, ref)
+
+
+@pytest.fixture(scope="module")
+def needle_2k(smollm2):
+    return needle_prompt(smollm2[1], n_tokens=2048, depth=0.5, seed=14)
+
+
+def test_puzzle_bytes_match_formula_including_dense_regions(smollm2, needle_2k):
+    model, tok = smollm2
+    prompt, _ = needle_2k
+    result = generate(model, tok, prompt, "puzzle", max_new_tokens=8)
+    cfg = PuzzleConfig()
+    seq = result.prompt_tokens + result.new_tokens - 1
+    per_layer = expected_bytes(seq, cfg, 3, 64, 13, 12, 2)  # 3 KV heads, d = 64, bf16
+    assert result.kv_bytes == pytest.approx(30 * per_layer, rel=0.01)
+    assert result.dense_kv_bytes == 30 * seq * 3 * 64 * 2 * 2
+    assert 0.58 < result.ratio < 0.62
+    assert (result.config["rank_k"], result.config["rank_v"]) == (13, 12)
+
+
+@pytest.mark.parametrize("depth,seed", [(0.25, 21), (0.5, 14), (0.75, 22)])
+def test_puzzle_at_0_6_retrieves_needle_with_64_token_pages(smollm2, depth, seed):
+    """PuzzleKV at a 0.6 budget retrieves a 7-digit needle from ~2K tokens of filler.
+
+    With 64-token pages (ranks chosen for the budget, 18/17). The paper's 32-token pages at the
+    derived (13, 12) keep the ratio but lose digits on SmolLM2 (d = 64): see docs/puzzlekv.md and
+    benchmarks/bench_needle.py for the measured retrieval of both.
+    """
+    model, tok = smollm2
+    prompt, answer = needle_prompt(tok, n_tokens=2048, depth=depth, seed=seed)
+    result = generate(model, tok, prompt, "puzzle", dict(page_size=64, budget=0.6), max_new_tokens=10)
+    assert answer in result.text
+    assert result.ratio <= 0.6
+    full = generate(model, tok, prompt, "full", max_new_tokens=10)
+    assert answer in full.text
+
+
+def test_cli_generate_json(smollm2, capsys):
+    from kvpack.cli import main
+
+    assert main(["generate", "--method", "puzzle", "--set", "int4=true", "--prompt", "The capital of France is",
+                 "--max-new-tokens", "5", "--json", "--quiet"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    for key in ("text", "method", "config", "prompt_tokens", "new_tokens", "kv_bytes", "dense_kv_bytes", "ratio"):
+        assert key in row
+    assert row["method"] == "puzzle" and row["config"]["int4"] is True and row["new_tokens"] == 5
+    assert row["ratio"] == pytest.approx(row["kv_bytes"] / row["dense_kv_bytes"])
