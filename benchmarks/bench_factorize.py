@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from _util import machine, median_seconds  # noqa: E402
 
 from kvpack.codecs.puzzle import PuzzleConfig, default_ranks  # noqa: E402
-from kvpack.hf.cache import KVPackCache  # noqa: E402
+from kvpack.hf.cache import KVPackCache, cache_kwargs  # noqa: E402
 from kvpack.hf.models import load_model  # noqa: E402
 from kvpack.ops.lowrank import gram_eigh_factors  # noqa: E402
 from kvpack.prompts import needle_prompt  # noqa: E402
@@ -40,14 +40,14 @@ def main() -> None:
     from transformers import DynamicCache
 
     def dense_prefill():
-        model(ids, cache=DynamicCache(config=model.config), logits_to_keep=1)
+        model(ids, logits_to_keep=1, **cache_kwargs(model, DynamicCache(config=model.config)))
 
     def cache_prefill(method, **cfg):
-        return lambda: model(ids, cache=KVPackCache(model, method, **cfg), logits_to_keep=1)
+        return lambda: model(ids, logits_to_keep=1, **cache_kwargs(model, KVPackCache(model, method, **cfg)))
 
     t_dense = median_seconds(dense_prefill, args.repeats)
     cache = DynamicCache(config=model.config)
-    model(ids, cache=cache, logits_to_keep=1)
+    model(ids, logits_to_keep=1, **cache_kwargs(model, cache))
     cfg = PuzzleConfig()
     P, d = cfg.page_size, 64
     rk, rv = default_ranks(P, d)

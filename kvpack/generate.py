@@ -11,7 +11,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from .codecs.base import Codec, get_codec
-from .hf.cache import KVPackCache
+from .hf.cache import KVPackCache, cache_kwargs
 
 
 class _ProgressStreamer(BaseStreamer):
@@ -104,7 +104,7 @@ def generate(model, tokenizer, prompt: str, method: str | Codec = "puzzle", conf
     streamer = _ProgressStreamer(ids.shape[1], max_new_tokens, progress)
     start = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                         cache=cache, streamer=streamer, pad_token_id=tokenizer.pad_token_id)
+                         streamer=streamer, **cache_kwargs(model, cache), pad_token_id=tokenizer.pad_token_id)
     total = time.perf_counter() - start
     new = out[0, ids.shape[1]:]
     return GenerationResult(

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvpack.hf.attention import restore_attention
-from kvpack.hf.cache import KVPackCache, KVPackLayer
+from kvpack.hf.cache import KVPackCache, KVPackLayer, cache_kwargs
 
 from .conftest import tiny_llama
 
@@ -15,7 +15,7 @@ def test_full_generates_exactly_like_transformers(q_heads, kv_heads):
     ids = torch.randint(0, 128, (1, 77), generator=torch.Generator().manual_seed(0))
     ref = model.generate(ids, max_new_tokens=24, do_sample=False)
     cache = KVPackCache(model, "full")
-    out = model.generate(ids, max_new_tokens=24, do_sample=False, cache=cache)
+    out = model.generate(ids, max_new_tokens=24, do_sample=False, **cache_kwargs(model, cache))
     assert torch.equal(out, ref)
     assert cache.get_seq_length() == 77 + 24 - 1  # the last generated token is never fed back
     assert all(isinstance(layer, KVPackLayer) for layer in cache.layers)
@@ -26,7 +26,7 @@ def test_puzzle_full_rank_generates_like_transformers():
     ids = torch.randint(0, 128, (1, 90), generator=torch.Generator().manual_seed(1))
     ref = model.generate(ids, max_new_tokens=30, do_sample=False)
     cache = KVPackCache(model, "puzzle", page_size=8, rank_k=8, rank_v=8, storage_dtype="float32")
-    out = model.generate(ids, max_new_tokens=30, do_sample=False, cache=cache)
+    out = model.generate(ids, max_new_tokens=30, do_sample=False, **cache_kwargs(model, cache))
     assert torch.equal(out, ref)
     store = cache.kvpack_layers[0].rows[0]
     assert store.n_pages == (90 + 29 - 8) // 8 - 1 and store.factorizations == store.n_pages
@@ -41,8 +41,8 @@ def test_chunk_after_compression_attends_history_and_itself(method, config):
     with torch.no_grad():
         ref = model(ids).logits
         cache = KVPackCache(model, method, **config)
-        model(ids[:, :50], cache=cache)
-        out = model(ids[:, 50:], cache=cache).logits
+        model(ids[:, :50], **cache_kwargs(model, cache))
+        out = model(ids[:, 50:], **cache_kwargs(model, cache)).logits
     torch.testing.assert_close(out, ref[:, 50:], rtol=1e-4, atol=1e-4)
     assert cache.get_seq_length() == 70
 
@@ -55,7 +55,7 @@ def test_low_rank_chunk_matches_reference_over_reconstruction():
     ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(3))
     cache = KVPackCache(model, "puzzle", page_size=8, rank_k=2, rank_v=2, storage_dtype="float32")
     with torch.no_grad():
-        model(ids[:, :45], cache=cache)
+        model(ids[:, :45], **cache_kwargs(model, cache))
         store = cache.kvpack_layers[0].rows[0]
         k_hat, v_hat = store.reconstruct()
         q = torch.randn(6, 5, 16)
@@ -78,7 +78,7 @@ def test_batch_with_left_padding_matches_batch_of_one(method, config):
     for p in prompts:
         cache = KVPackCache(model, method, **config)
         out = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=12,
-                             do_sample=False, cache=cache, pad_token_id=0)
+                             do_sample=False, pad_token_id=0, **cache_kwargs(model, cache))
         singles.append(out[0, len(p):])
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -87,7 +87,7 @@ def test_batch_with_left_padding_matches_batch_of_one(method, config):
         ids[i, width - len(p):] = p
         mask[i, width - len(p):] = 1
     cache = KVPackCache(model, method, **config)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, cache=cache, pad_token_id=0)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, **cache_kwargs(model, cache))
     for i, p in enumerate(prompts):
         assert torch.equal(out[i, width:], singles[i]), f"row {i}"
         assert cache.kvpack_layers[0].rows[i].seq_len == len(p) + 11  # padding is never stored
@@ -105,12 +105,12 @@ def test_sliding_window_layers_keep_their_own_cache():
     ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(5))
     ref = model.generate(ids, max_new_tokens=15, do_sample=False)
     cache = KVPackCache(model, "full")
-    out = model.generate(ids, max_new_tokens=15, do_sample=False, cache=cache)
+    out = model.generate(ids, max_new_tokens=15, do_sample=False, **cache_kwargs(model, cache))
     assert torch.equal(out, ref)
     kinds = [type(layer) for layer in cache.layers]
     assert kinds == [DynamicSlidingWindowLayer, KVPackLayer] * 2
     cache = KVPackCache(model, "puzzle", page_size=8, rank_k=8, rank_v=8, storage_dtype="float32", key_rope="pre")
-    out = model.generate(ids, max_new_tokens=15, do_sample=False, cache=cache)
+    out = model.generate(ids, max_new_tokens=15, do_sample=False, **cache_kwargs(model, cache))
     assert torch.equal(out, ref)  # full rank, pre-RoPE through Gemma3's per-layer-type rotary tables
 
 
@@ -124,7 +124,7 @@ def test_key_norm_model_pre_rope_full_rank_exact():
     ids = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(6))
     ref = model.generate(ids, max_new_tokens=15, do_sample=False)
     cache = KVPackCache(model, "puzzle", page_size=8, rank_k=8, rank_v=8, storage_dtype="float32", key_rope="pre")
-    out = model.generate(ids, max_new_tokens=15, do_sample=False, cache=cache)
+    out = model.generate(ids, max_new_tokens=15, do_sample=False, **cache_kwargs(model, cache))
     assert torch.equal(out, ref)
     assert cache.kvpack_layers[0].rows[0].n_pages > 0
 
@@ -147,5 +147,5 @@ def test_cache_refuses_to_run_without_kvpack_attention():
     ids = torch.randint(0, 128, (1, 10))
     with pytest.raises(RuntimeError, match="attn_implementation='kvpack'"):
         with torch.no_grad():
-            model(ids, cache=cache)
-            model(ids[:, :1], cache=cache)
+            model(ids, **cache_kwargs(model, cache))
+            model(ids[:, :1], **cache_kwargs(model, cache))

@@ -7,7 +7,7 @@ import torch
 
 from kvpack.codecs.puzzle import PuzzleConfig, expected_bytes
 from kvpack.generate import encode_prompt, generate
-from kvpack.hf.cache import KVPackCache
+from kvpack.hf.cache import KVPackCache, cache_kwargs
 from kvpack.prompts import needle_prompt
 
 pytestmark = pytest.mark.model
@@ -18,7 +18,7 @@ def test_full_generates_exactly_like_transformers(smollm2):
     ids = encode_prompt(tok, "Write one sentence about the sea.", chat=True)
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
-                         cache=KVPackCache(model, "full"))
+                         **cache_kwargs(model, KVPackCache(model, "full")))
     assert torch.equal(out, ref)
 
 

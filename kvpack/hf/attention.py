@@ -20,7 +20,7 @@ def kvpack_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      **kwargs):
     """transformers attention-function signature; returns ``(out [B, Q, H, d], None)``."""
-    layer = kwargs.pop("kvpack_layer", None)
+    layer = kwargs.pop("kvpack_layer", None) or getattr(key, "_kvpack_layer", None)
     if layer is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -6,8 +6,9 @@ that holds one codec store per batch row. Sliding-window (and other special) lay
 model's own cache layer.
 
 How a compressed layer serves attention (no patching): ``update()`` receives the chunk's keys and
-values and the ``kwargs`` dict the attention module will pass to the attention function; it parks
-the chunk and adds ``kvpack_layer=self`` to that dict. The attention function registered as
+values, parks them and returns them marked with the layer (``key._kvpack_layer``); where the
+model passes its attention kwargs to ``update()`` (transformers >= 5.24) the layer is also put in
+those kwargs (``kvpack_layer=self``). The attention function registered as
 ``"kvpack"`` (``kvpack.hf.attention``) then calls :meth:`KVPackLayer.attend`, which computes
 attention over each row's store plus the chunk and then appends the chunk to the store, so each
 layer compresses right after its own prefill attention.
@@ -18,6 +19,8 @@ store alone, and its pages line up as in batch 1.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
@@ -64,12 +67,10 @@ class KVPackLayer(CacheLayerMixin):
                 f"layer {self.layout.layer_idx}: batch size changed from {len(self.rows)} to {key_states.shape[0]}"
             )
         attn_kwargs = kwargs.get("kwargs")
-        if not isinstance(attn_kwargs, dict):
-            raise RuntimeError(
-                f"layer {self.layout.layer_idx}: the model's attention does not pass its kwargs to cache.update(); "
-                "kvpack cannot route this layer's attention to the compressed store"
-            )
-        attn_kwargs["kvpack_layer"] = self
+        if isinstance(attn_kwargs, dict):
+            attn_kwargs["kvpack_layer"] = self
+        # Older transformers do not pass the kwargs: the returned key tensor carries the route.
+        key_states._kvpack_layer = self
         self._pending = (key_states, value_states)
         self.columns += key_states.shape[-2]
         return key_states, value_states
@@ -176,6 +177,13 @@ def _find_rotary(model: torch.nn.Module) -> torch.nn.Module | None:
         if name.endswith("rotary_emb"):
             return module
     return None
+
+
+def cache_kwargs(model: torch.nn.Module, cache: Cache) -> dict:
+    """``{"cache": cache}`` or ``{"past_key_values": cache}``: the keyword this transformers
+    version's ``forward``/``generate`` take (``cache=`` from 5.24, ``past_key_values=`` before)."""
+    params = inspect.signature(model.forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
 
 
 class KVPackCache(Cache):
