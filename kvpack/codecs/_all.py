@@ -1,3 +1,3 @@
 """Imports every codec module so that each registers itself (see ``base.register_codec``)."""
 
-from . import full, puzzle  # noqa: F401
+from . import evict, full, puzzle, quant, svd  # noqa: F401

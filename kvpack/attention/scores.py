@@ -1,0 +1,61 @@
+"""Attention statistics of a prefill chunk for eviction policies, computed in query chunks.
+
+Neither function materialises the full ``S × S`` attention matrix: queries are processed
+``chunk`` rows at a time against the keys they can see (causal), so the transient memory is
+``O(chunk × S)`` per head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _group_logits(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``q [Hq, n, d]``, ``k [Hkv, T, d]`` -> logits ``[Hkv, group, n, T]`` in fp32."""
+    hkv = k.shape[0]
+    qg = q.float().reshape(hkv, q.shape[0] // hkv, q.shape[1], q.shape[2])
+    return torch.einsum("hgnd,htd->hgnt", qg, k.float()) * scaling
+
+
+def accumulated_attention(q: torch.Tensor, k: torch.Tensor, scaling: float, chunk: int = 256) -> torch.Tensor:
+    """H2O scores: post-softmax attention mass each key receives from all (causal) queries.
+
+    Args:
+        q: ``[q_heads, S, d]`` queries of positions ``0..S-1``; k: ``[kv_heads, S, d]`` keys.
+        scaling: logit scale.
+
+    Returns:
+        ``[kv_heads, S]`` fp32: per KV head, the attention probabilities summed over every query
+        and over the query heads of its GQA group.
+    """
+    S = k.shape[1]
+    scores = torch.zeros(k.shape[0], S, dtype=torch.float32, device=k.device)
+    for lo in range(0, S, chunk):
+        hi = min(lo + chunk, S)
+        s = _group_logits(q[:, lo:hi], k[:, :hi], scaling)  # [H, g, n, hi]
+        causal = torch.arange(hi, device=k.device)[None, :] <= torch.arange(lo, hi, device=k.device)[:, None]
+        p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
+        scores[:, :hi] += p.sum(dim=(1, 2))
+    return scores
+
+
+def observation_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, window: int, kernel: int) -> torch.Tensor:
+    """SnapKV scores of the prefix keys from the last ``window`` queries.
+
+    The observation queries (the last ``window`` positions) attend causally over all ``S`` keys;
+    the probabilities they give the ``S - window`` prefix keys are summed over the observation
+    queries and the query heads of each GQA group, then average-pooled along the sequence with
+    ``kernel`` (stride 1, same length).
+
+    Returns:
+        ``[kv_heads, S - window]`` fp32.
+    """
+    S = k.shape[1]
+    s = _group_logits(q[:, S - window:], k, scaling)  # [H, g, W, S]
+    pos_q = torch.arange(S - window, S, device=k.device)[:, None]
+    s = s.masked_fill(torch.arange(S, device=k.device)[None, :] > pos_q, float("-inf"))
+    votes = torch.softmax(s, dim=-1)[..., : S - window].sum(dim=(1, 2))  # [H, S - W]
+    if kernel > 1:
+        # As SnapKV's reference code: zero padding counted in the average at the ends.
+        votes = torch.nn.functional.avg_pool1d(votes[:, None], kernel, stride=1, padding=kernel // 2)[:, 0, : S - window]
+    return votes

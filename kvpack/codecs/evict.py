@@ -1,0 +1,351 @@
+"""Token eviction baselines: StreamingLLM, H2O and SnapKV, with real storage (evicted tokens freed).
+
+Each keeps, per KV head, a subset of the prompt's tokens dense and discards the rest for good.
+The selection runs once, on the prefill chunk, from attention statistics computed inside kvpack's
+attention path in query chunks (``kvpack.attention.scores``; no eager attention, no ``S × S``
+matrix). The kept tokens are stored in position order as ``k, v [kv_heads, n_kept, d]``; keys stay
+post-RoPE at their original positions, so no position tensor is needed.
+
+Budgets: ``budget`` is the fraction of the prompt's dense bf16 bytes the store may hold after
+prefill; it becomes a token count ``n_keep = floor(budget × S × ref_bytes / stored_bytes_per_token)``.
+After the prefill:
+
+* ``streaming`` keeps a rolling window (sinks + most recent), a fixed number of tokens;
+* ``h2o`` with ``update_scores=True`` keeps a fixed number of tokens too, evicting the
+  lowest-scored non-recent token each step (the H2O paper's decode policy);
+* ``snapkv`` and ``h2o`` (default, as the PuzzleKV paper runs it) append generated tokens dense,
+  as their papers do, so after ``t`` new tokens the ratio is ``(n_keep + t) / (S + t)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..attention.scores import accumulated_attention, observation_scores
+from ..attention.softmax_merge import (
+    causal_chunk_mask,
+    dense_partial,
+    finalize,
+    group_queries,
+    merge_partials,
+    ungroup_output,
+)
+from .base import DENSE_REFERENCE_BYTES_PER_ELEMENT, Codec, CodecConfig, LayerLayout, LayerStore, register_codec, \
+    require_int
+
+
+@dataclass
+class EvictionConfig(CodecConfig):
+    """Shared eviction fields.
+
+    Attributes:
+        budget: fraction of the prompt's dense bytes kept (required; default 0.25).
+        score_chunk: query rows per chunk when computing attention statistics.
+    """
+
+    budget: float | None = 0.25
+    score_chunk: int = 256
+
+    def validate(self) -> None:
+        super().validate()
+        if self.budget is None:
+            raise ValueError(f"{type(self).__name__}: budget is required for an eviction method")
+        require_int(self, "score_chunk", minimum=1)
+
+
+class EvictionStore(LayerStore):
+    """Kept tokens ``k, v [kv_heads, n, d]`` of one sequence and layer; subclasses pick them."""
+
+    def __init__(self, layout: LayerLayout, config: EvictionConfig):
+        super().__init__(layout, config)
+        empty = torch.empty(layout.kv_heads, 0, layout.head_dim, dtype=self.storage_dtype)
+        self.k, self.v = empty, empty.clone()
+        self.n_keep: int | None = None  # token budget decided at prefill
+
+    def tensors(self):
+        return {"k": self.k, "v": self.v}
+
+    def bytes_per_token(self) -> int:
+        """Bytes one kept token costs per KV head (keys + values + any per-token statistic)."""
+        return 2 * self.layout.head_dim * self.storage_dtype.itemsize
+
+    def resolved_params(self):
+        return {} if self.n_keep is None else {"kept_tokens": self.n_keep}
+
+    def token_budget(self, seq_len: int) -> int:
+        ref = 2 * self.layout.head_dim * DENSE_REFERENCE_BYTES_PER_ELEMENT
+        return math.floor(self.config.budget * seq_len * ref / self.bytes_per_token())
+
+    # -- attention: dense over what is kept -----------------------------------------------------
+
+    def attend(self, q, k, v, scaling):
+        self.check_chunk(q, k, v)
+        lay = self.layout
+        if self.seq_len == 0:
+            out = F.scaled_dot_product_attention(q[None], k[None].to(q.dtype), v[None].to(q.dtype),
+                                                 is_causal=q.shape[1] > 1, scale=scaling, enable_gqa=lay.group > 1)
+            return out[0]
+        qg = group_queries(q, lay.kv_heads)
+        mask = causal_chunk_mask(q.shape[1], lay.group, q.device) if q.shape[1] > 1 else None
+        states = [dense_partial(qg, self.k, self.v, scaling), dense_partial(qg, k, v, scaling, mask=mask)]
+        return ungroup_output(finalize(merge_partials(states)), lay.q_heads).to(q.dtype)
+
+    def append(self, k, v, q=None, out=None):
+        self.check_chunk(q, k, v)
+        if self.seq_len == 0:
+            n = k.shape[1]
+            n_keep = self.token_budget(n)
+            if n_keep < self.min_tokens():
+                raise ValueError(
+                    f"{self.codec_name}: budget {self.config.budget} keeps {n_keep} of {n} tokens, fewer than the "
+                    f"{self.min_tokens()} this configuration needs; use a larger budget or a longer input"
+                )
+            self.n_keep = min(n_keep, n)
+            if q is None:
+                raise ValueError(f"{self.codec_name} needs the prefill queries to select tokens")
+            idx = self.select(q, k, self.n_keep).sort(dim=-1).values  # [H, n_keep], position order
+            gather = idx[..., None].expand(-1, -1, k.shape[-1])
+            self.k = torch.gather(k, 1, gather).to(self.storage_dtype)
+            self.v = torch.gather(v, 1, gather).to(self.storage_dtype)
+            self.seq_len = n
+            self.on_prefill_selected(q, k, idx)
+            return
+        self.k = torch.cat([self.k, k.to(self.storage_dtype)], dim=1)
+        self.v = torch.cat([self.v, v.to(self.storage_dtype)], dim=1)
+        self.seq_len += k.shape[1]
+        self.after_append(q, k.shape[1])
+
+    def drop(self, keep_mask: torch.Tensor) -> None:
+        """Keep tokens where ``keep_mask [H, n]`` is True (the same count in every head)."""
+        n = int(keep_mask[0].sum())
+        idx = keep_mask.nonzero()[:, 1].reshape(keep_mask.shape[0], n)
+        gather = idx[..., None].expand(-1, -1, self.k.shape[-1])
+        self.k = torch.gather(self.k, 1, gather)
+        self.v = torch.gather(self.v, 1, gather)
+
+    # -- policy hooks -----------------------------------------------------------------------
+
+    codec_name = "eviction"
+
+    def min_tokens(self) -> int:
+        return 1
+
+    def select(self, q: torch.Tensor, k: torch.Tensor, n_keep: int) -> torch.Tensor:
+        """Indices ``[kv_heads, n_keep]`` of the prefill tokens to keep."""
+        raise NotImplementedError
+
+    def on_prefill_selected(self, q, k, idx) -> None:
+        pass
+
+    def after_append(self, q, n_new: int) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------
+# StreamingLLM (Xiao et al., 2024): attention sinks + a recent window.
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StreamingConfig(EvictionConfig):
+    """Attributes: sink_tokens: leading tokens always kept (default 4, as the paper)."""
+
+    sink_tokens: int = 4
+
+    def validate(self) -> None:
+        super().validate()
+        require_int(self, "sink_tokens", minimum=0)
+
+
+class StreamingStore(EvictionStore):
+    codec_name = "streaming"
+
+    def min_tokens(self) -> int:
+        return self.config.sink_tokens + 1
+
+    def select(self, q, k, n_keep):
+        S, sinks = k.shape[1], self.config.sink_tokens
+        idx = torch.cat([torch.arange(sinks), torch.arange(S - (n_keep - sinks), S)]) if n_keep < S else \
+            torch.arange(S)
+        return idx[None].expand(k.shape[0], -1).to(k.device)
+
+    def after_append(self, q, n_new):
+        excess = self.k.shape[1] - self.n_keep
+        if excess > 0:  # roll the window: drop the oldest non-sink tokens
+            sinks = self.config.sink_tokens
+            self.k = torch.cat([self.k[:, :sinks], self.k[:, sinks + excess:]], dim=1)
+            self.v = torch.cat([self.v[:, :sinks], self.v[:, sinks + excess:]], dim=1)
+
+
+@register_codec("streaming")
+class StreamingLLM(Codec):
+    """StreamingLLM: sinks + recent window, everything else evicted."""
+
+    Config = StreamingConfig
+
+    def new_store(self, layout):
+        return StreamingStore(layout, self.config)
+
+
+# ------------------------------------------------------------------------------------------------
+# H2O (Zhang et al., 2023): heavy hitters by accumulated attention + recent tokens, half and half.
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class H2OConfig(EvictionConfig):
+    """Attributes:
+        recent_fraction: share of the kept tokens that are the most recent (default 0.5, the
+            PuzzleKV paper's equal split); the rest are heavy hitters.
+        update_scores: keep accumulating attention mass during decode and evict the lowest-scored
+            non-recent token each step (fixed cache size, the H2O paper's decode); default False
+            (evict once after prefill, as the PuzzleKV paper configures H2O).
+    """
+
+    recent_fraction: float = 0.5
+    update_scores: bool = False
+
+    def validate(self) -> None:
+        super().validate()
+        if not (isinstance(self.recent_fraction, (int, float)) and 0.0 <= self.recent_fraction <= 1.0):
+            raise ValueError(f"recent_fraction must be in [0, 1], got {self.recent_fraction!r}")
+        if not isinstance(self.update_scores, bool):
+            raise ValueError(f"update_scores must be a boolean, got {self.update_scores!r}")
+
+
+def h2o_select(scores: torch.Tensor, n_keep: int, n_recent: int) -> torch.Tensor:
+    """Indices ``[H, n_keep]``: the last ``n_recent`` positions plus the top-scored earlier ones."""
+    H, S = scores.shape
+    n_recent = min(n_recent, n_keep)
+    heavy = torch.topk(scores[:, : S - n_recent], n_keep - n_recent, dim=-1).indices
+    recent = torch.arange(S - n_recent, S, device=scores.device)[None].expand(H, -1)
+    return torch.cat([heavy, recent], dim=-1)
+
+
+class H2OStore(EvictionStore):
+    codec_name = "h2o"
+
+    def __init__(self, layout, config):
+        super().__init__(layout, config)
+        self.scores: torch.Tensor | None = None  # [H, n] fp32, only with update_scores
+        self._scaling: float | None = None
+
+    def tensors(self):
+        out = super().tensors()
+        if self.scores is not None:
+            out["scores"] = self.scores
+        return out
+
+    def bytes_per_token(self) -> int:
+        return super().bytes_per_token() + (4 if self.config.update_scores else 0)
+
+    def n_recent(self) -> int:
+        return int(round(self.n_keep * self.config.recent_fraction))
+
+    def attend(self, q, k, v, scaling):
+        self._scaling = scaling
+        return super().attend(q, k, v, scaling)
+
+    def select(self, q, k, n_keep):
+        scores = accumulated_attention(q, k, self._scaling, self.config.score_chunk)
+        self._prefill_scores = scores
+        return h2o_select(scores, n_keep, int(round(n_keep * self.config.recent_fraction)))
+
+    def on_prefill_selected(self, q, k, idx):
+        if self.config.update_scores:
+            self.scores = torch.gather(self._prefill_scores, 1, idx)
+        del self._prefill_scores
+
+    def after_append(self, q, n_new):
+        if not self.config.update_scores:
+            return
+        # Attention mass of the new queries over every kept token (new ones included, causally).
+        new_k = self.k[:, -n_new:].float()
+        old = self.k[:, :-n_new].float()
+        keys = torch.cat([old, new_k], dim=1)
+        hkv = keys.shape[0]
+        qg = q.float().reshape(hkv, q.shape[0] // hkv, n_new, -1)
+        s = torch.einsum("hgnd,htd->hgnt", qg, keys) * self._scaling
+        n_old = old.shape[1]
+        dev = keys.device
+        visible = torch.arange(keys.shape[1], device=dev)[None, :] <= n_old + torch.arange(n_new, device=dev)[:, None]
+        p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).sum(dim=(1, 2))
+        self.scores = torch.cat([self.scores, torch.zeros(hkv, n_new, device=dev)], dim=1) + p
+        excess = self.k.shape[1] - self.n_keep
+        if excess > 0:
+            n = self.k.shape[1]
+            recent = self.n_recent()
+            keep = torch.ones(hkv, n, dtype=torch.bool, device=dev)
+            drop = torch.topk(-self.scores[:, : n - recent], excess, dim=-1).indices
+            keep.scatter_(1, drop, False)
+            self.drop(keep)
+            self.scores = self.scores[keep].reshape(hkv, -1)
+
+
+@register_codec("h2o")
+class H2O(Codec):
+    """H2O: heavy hitters (accumulated attention mass) + recent tokens."""
+
+    Config = H2OConfig
+
+    def new_store(self, layout):
+        return H2OStore(layout, self.config)
+
+
+# ------------------------------------------------------------------------------------------------
+# SnapKV (Li et al., 2024): votes of an observation window, pooled, top tokens + the window.
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SnapKVConfig(EvictionConfig):
+    """Attributes: window: observation window of the last prompt queries, kept (default 32);
+    kernel: average-pooling kernel over the votes (default 7)."""
+
+    window: int = 32
+    kernel: int = 7
+
+    def validate(self) -> None:
+        super().validate()
+        require_int(self, "window", minimum=1)
+        require_int(self, "kernel", minimum=1)
+
+
+def snapkv_select(votes: torch.Tensor, n_keep: int, window: int) -> torch.Tensor:
+    """Indices ``[H, n_keep]``: top ``n_keep - window`` prefix tokens by pooled votes + the window."""
+    H, n_prefix = votes.shape
+    top = torch.topk(votes, n_keep - window, dim=-1).indices
+    win = torch.arange(n_prefix, n_prefix + window, device=votes.device)[None].expand(H, -1)
+    return torch.cat([top, win], dim=-1)
+
+
+class SnapKVStore(EvictionStore):
+    codec_name = "snapkv"
+
+    def min_tokens(self) -> int:
+        return self.config.window
+
+    def attend(self, q, k, v, scaling):
+        self._scaling = scaling
+        return super().attend(q, k, v, scaling)
+
+    def select(self, q, k, n_keep):
+        S, W = k.shape[1], self.config.window
+        if n_keep >= S or S <= W:
+            return torch.arange(S, device=k.device)[None].expand(k.shape[0], -1)[:, :n_keep]
+        votes = observation_scores(q, k, self._scaling, W, self.config.kernel)
+        return snapkv_select(votes, n_keep, W)
+
+
+@register_codec("snapkv")
+class SnapKV(Codec):
+    """SnapKV: observation-window votes, pooled, top tokens kept plus the window."""
+
+    Config = SnapKVConfig
+
+    def new_store(self, layout):
+        return SnapKVStore(layout, self.config)

@@ -1,0 +1,182 @@
+"""KIVI-style asymmetric KV quantization (Liu et al., 2024), bit-packed.
+
+Keys are quantized per channel over groups of ``group_size`` tokens, values per token over groups
+of ``min(group_size, head_dim)`` channels, each group with an fp16 scale and zero point
+(asymmetric min/max, ``2**bits`` levels). The most recent tokens — the residual, at least
+``residual`` of them — stay in full precision; whenever the residual holds ``group_size`` tokens
+beyond ``residual``, the oldest ``group_size`` are quantized as one block. Codes are bit-packed
+(2 bits: four per byte; 4 bits: two per byte); scales and zero points are counted in the bytes.
+
+``budget`` picks ``bits`` and ``group_size`` (highest fidelity first: 4-bit before 2-bit, small
+groups before large) and then the largest residual that keeps the bytes within the budget over
+the next block cycle; a budget below 2-bit with 128-token groups is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.softmax_merge import dense_partial
+from ..ops.bitpack import pack_bits, unpack_bits
+from .base import DENSE_REFERENCE_BYTES_PER_ELEMENT, Codec, CodecConfig, LayerLayout, register_codec, require_int
+from .segmented import SegmentedStore
+
+CANDIDATES = [(4, 32), (4, 64), (4, 128), (2, 32), (2, 64), (2, 128)]  # (bits, group), best quality first
+PARAM_BYTES = 2  # fp16 scale and zero point
+
+
+@dataclass
+class KIVIConfig(CodecConfig):
+    """Attributes:
+        bits: 2 or 4 (None: from ``budget``, else 2).
+        group_size: tokens per key group / channels per value group (None: from ``budget``, else 32).
+        residual: full-precision recent tokens (None: from ``budget``, else 128, KIVI's default).
+        tile_blocks: quantized blocks dequantized per attention tile.
+    """
+
+    bits: int | None = None
+    group_size: int | None = None
+    residual: int | None = None
+    tile_blocks: int = 64
+
+    def validate(self) -> None:
+        super().validate()
+        if self.bits is not None and self.bits not in (2, 4):
+            raise ValueError(f"bits must be 2 or 4, got {self.bits!r}")
+        if self.group_size is not None:
+            require_int(self, "group_size", minimum=1)
+        if self.residual is not None:
+            require_int(self, "residual", minimum=0)
+        require_int(self, "tile_blocks", minimum=1)
+
+
+def quantize_minmax(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric quantization with fp16 scale/zero reduced over ``dim`` (kept as size 1).
+
+    The fp16 zero point is rounded down and the fp16 scale up, so every value lies in
+    ``[zero, zero + (2**bits - 1) * scale]`` and the error is at most ``scale / 2``.
+
+    Returns:
+        ``(codes uint8, scale fp16, zero fp16)``.
+    """
+    levels = (1 << bits) - 1
+    xf = x.float()
+    lo, hi = xf.amin(dim=dim, keepdim=True), xf.amax(dim=dim, keepdim=True)
+    zero = lo.half()
+    zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, -float("inf"))), zero)
+    step = (hi - zero.float()) / levels
+    scale = step.half()
+    scale = torch.where(scale.float() < step, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
+    safe = torch.where(scale > 0, scale.float(), torch.ones_like(step))
+    codes = torch.round((xf - zero.float()) / safe).clamp(0, levels).to(torch.uint8)
+    return codes, scale, zero
+
+
+def dequantize_minmax(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return codes.float() * scale.float() + zero.float()
+
+
+def kivi_bytes_per_head(seq_len: int, bits: int, group: int, residual: int, head_dim: int, elem_bytes: int) -> int:
+    """Bytes one KV head holds after ``seq_len`` tokens (codes, scales, zeros, residual)."""
+    blocks = max(0, (seq_len - residual) // group)
+    n_q = blocks * group
+    v_group = min(group, head_dim)
+    codes = n_q * 2 * ((head_dim * bits + 7) // 8)
+    key_params = blocks * head_dim * 2 * PARAM_BYTES
+    value_params = n_q * (head_dim // v_group) * 2 * PARAM_BYTES
+    return codes + key_params + value_params + (seq_len - n_q) * 2 * head_dim * elem_bytes
+
+
+def kivi_params_for_budget(seq_len: int, cfg: KIVIConfig, head_dim: int, elem_bytes: int) -> tuple[int, int, int]:
+    """``(bits, group, residual)`` for ``cfg.budget`` at ``seq_len`` tokens (see module doc)."""
+    ref = lambda s: cfg.budget * s * 2 * head_dim * DENSE_REFERENCE_BYTES_PER_ELEMENT  # noqa: E731
+    for bits, group in CANDIDATES:
+        if (cfg.bits is not None and bits != cfg.bits) or (cfg.group_size is not None and group != cfg.group_size):
+            continue
+        residuals = [cfg.residual] if cfg.residual is not None else range(seq_len, -1, -1)
+        for residual in residuals:
+            if all(kivi_bytes_per_head(s, bits, group, residual, head_dim, elem_bytes) <= ref(s)
+                   for s in range(max(seq_len, 1), seq_len + group)):
+                return bits, group, residual
+    smallest = min(
+        max(kivi_bytes_per_head(s, bits, group, 0, head_dim, elem_bytes) / (s * 2 * head_dim * 2)
+            for s in range(max(seq_len, 1), seq_len + group))
+        for bits, group in CANDIDATES
+    )
+    raise ValueError(
+        f"kivi: budget {cfg.budget} cannot be reached at {seq_len} tokens: the smallest 2-bit configuration "
+        f"without residual needs {smallest:.3f} of the dense bytes over a block cycle"
+    )
+
+
+class KIVIStore(SegmentedStore):
+    """Quantized blocks (``kq [H, B, G, packed d]``, ``ks/kz [H, B, 1, d]``, ``vq [H, B, G, d/Gv, packed Gv]``,
+    ``vs/vz [H, B, G, d/Gv, 1]``) followed by the full-precision residual (the tail)."""
+
+    def __init__(self, layout: LayerLayout, config: KIVIConfig):
+        super().__init__(layout, config)
+        self.params: tuple[int, int, int] | None = None
+        if config.budget is None:
+            self.params = (config.bits or 2, config.group_size or 32,
+                           config.residual if config.residual is not None else 128)
+        self.blocks: dict[str, torch.Tensor] = {}
+        self.n_blocks = 0
+
+    @property
+    def sink_capacity(self) -> int:
+        return 0
+
+    def history_tensors(self):
+        return dict(self.blocks)
+
+    def resolved_params(self):
+        if self.params is None:
+            return {}
+        return dict(zip(("bits", "group_size", "residual"), self.params))
+
+    def compress(self) -> None:
+        d = self.layout.head_dim
+        if self.params is None:
+            self.params = kivi_params_for_budget(self.seq_len, self.config, d, self.storage_dtype.itemsize)
+        bits, group, residual = self.params
+        n_new = max(0, (self.tail_k.shape[1] - residual) // group)
+        if n_new == 0:
+            return
+        k, v = self.pop_tail(n_new * group)
+        H, vg = self.layout.kv_heads, min(group, d)
+        k = k.reshape(H, n_new, group, d)
+        v = v.reshape(H, n_new, group, d // vg, vg)
+        kq, ks, kz = quantize_minmax(k, dim=-2, bits=bits)  # per channel over the group's tokens
+        vq, vs, vz = quantize_minmax(v, dim=-1, bits=bits)  # per token over channel groups
+        new = {"kq": pack_bits(kq, bits), "ks": ks, "kz": kz, "vq": pack_bits(vq, bits), "vs": vs, "vz": vz}
+        for name, t in new.items():
+            self.blocks[name] = t if name not in self.blocks else torch.cat([self.blocks[name], t], dim=1)
+        self.n_blocks += n_new
+
+    def dequantized(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of blocks ``[lo, hi)`` as ``[H, (hi - lo) * group, d]`` fp32."""
+        bits, group, _ = self.params
+        b, d, H = self.blocks, self.layout.head_dim, self.layout.kv_heads
+        vg = min(group, d)
+        k = dequantize_minmax(unpack_bits(b["kq"][:, lo:hi], bits, d), b["ks"][:, lo:hi], b["kz"][:, lo:hi])
+        v = dequantize_minmax(unpack_bits(b["vq"][:, lo:hi], bits, vg), b["vs"][:, lo:hi], b["vz"][:, lo:hi])
+        return k.reshape(H, -1, d), v.reshape(H, -1, d)
+
+    def history_partials(self, qg, scaling):
+        tile = self.config.tile_blocks
+        return [dense_partial(qg, *self.dequantized(lo, min(lo + tile, self.n_blocks)), scaling)
+                for lo in range(0, self.n_blocks, tile)]
+
+
+@register_codec("kivi")
+class KIVI(Codec):
+    """KIVI-style asymmetric 2/4-bit quantization with a full-precision residual."""
+
+    Config = KIVIConfig
+
+    def new_store(self, layout):
+        if layout.head_dim % min(self.config.group_size or 1, layout.head_dim):
+            raise ValueError(f"kivi: head_dim {layout.head_dim} must be a multiple of the value group size")
+        return KIVIStore(layout, self.config)
