@@ -67,3 +67,21 @@ def test_cli_generate_json(smollm2, capsys):
         assert key in row
     assert row["method"] == "puzzle" and row["config"]["int4"] is True and row["new_tokens"] == 5
     assert row["ratio"] == pytest.approx(row["kv_bytes"] / row["dense_kv_bytes"])
+
+
+@pytest.mark.parametrize("method", ["svd", "kivi", "streaming", "h2o", "snapkv"])
+def test_baselines_run_through_cli_on_a_2k_needle(smollm2, needle_2k, method, capsys, tmp_path):
+    """Each baseline runs through ``kvpack generate --json`` at a 0.25 budget (retrieval is reported
+    by benchmarks/bench_baselines_needle.py, not asserted)."""
+    from kvpack.cli import main
+
+    prompt_file = tmp_path / "needle.txt"
+    prompt_file.write_text(needle_2k[0])
+    assert main(["generate", "--method", method, "--budget", "0.25", "--prompt-file", str(prompt_file),
+                 "--max-new-tokens", "4", "--json", "--quiet"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["method"] == method and row["new_tokens"] == 4
+    # Bytes after generation: within the budget at the end of prefill, plus at most the 3 decode
+    # tokens the prompt-compressing methods append dense.
+    slack = 3 * 30 * 3 * 64 * 2 * 2
+    assert row["kv_bytes"] <= 0.25 * row["dense_kv_bytes"] + slack

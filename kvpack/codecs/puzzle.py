@@ -139,6 +139,18 @@ def ranks_for_budget(seq_len: int, cfg: PuzzleConfig, head_dim: int, elem_bytes:
     Raises:
         ValueError: even rank (1, 1) exceeds the budget (the dense sink and window alone cost more).
     """
+    key = (seq_len, cfg.to_json(), head_dim, elem_bytes)
+    if key not in _RANKS_CACHE:  # every layer and row of one prompt asks the same question
+        if len(_RANKS_CACHE) > 4096:
+            _RANKS_CACHE.clear()
+        _RANKS_CACHE[key] = _ranks_for_budget(seq_len, cfg, head_dim, elem_bytes)
+    return _RANKS_CACHE[key]
+
+
+_RANKS_CACHE: dict[tuple, tuple[int, int]] = {}
+
+
+def _ranks_for_budget(seq_len: int, cfg: PuzzleConfig, head_dim: int, elem_bytes: int) -> tuple[int, int]:
     cap = min(cfg.page_size, head_dim)
     dense_per_token = 2 * head_dim * DENSE_REFERENCE_BYTES_PER_ELEMENT
     for total in range(2 * cap, 1, -1):

@@ -14,6 +14,7 @@ the next block cycle; a budget below 2-bit with 128-token groups is refused.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -91,22 +92,39 @@ def kivi_bytes_per_head(seq_len: int, bits: int, group: int, residual: int, head
 
 def kivi_params_for_budget(seq_len: int, cfg: KIVIConfig, head_dim: int, elem_bytes: int) -> tuple[int, int, int]:
     """``(bits, group, residual)`` for ``cfg.budget`` at ``seq_len`` tokens (see module doc)."""
-    ref = lambda s: cfg.budget * s * 2 * head_dim * DENSE_REFERENCE_BYTES_PER_ELEMENT  # noqa: E731
+    return _params_for_budget(seq_len, cfg.budget, cfg.bits, cfg.group_size, cfg.residual, head_dim, elem_bytes)
+
+
+@functools.lru_cache(maxsize=256)  # every layer and row of one prompt asks the same question
+def _params_for_budget(seq_len, budget, fixed_bits, fixed_group, fixed_residual, head_dim, elem_bytes):
+    ref = lambda s: budget * s * 2 * head_dim * DENSE_REFERENCE_BYTES_PER_ELEMENT  # noqa: E731
+
+    def fits(bits, group, residual):
+        return all(kivi_bytes_per_head(s, bits, group, residual, head_dim, elem_bytes) <= ref(s)
+                   for s in range(max(seq_len, 1), seq_len + group))
+
     for bits, group in CANDIDATES:
-        if (cfg.bits is not None and bits != cfg.bits) or (cfg.group_size is not None and group != cfg.group_size):
+        if (fixed_bits is not None and bits != fixed_bits) or (fixed_group is not None and group != fixed_group):
             continue
-        residuals = [cfg.residual] if cfg.residual is not None else range(seq_len, -1, -1)
-        for residual in residuals:
-            if all(kivi_bytes_per_head(s, bits, group, residual, head_dim, elem_bytes) <= ref(s)
-                   for s in range(max(seq_len, 1), seq_len + group)):
-                return bits, group, residual
+        if fixed_residual is not None:
+            if fits(bits, group, fixed_residual):
+                return bits, group, fixed_residual
+            continue
+        if not fits(bits, group, 0):
+            continue
+        # Bytes grow with the residual: binary search for the largest residual that fits.
+        lo, hi = 0, seq_len
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(bits, group, mid) else (lo, mid - 1)
+        return bits, group, lo
     smallest = min(
         max(kivi_bytes_per_head(s, bits, group, 0, head_dim, elem_bytes) / (s * 2 * head_dim * 2)
             for s in range(max(seq_len, 1), seq_len + group))
         for bits, group in CANDIDATES
     )
     raise ValueError(
-        f"kivi: budget {cfg.budget} cannot be reached at {seq_len} tokens: the smallest 2-bit configuration "
+        f"kivi: budget {budget} cannot be reached at {seq_len} tokens: the smallest 2-bit configuration "
         f"without residual needs {smallest:.3f} of the dense bytes over a block cycle"
     )
 
