@@ -1,0 +1,360 @@
+"""AnchorKV: exact anchors, per-token scaled anchor copies, budgeted 2-bit residuals (AnchorKV, §2–5, Alg. 1).
+
+Once, at the end of prefill, per layer and KV head:
+
+1. **Anchors** (``k`` positions): the last ``W`` positions, then ``round(ρ (k − W))`` positions with the
+   highest SnapKV scores (attention of the ``W`` observation queries, group heads combined,
+   average-pooled with kernel ``κ``), then uniformly random (seeded) positions from the rest.
+2. **Assignment and projection**, separately for keys (pre-RoPE) and values, with shared anchor
+   positions: every token goes to the anchor of largest ``|cos|`` (Eq. 1); ``γ = ⟨x, a⟩ / ‖a‖²``,
+   ``x̃ = γ a``, ``r = x − x̃`` (Eq. 2); anchors are their own anchor with ``γ = 1``.
+3. **Utilities** (Eq. 6), over the ``m = W · group`` observation queries of the token's KV head:
+   ``u_K = mean_w α_t² (q_w · RoPE_t(r_K) · scaling)² ‖V_t − y_w‖²`` and ``u_V = mean_w α_t² ‖r_V‖²``,
+   with ``α`` and ``y`` the exact attention weights and outputs. Anchors never compete.
+4. **Byte budget** (Eq. 9): ``N = max(0, ⌊(θ M_full − M_base) / b_res⌋)``, ``N_K = ⌊N/2⌋``,
+   ``N_V = N − N_K``, the top-utility residuals **pooled across all heads of the layer**.
+5. **Residual codec**: randomized Hadamard rotation (seeded signs), per-token scale
+   ``σ = ‖r‖ / √D`` (the RMS, which puts the rotated coordinates at unit variance), 4-level
+   Lloyd–Max codes for N(0, 1), 2 bits per coordinate, bit-packed.
+
+Attention (``kvpack.attention.anchor``) reconstructs keys and values tile by tile,
+``x̂ = γ a + r̃`` where a residual is stored, rotates keys by RoPE at their positions, and merges the
+tiles, the dense tail of generated tokens and the new chunk by online softmax.
+
+What the store holds (and ``M_base`` counts): anchor keys (pre-RoPE) and values ``[H, k, D]`` (bf16),
+per-token anchor indices ``[H, S]`` (int16) and coefficients ``[H, S]`` (fp16) for each side,
+residual bitmasks ``[H, ⌈S/8⌉]`` (packed bits) and per-32-token prefix counts ``[H, ⌈S/32⌉]``
+(int32) for each side — the decoder finds a token's residual slot from them in O(1). Each stored
+residual costs ``b_res = D/4`` code bytes + a 4-byte scale.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..attention.anchor import anchor_tile_partials
+from ..attention.scores import observation_scores
+from ..attention.softmax_merge import (
+    causal_chunk_mask,
+    dense_partial,
+    finalize,
+    group_queries,
+    merge_partials,
+    ungroup_output,
+)
+from ..ops import lloyd_max
+from ..ops.bitpack import pack_bits, unpack_bits
+from ..ops.hadamard import RandomizedHadamard
+from ..ops.rope import apply_rope, invert_rope
+from .base import DENSE_REFERENCE_BYTES_PER_ELEMENT, Codec, CodecConfig, LayerLayout, LayerStore, register_codec, \
+    require_int
+
+PREFIX_BLOCK = 32  # tokens per prefix count
+RESIDUAL_BITS = 2
+SCALE_BYTES = 4  # fp32 per-token residual scale
+
+
+@dataclass
+class AnchorConfig(CodecConfig):
+    """AnchorKV parameters (paper defaults).
+
+    Attributes:
+        budget: the retain fraction θ (default 0.1): the layer's bytes ≤ θ × its dense bf16 bytes.
+        window: W, the last positions, always anchors and the observation queries (default 32).
+        anchors: k, anchors per KV head; None = ``max(⌊S/128⌋, W)`` (the paper's S/128, never
+            fewer than the window).
+        anchor_fraction: the S/128 of the default (used when ``anchors`` is None).
+        rho: share of the non-window anchors chosen by score (default 0.7); the rest is random.
+        kernel: κ, the pooling kernel of the scores (odd, default 7).
+        tile: tokens reconstructed per attention tile (multiple of 32).
+    """
+
+    budget: float | None = 0.1
+    window: int = 32
+    anchors: int | None = None
+    anchor_fraction: float = 1 / 128
+    rho: float = 0.7
+    kernel: int = 7
+    tile: int = 256
+
+    def validate(self) -> None:
+        super().validate()
+        if self.budget is None:
+            raise ValueError("anchor: budget (the retain fraction θ) is required")
+        require_int(self, "window", minimum=1)
+        if self.anchors is not None:
+            require_int(self, "anchors", minimum=1)
+            if self.anchors < self.window:
+                raise ValueError(f"anchors (k = {self.anchors}) must be >= window (W = {self.window})")
+        if not (isinstance(self.rho, (int, float)) and 0.0 <= self.rho <= 1.0):
+            raise ValueError(f"rho must be in [0, 1], got {self.rho!r}")
+        if not (isinstance(self.anchor_fraction, (int, float)) and 0.0 < self.anchor_fraction <= 1.0):
+            raise ValueError(f"anchor_fraction must be in (0, 1], got {self.anchor_fraction!r}")
+        require_int(self, "kernel", minimum=1)
+        if self.kernel % 2 == 0:
+            raise ValueError(f"kernel (κ) must be odd, got {self.kernel}")
+        require_int(self, "tile", minimum=PREFIX_BLOCK)
+        if self.tile % PREFIX_BLOCK:
+            raise ValueError(f"tile must be a multiple of {PREFIX_BLOCK}, got {self.tile}")
+
+
+def residual_bytes(head_dim: int) -> int:
+    """``b_res``: packed 2-bit codes of one residual plus its scale."""
+    return head_dim * RESIDUAL_BITS // 8 + SCALE_BYTES
+
+
+def base_bytes(seq_len: int, kv_heads: int, head_dim: int, n_anchors: int, anchor_bytes: int = 2) -> int:
+    """``M_base``: every byte besides the residual codes and scales (see module doc)."""
+    per_side = (kv_heads * n_anchors * head_dim * anchor_bytes  # anchor vectors
+                + kv_heads * seq_len * (2 + 2)  # int16 anchor index + fp16 coefficient
+                + kv_heads * math.ceil(seq_len / 8)  # residual bitmask
+                + kv_heads * math.ceil(seq_len / PREFIX_BLOCK) * 4)  # int32 prefix counts
+    return 2 * per_side
+
+
+def residual_slots(theta: float, seq_len: int, kv_heads: int, head_dim: int, n_anchors: int,
+                   anchor_bytes: int = 2) -> int:
+    """Eq. 9: residuals the budget buys (raises below the fixed cost)."""
+    m_full = seq_len * kv_heads * head_dim * 2 * DENSE_REFERENCE_BYTES_PER_ELEMENT
+    m_base = base_bytes(seq_len, kv_heads, head_dim, n_anchors, anchor_bytes)
+    if theta * m_full < m_base:
+        raise ValueError(
+            f"anchor: budget θ = {theta} is below AnchorKV's fixed cost at {seq_len} tokens: anchors and metadata "
+            f"need {m_base / m_full:.4f} of the dense bytes (k = {n_anchors} anchors per head)"
+        )
+    return max(0, math.floor((theta * m_full - m_base) / residual_bytes(head_dim)))
+
+
+def select_anchors(votes: torch.Tensor, seq_len: int, n_anchors: int, window: int, rho: float,
+                   generator: torch.Generator) -> torch.Tensor:
+    """Anchor positions ``[H, k]`` (sorted): window + top-``ρ(k−W)`` by ``votes [H, S−W]`` + random rest."""
+    H = votes.shape[0]
+    n_extra = n_anchors - window
+    n_top = round(rho * n_extra)
+    out = []
+    for h in range(H):
+        top = torch.topk(votes[h], n_top).indices if n_top else votes.new_zeros(0, dtype=torch.long)
+        rest = torch.ones(seq_len - window, dtype=torch.bool)
+        rest[top] = False
+        pool = rest.nonzero().squeeze(-1)
+        rand = pool[torch.randperm(pool.numel(), generator=generator)[: n_extra - n_top]]
+        out.append(torch.cat([top.cpu(), rand, torch.arange(seq_len - window, seq_len)]).sort().values)
+    return torch.stack(out).to(votes.device)
+
+
+def assign_and_project(x: torch.Tensor, anchor_pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Eq. 1–2 for ``x [H, S, D]`` (fp32) and anchor positions ``[H, k]``.
+
+    Returns:
+        ``(anchors [H, k, D], index [H, S] long, gamma [H, S], residual [H, S, D])``; anchors are
+        their own anchor with γ = 1 and a zero residual.
+    """
+    H, S, D = x.shape
+    anchors = torch.gather(x, 1, anchor_pos[..., None].expand(-1, -1, D))
+    dots = torch.einsum("hsd,hkd->hsk", x, anchors)
+    norms = x.norm(dim=-1).clamp_min(1e-30)[..., None] * anchors.norm(dim=-1).clamp_min(1e-30)[:, None, :]
+    index = (dots.abs() / norms).argmax(dim=-1)
+    slot = torch.arange(anchor_pos.shape[1], device=x.device)[None].expand(H, -1)
+    index.scatter_(1, anchor_pos, slot)
+    a = torch.gather(anchors, 1, index[..., None].expand(-1, -1, D))
+    gamma = (x * a).sum(-1) / (a * a).sum(-1).clamp_min(1e-30)
+    gamma.scatter_(1, anchor_pos, torch.ones_like(anchor_pos, dtype=gamma.dtype))
+    residual = x - gamma[..., None] * a
+    residual.scatter_(1, anchor_pos[..., None].expand(-1, -1, D), torch.zeros_like(anchors))
+    return anchors, index, gamma, residual
+
+
+def utilities(q_obs: torch.Tensor, y_obs: torch.Tensor, k_post: torch.Tensor, v: torch.Tensor, key_residual_post,
+              value_residual, scaling: float, obs_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 6: ``(u_K, u_V)`` ``[H, S]``.
+
+    Args:
+        q_obs: ``[H, m, D]`` observation queries grouped per KV head; y_obs: their exact outputs.
+        k_post: ``[H, S, D]`` post-RoPE keys; v: ``[H, S, D]`` values.
+        key_residual_post: ``[H, S, D]`` key residuals rotated to their positions (R_t r_K).
+        value_residual: ``[H, S, D]``.
+        obs_positions: ``[m]`` position of each observation row (causal visibility).
+    """
+    S = k_post.shape[1]
+    s = torch.einsum("hmd,hsd->hms", q_obs, k_post) * scaling
+    visible = torch.arange(S, device=s.device)[None, :] <= obs_positions[:, None]
+    alpha2 = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).square()  # [H, m, S]
+    ds = torch.einsum("hmd,hsd->hms", q_obs, key_residual_post) * scaling
+    dist = (v.square().sum(-1)[:, None, :] - 2 * torch.einsum("hmd,hsd->hms", y_obs, v)
+            + y_obs.square().sum(-1)[..., None]).clamp_min(0)
+    u_k = (alpha2 * ds.square() * dist).mean(dim=1)
+    u_v = alpha2.mean(dim=1) * value_residual.square().sum(-1)
+    return u_k, u_v
+
+
+def top_pooled(u: torch.Tensor, n: int) -> torch.Tensor:
+    """Bool ``[H, S]``: the ``n`` largest finite utilities of the whole layer (all heads pooled)."""
+    flat = u.flatten()
+    n = min(n, int(torch.isfinite(flat).sum()))
+    chosen = torch.zeros_like(flat, dtype=torch.bool)
+    if n > 0:
+        chosen[torch.topk(flat, n).indices] = True
+    return chosen.reshape(u.shape)
+
+
+class AnchorStore(LayerStore):
+    """One sequence, one layer: the compressed prompt plus a dense tail of generated tokens."""
+
+    def __init__(self, layout: LayerLayout, config: AnchorConfig):
+        super().__init__(layout, config)
+        if layout.rope is None:
+            raise ValueError("anchor: AnchorKV works on pre-RoPE keys and needs the model's rotary embedding")
+        d = layout.head_dim
+        self.hadamard = RandomizedHadamard(d, seed=config.seed * 1_000_003 + layout.layer_idx)
+        empty = torch.empty(layout.kv_heads, 0, d, dtype=self.storage_dtype)
+        self.tail_k, self.tail_v = empty, empty.clone()
+        self.t: dict[str, torch.Tensor] = {}  # the compressed prompt's tensors (see module doc)
+        self.n_prompt = 0
+        self.n_anchors: int | None = None
+        self.n_residuals = (0, 0)
+
+    def tensors(self):
+        return {**self.t, "tail_k": self.tail_k, "tail_v": self.tail_v}
+
+    def resolved_params(self):
+        if self.n_anchors is None:
+            return {}
+        return {"anchors": self.n_anchors, "residuals_k": self.n_residuals[0], "residuals_v": self.n_residuals[1]}
+
+    # -- compression ------------------------------------------------------------------------
+
+    def _encode_residuals(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[n, D]`` residuals -> packed 2-bit codes ``[n, D/4]`` and fp32 scales ``[n]``."""
+        y = self.hadamard.forward(r)
+        scale = y.norm(dim=-1) / math.sqrt(r.shape[-1])
+        codes = lloyd_max.encode(y / scale.clamp_min(1e-30)[:, None])
+        return pack_bits(codes, RESIDUAL_BITS), scale
+
+    def decode_residuals(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        y = lloyd_max.decode(unpack_bits(codes, RESIDUAL_BITS, self.layout.head_dim)) * scale[:, None]
+        return self.hadamard.inverse(y)
+
+    def compress_prompt(self, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, out: torch.Tensor,
+                        scaling: float) -> None:
+        """Algorithm 1 on the prompt ``k, v [H, S, D]`` with its queries ``q`` and outputs ``out`` ``[Hq, S, D]``."""
+        cfg, lay = self.config, self.layout
+        H, S, D = k.shape
+        W = cfg.window
+        if W >= S:
+            raise ValueError(f"anchor: window W = {W} must be shorter than the prompt ({S} tokens)")
+        n_anchors = cfg.anchors if cfg.anchors is not None else max(math.floor(S * cfg.anchor_fraction), W)
+        if n_anchors > S:
+            raise ValueError(f"anchor: k = {n_anchors} anchors exceed the prompt's {S} tokens")
+        n_res = residual_slots(cfg.budget, S, H, D, n_anchors, self.storage_dtype.itemsize)
+        k, v, q, out = k.float(), v.float(), q.float(), out.float()
+        cos, sin = lay.rope.cos_sin(torch.arange(S, device=k.device))
+        k_pre = invert_rope(k, cos, sin)
+        votes = observation_scores(q, k, scaling, W, cfg.kernel)
+        gen = torch.Generator().manual_seed(cfg.seed * 7919 + lay.layer_idx)
+        anchor_pos = select_anchors(votes, S, n_anchors, W, cfg.rho, gen)
+        ak, idx_k, gamma_k, r_k = assign_and_project(k_pre, anchor_pos)
+        av, idx_v, gamma_v, r_v = assign_and_project(v, anchor_pos)
+        group = lay.group
+        q_obs = q[:, S - W:].reshape(H, group * W, D)
+        y_obs = out[:, S - W:].reshape(H, group * W, D)
+        obs_pos = torch.arange(S - W, S, device=k.device).repeat(group)
+        u_k, u_v = utilities(q_obs, y_obs, k, v, apply_rope(r_k, cos, sin), r_v, scaling, obs_pos)
+        is_anchor = torch.zeros(H, S, dtype=torch.bool, device=k.device)
+        is_anchor.scatter_(1, anchor_pos, True)
+        u_k = u_k.masked_fill(is_anchor, float("-inf"))
+        u_v = u_v.masked_fill(is_anchor, float("-inf"))
+        n_k = n_res // 2
+        mask_k, mask_v = top_pooled(u_k, n_k), top_pooled(u_v, n_res - n_k)
+        t = {}
+        dt = self.storage_dtype
+        for side, anchors, idx, gamma, r, mask in (("k", ak, idx_k, gamma_k, r_k, mask_k),
+                                                   ("v", av, idx_v, gamma_v, r_v, mask_v)):
+            t[f"anchor_{side}"] = anchors.to(dt)
+            t[f"index_{side}"] = idx.to(torch.int16)
+            t[f"coef_{side}"] = gamma.to(torch.float16)
+            t[f"mask_{side}"] = pack_bits(mask.to(torch.uint8), 1)
+            counts = F.pad(mask.reshape(H, -1), (0, (-S) % PREFIX_BLOCK)).reshape(H, -1, PREFIX_BLOCK).sum(-1)
+            # Slot of a head's first residual in block b: all residuals of earlier heads and blocks.
+            t[f"prefix_{side}"] = (counts.flatten().cumsum(0) - counts.flatten()).reshape(H, -1).to(torch.int32)
+            t[f"res_{side}"], t[f"scale_{side}"] = self._encode_residuals(r[mask])  # head-major slot order
+        self.t = t
+        self.n_prompt, self.n_anchors = S, n_anchors
+        self.n_residuals = (int(mask_k.sum()), int(mask_v.sum()))
+
+    def append(self, k, v, q=None, out=None):
+        self.check_chunk(q, k, v)
+        if self.seq_len == 0:
+            if q is None or out is None:
+                raise ValueError("anchor: the prefill chunk needs its queries and attention outputs")
+            self.compress_prompt(k, v, q, out, self._scaling)
+        else:  # generated tokens stay dense, as in the paper
+            self.tail_k = torch.cat([self.tail_k, k.to(self.storage_dtype)], dim=1)
+            self.tail_v = torch.cat([self.tail_v, v.to(self.storage_dtype)], dim=1)
+        self.seq_len += k.shape[1]
+
+    # -- attention --------------------------------------------------------------------------
+
+    def attend(self, q, k, v, scaling):
+        self.check_chunk(q, k, v)
+        self._scaling = scaling
+        lay = self.layout
+        if self.seq_len == 0:
+            out = F.scaled_dot_product_attention(q[None], k[None].to(q.dtype), v[None].to(q.dtype),
+                                                 is_causal=q.shape[1] > 1, scale=scaling, enable_gqa=lay.group > 1)
+            return out[0]
+        qg = group_queries(q, lay.kv_heads)
+        states = anchor_tile_partials(self, qg, scaling)
+        if self.tail_k.shape[1]:
+            states.append(dense_partial(qg, self.tail_k, self.tail_v, scaling))
+        mask = causal_chunk_mask(q.shape[1], lay.group, q.device) if q.shape[1] > 1 else None
+        states.append(dense_partial(qg, k, v, scaling, mask=mask))
+        return ungroup_output(finalize(merge_partials(states)), lay.q_heads).to(q.dtype)
+
+    def reconstruct_tile(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (post-RoPE) and values ``[H, hi − lo, D]`` fp32 of prompt positions ``[lo, hi)``.
+
+        ``lo`` must be a multiple of 32 (prefix-count blocks). Only this tile is materialised.
+        """
+        H, D = self.layout.kv_heads, self.layout.head_dim
+        t = self.t
+        out = []
+        for side in ("k", "v"):
+            idx = t[f"index_{side}"][:, lo:hi].long()
+            anchors = t[f"anchor_{side}"].float()
+            x = torch.gather(anchors, 1, idx[..., None].expand(-1, -1, D)) * t[f"coef_{side}"][:, lo:hi, None].float()
+            mask = unpack_bits(t[f"mask_{side}"], 1, self.n_prompt)[:, lo:hi].bool()
+            if mask.any():
+                # Slot = prefix count of the token's 32-token block + residuals before it in the block.
+                n = hi - lo
+                padded = F.pad(mask, (0, (-n) % PREFIX_BLOCK)).reshape(H, -1, PREFIX_BLOCK).int()
+                before = (padded.cumsum(-1) - padded).reshape(H, -1)[:, :n]
+                blocks = t[f"prefix_{side}"][:, lo // PREFIX_BLOCK: lo // PREFIX_BLOCK + padded.shape[1]]
+                slots = (blocks.repeat_interleave(PREFIX_BLOCK, dim=1)[:, :n] + before)[mask].long()
+                x[mask] += self.decode_residuals(t[f"res_{side}"][slots], t[f"scale_{side}"][slots])
+            out.append(x)
+        cos, sin = self.layout.rope.cos_sin(torch.arange(lo, hi, device=out[0].device))
+        return apply_rope(out[0], cos, sin), out[1]
+
+    def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole prompt + tail, ``[H, seq_len, D]`` fp32 — for tests only (attention never calls it)."""
+        parts = [self.reconstruct_tile(lo, min(lo + self.config.tile, self.n_prompt))
+                 for lo in range(0, self.n_prompt, self.config.tile)]
+        k = torch.cat([p[0] for p in parts] + [self.tail_k.float()], dim=1)
+        v = torch.cat([p[1] for p in parts] + [self.tail_v.float()], dim=1)
+        return k, v
+
+
+@register_codec("anchor")
+class AnchorKV(Codec):
+    """AnchorKV (anchors + scaled anchor copies + budgeted 2-bit residuals). See :class:`AnchorConfig`."""
+
+    Config = AnchorConfig
+
+    def new_store(self, layout):
+        if layout.head_dim & (layout.head_dim - 1):
+            raise ValueError(f"anchor: the Hadamard residual codec needs a power-of-two head_dim, got {layout.head_dim}")
+        return AnchorStore(layout, self.config)

@@ -1,0 +1,201 @@
+"""AnchorKV: codebook, rotation, byte budget (Eq. 9 and the paper's worked example), utilities (Eq. 6),
+tile-wise attention, bad input."""
+
+import math
+
+import pytest
+import torch
+
+from kvpack.attention.reference import reference_attention
+from kvpack.codecs import LayerLayout, get_codec
+from kvpack.codecs.anchor import AnchorConfig, base_bytes, residual_bytes, residual_slots, utilities
+from kvpack.hf.cache import KVPackCache, cache_kwargs
+from kvpack.ops import lloyd_max
+from kvpack.ops.hadamard import RandomizedHadamard, hadamard_matrix
+from kvpack.ops.rope import RotaryTable, apply_rope
+
+from .conftest import tiny_llama
+from .test_puzzle import _kv, _Rotary
+
+
+def test_lloyd_max_gaussian_codebook_is_the_known_optimum():
+    levels, thresholds = lloyd_max.lloyd_max_gaussian(4)
+    assert levels == pytest.approx((-1.5104, -0.4528, 0.4528, 1.5104), abs=1e-3)
+    assert thresholds == pytest.approx((-0.9816, 0.0, 0.9816), abs=1e-3)
+    x = torch.randn(200_000, generator=torch.Generator().manual_seed(0))
+    mse = (lloyd_max.decode(lloyd_max.encode(x)) - x).square().mean()
+    assert mse == pytest.approx(0.1175, abs=3e-3)  # the 2-bit Gaussian Lloyd–Max distortion
+
+
+def test_hadamard_is_orthonormal_and_exactly_inverted():
+    h = hadamard_matrix(64, torch.float64)
+    torch.testing.assert_close(h @ h.T, torch.eye(64, dtype=torch.float64), rtol=0, atol=1e-12)
+    rot = RandomizedHadamard(64, seed=3)
+    x = torch.randn(10, 64)
+    torch.testing.assert_close(rot.inverse(rot.forward(x)), x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rot.forward(x).norm(dim=-1), x.norm(dim=-1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="power-of-two"):
+        hadamard_matrix(48)
+
+
+def test_paper_worked_example_within_a_few_percent():
+    """S = 32K, D = 128, H = 8, W = 32, k = 256, θ = 0.05 (paper Appendix A.1)."""
+    S, D, H, k = 32768, 128, 8, 256
+    m_full = S * H * D * 4
+    assert m_full / 1e6 == pytest.approx(134.2, abs=0.05)
+    m_base = base_bytes(S, H, D, k)
+    n = residual_slots(0.05, S, H, D, k)
+    assert abs(m_base / 3.39e6 - 1) < 0.05  # ours: 3.28 MB (int16 indices, fp16 coefficients, bits, counts)
+    assert abs(n / 91_056 - 1) < 0.05  # ours: 95,391 (b_res = 32 code bytes + 4-byte scale)
+    assert residual_bytes(D) == 36
+
+
+def _layout(H=2, group=3, d=64, rope=True):
+    return LayerLayout(layer_idx=1, kv_heads=H, q_heads=H * group, head_dim=d,
+                       rope=RotaryTable(_Rotary(d), d) if rope else None)
+
+
+def _prefill(store, H, group, S, d, seed=0):
+    k, v = _kv(H, S, d, seed=seed)
+    q = torch.randn(H * group, S, d, generator=torch.Generator().manual_seed(seed + 1))
+    out = store.attend(q, k, v, d ** -0.5)
+    store.append(k, v, q, out)
+    return q, k, v
+
+
+@pytest.mark.parametrize("theta", [0.05, 0.1, 0.3])
+def test_bytes_are_the_tensors_held_and_obey_the_budget(theta):
+    H, group, S, d = 3, 3, 4096, 64
+    store = get_codec("anchor", budget=theta).new_store(_layout(H, group, d))
+    _prefill(store, H, group, S, d)
+    assert store.nbytes() == sum(t.numel() * t.element_size() for t in store.tensors().values())
+    n_k, n_v = store.n_residuals
+    k_anchors = store.n_anchors
+    assert store.nbytes() == base_bytes(S, H, d, k_anchors) + (n_k + n_v) * residual_bytes(d)
+    m_full = S * H * d * 4
+    n = residual_slots(theta, S, H, d, k_anchors)
+    candidates = H * (S - k_anchors)  # anchors never compete
+    assert (n_k, n_v) == (min(n // 2, candidates), min(n - n // 2, candidates))
+    assert store.nbytes() <= theta * m_full
+    if n // 2 < candidates:  # the budget binds: it is used to the last residual
+        assert store.nbytes() > theta * m_full - 2 * residual_bytes(d)
+
+
+def test_budget_below_fixed_cost_and_other_bad_input():
+    store = get_codec("anchor", budget=0.02).new_store(_layout())
+    with pytest.raises(ValueError, match=r"budget θ = 0.02 is below AnchorKV's fixed cost"):
+        _prefill(store, 2, 3, 600, 64)
+    store = get_codec("anchor", budget=0.1, window=64).new_store(_layout())
+    with pytest.raises(ValueError, match="window W = 64 must be shorter than the prompt"):
+        _prefill(store, 2, 3, 64, 64)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        get_codec("anchor").new_store(_layout(d=48))
+    with pytest.raises(ValueError, match="needs the model's rotary embedding"):
+        get_codec("anchor").new_store(_layout(rope=False))
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(budget=0.0), r"budget must be in \(0, 1\]"),
+    (dict(budget=1.01), r"budget must be in \(0, 1\]"),
+    (dict(anchors=16, window=32), r"anchors \(k = 16\) must be >= window \(W = 32\)"),
+    (dict(kernel=6), r"kernel \(κ\) must be odd"),
+    (dict(kernel=0), "kernel must be >= 1"),
+    (dict(rho=1.5), r"rho must be in \[0, 1\]"),
+    (dict(rho=-0.1), r"rho must be in \[0, 1\]"),
+    (dict(window=0), "window must be >= 1"),
+])
+def test_invalid_anchor_config(fields, match):
+    with pytest.raises(ValueError, match=match):
+        AnchorConfig(**fields)
+
+
+def test_utility_matches_direct_first_order_output_change():
+    """Eq. 6 per token equals ‖Δy‖²/ε² of a direct computation with that token's residual dropped
+    (ε-scaled), averaged over the observation queries."""
+    torch.manual_seed(5)
+    H, group, S, d, W = 1, 2, 24, 8, 4
+    q_all = torch.randn(H * group, S, d, dtype=torch.float64)
+    k = torch.randn(H, S, d, dtype=torch.float64)
+    v = torch.randn(H, S, d, dtype=torch.float64)
+    r_k = torch.randn(H, S, d, dtype=torch.float64)  # already rotated residuals R_t r_t
+    r_v = torch.randn(H, S, d, dtype=torch.float64)
+    scaling = d ** -0.5
+    pos = torch.arange(S - W, S)
+
+    def outputs(keys, values):
+        return torch.stack([reference_attention(q_all[:, p:p + 1], keys[:, :p + 1], values[:, :p + 1], scaling)
+                            for p in pos.tolist()], dim=2)[:, :, :, 0]  # [Hq, d, W] -> per query
+
+    y = outputs(k, v)  # [Hq, W, d]... built per query below
+    q_obs = q_all[:, S - W:].reshape(H, group * W, d)
+    y_obs = torch.stack([reference_attention(q_all[:, p:p + 1], k[:, :p + 1], v[:, :p + 1], scaling)[:, 0]
+                         for p in pos.tolist()], dim=1).reshape(H, group * W, d)
+    u_k, u_v = utilities(q_obs, y_obs, k, v, r_k, r_v, scaling, pos.repeat(group))
+    eps = 1e-6
+    for t in [0, 5, 11, 19]:
+        for side, u in (("k", u_k), ("v", u_v)):
+            k2, v2 = k.clone(), v.clone()
+            if side == "k":
+                k2[:, t] -= eps * r_k[:, t]
+            else:
+                v2[:, t] -= eps * r_v[:, t]
+            y2 = torch.stack([reference_attention(q_all[:, p:p + 1], k2[:, :p + 1], v2[:, :p + 1], scaling)[:, 0]
+                              for p in pos.tolist()], dim=1).reshape(H, group * W, d)
+            direct = ((y2 - y_obs) / eps).square().sum(-1).mean(dim=1)
+            assert u[0, t].item() == pytest.approx(direct[0].item(), rel=1e-4, abs=1e-12), (side, t)
+    del y
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_tile_attention_equals_attention_over_reconstruction(group):
+    H, S, d = 2, 333, 64
+    store = get_codec("anchor", budget=0.15, tile=64).new_store(_layout(H, group, d))
+    _prefill(store, H, group, S, d)
+    q = torch.randn(H * group, 3, d)
+    kn, vn = _kv(H, 3, d, seed=9)
+    out = store.attend(q, kn, vn, 0.125)
+    k_hat, v_hat = store.reconstruct()
+    ref = reference_attention(q, torch.cat([k_hat, kn], 1), torch.cat([v_hat, vn], 1), 0.125, causal_offset=S)
+    torch.testing.assert_close(out, ref.float(), rtol=1e-4, atol=1e-4)
+
+
+def _clustered_kv(H, S, d, seed=0, clusters=6, noise=0.1):
+    """Tokens near a few directions (scaled), as real KV heads are: anchors can cover them."""
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(H, clusters, d, generator=g)
+    pick = torch.randint(0, clusters, (H, S), generator=g)
+    scale = 0.5 + torch.rand(H, S, 1, generator=g)
+    x = torch.gather(centers, 1, pick[..., None].expand(-1, -1, d)) * scale
+    return x + noise * torch.randn(H, S, d, generator=g)
+
+
+def test_anchors_exact_and_full_residuals_close_to_exact():
+    H, group, S, d = 2, 3, 400, 64
+    k, v = _clustered_kv(H, S, d, seed=1), _clustered_kv(H, S, d, seed=2)
+    q = torch.randn(H * group, S, d, generator=torch.Generator().manual_seed(3))
+    qn = torch.randn(H * group, 1, d)
+    kn, vn = _kv(H, 1, d, seed=4)
+    exact = reference_attention(qn, torch.cat([k, kn], 1), torch.cat([v, vn], 1), 0.125).float()
+    snr = {}
+    for theta in (1.0, 0.22):
+        store = get_codec("anchor", budget=theta, storage_dtype="float32").new_store(_layout(H, group, d))
+        store.append(k, v, q, store.attend(q, k, v, 0.125))
+        out = store.attend(qn, kn, vn, 0.125)
+        snr[theta] = 20 * math.log10(exact.norm() / (exact - out).norm())
+        if theta == 1.0:
+            assert store.n_residuals == (H * (S - store.n_anchors),) * 2  # every non-anchor token, both sides
+            k_hat, _ = store.reconstruct()
+            torch.testing.assert_close(k_hat[:, -32:], k[:, -32:], rtol=1e-4, atol=1e-4)  # window anchors exact
+    assert snr[1.0] > 25, snr
+    assert snr[1.0] > snr[0.22] + 5, snr  # the residuals are what brings it close
+
+
+def test_generation_through_cache_keeps_prompt_compressed_and_tail_dense():
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=64)
+    ids = torch.randint(0, 128, (2, 400), generator=torch.Generator().manual_seed(1))
+    cache = KVPackCache(model, "anchor", budget=0.15)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                         do_sample=False, pad_token_id=0, **cache_kwargs(model, cache))
+    assert out.shape == (2, 408) and cache.get_seq_length() == 407
+    store = cache.kvpack_layers[1].rows[1]
+    assert store.n_prompt == 400 and store.tail_k.shape[1] == 7
