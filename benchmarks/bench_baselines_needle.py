@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from kvpack.hf.models import load_model  # noqa: E402
 from kvpack.prompts import needle_prompt  # noqa: E402
 
-METHODS = ["full", "puzzle", "svd", "kivi", "streaming", "h2o", "snapkv"]
+METHODS = ["full", "puzzle", "anchor", "svd", "kivi", "streaming", "h2o", "snapkv"]
 
 
 def main() -> None:

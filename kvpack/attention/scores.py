@@ -42,7 +42,8 @@ def accumulated_attention(q: torch.Tensor, k: torch.Tensor, scaling: float, chun
 def observation_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, window: int, kernel: int) -> torch.Tensor:
     """SnapKV scores of the prefix keys from the last ``window`` queries.
 
-    The observation queries (the last ``window`` positions) attend causally over all ``S`` keys;
+    The observation queries (the last ``window`` positions; ``q`` may hold all ``S`` positions or just
+    those ``window``) attend causally over all ``S`` keys;
     the probabilities they give the ``S - window`` prefix keys are summed over the observation
     queries and the query heads of each GQA group, then average-pooled along the sequence with
     ``kernel`` (stride 1, same length).
@@ -51,7 +52,7 @@ def observation_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, window:
         ``[kv_heads, S - window]`` fp32.
     """
     S = k.shape[1]
-    s = _group_logits(q[:, S - window:], k, scaling)  # [H, g, W, S]
+    s = _group_logits(q[:, -window:], k, scaling)  # [H, g, W, S]
     pos_q = torch.arange(S - window, S, device=k.device)[:, None]
     s = s.masked_fill(torch.arange(S, device=k.device)[None, :] > pos_q, float("-inf"))
     votes = torch.softmax(s, dim=-1)[..., : S - window].sum(dim=(1, 2))  # [H, S - W]

@@ -70,7 +70,7 @@ class AnchorConfig(CodecConfig):
         anchor_fraction: the S/128 of the default (used when ``anchors`` is None).
         rho: share of the non-window anchors chosen by score (default 0.7); the rest is random.
         kernel: κ, the pooling kernel of the scores (odd, default 7).
-        tile: tokens reconstructed per attention tile (multiple of 32).
+        tile: tokens reconstructed per attention tile (multiple of 32; default 1024).
     """
 
     budget: float | None = 0.1
@@ -79,7 +79,7 @@ class AnchorConfig(CodecConfig):
     anchor_fraction: float = 1 / 128
     rho: float = 0.7
     kernel: int = 7
-    tile: int = 256
+    tile: int = 1024
 
     def validate(self) -> None:
         super().validate()
@@ -235,12 +235,16 @@ class AnchorStore(LayerStore):
         return pack_bits(codes, RESIDUAL_BITS), scale
 
     def decode_residuals(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        y = lloyd_max.decode(unpack_bits(codes, RESIDUAL_BITS, self.layout.head_dim)) * scale[:, None]
+        y = lloyd_max.decode_packed(codes, self.layout.head_dim) * scale[:, None]
         return self.hadamard.inverse(y)
 
     def compress_prompt(self, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, out: torch.Tensor,
                         scaling: float) -> None:
-        """Algorithm 1 on the prompt ``k, v [H, S, D]`` with its queries ``q`` and outputs ``out`` ``[Hq, S, D]``."""
+        """Algorithm 1 on the prompt ``k, v [H, S, D]``.
+
+        ``q`` and ``out`` are the prompt's queries and exact attention outputs ``[Hq, n, D]``; only
+        the last ``W`` rows (the observation window) are read, so ``n`` may be ``S`` or ``W``.
+        """
         cfg, lay = self.config, self.layout
         H, S, D = k.shape
         W = cfg.window
@@ -250,7 +254,9 @@ class AnchorStore(LayerStore):
         if n_anchors > S:
             raise ValueError(f"anchor: k = {n_anchors} anchors exceed the prompt's {S} tokens")
         n_res = residual_slots(cfg.budget, S, H, D, n_anchors, self.storage_dtype.itemsize)
-        k, v, q, out = k.float(), v.float(), q.float(), out.float()
+        if q.shape[1] < W or out.shape[1] < W:
+            raise ValueError(f"anchor: compression needs the last W = {W} queries and outputs")
+        k, v, q, out = k.float(), v.float(), q[:, -W:].float(), out[:, -W:].float()
         cos, sin = lay.rope.cos_sin(torch.arange(S, device=k.device))
         k_pre = invert_rope(k, cos, sin)
         votes = observation_scores(q, k, scaling, W, cfg.kernel)
@@ -259,8 +265,8 @@ class AnchorStore(LayerStore):
         ak, idx_k, gamma_k, r_k = assign_and_project(k_pre, anchor_pos)
         av, idx_v, gamma_v, r_v = assign_and_project(v, anchor_pos)
         group = lay.group
-        q_obs = q[:, S - W:].reshape(H, group * W, D)
-        y_obs = out[:, S - W:].reshape(H, group * W, D)
+        q_obs = q.reshape(H, group * W, D)
+        y_obs = out.reshape(H, group * W, D)
         obs_pos = torch.arange(S - W, S, device=k.device).repeat(group)
         u_k, u_v = utilities(q_obs, y_obs, k, v, apply_rope(r_k, cos, sin), r_v, scaling, obs_pos)
         is_anchor = torch.zeros(H, S, dtype=torch.bool, device=k.device)
@@ -323,18 +329,25 @@ class AnchorStore(LayerStore):
         t = self.t
         out = []
         for side in ("k", "v"):
-            idx = t[f"index_{side}"][:, lo:hi].long()
-            anchors = t[f"anchor_{side}"].float()
-            x = torch.gather(anchors, 1, idx[..., None].expand(-1, -1, D)) * t[f"coef_{side}"][:, lo:hi, None].float()
-            mask = unpack_bits(t[f"mask_{side}"], 1, self.n_prompt)[:, lo:hi].bool()
-            if mask.any():
+            anchors = t[f"anchor_{side}"]
+            k_anchors = anchors.shape[1]
+            # One flat row lookup (faster than gather with an expanded index): row h*k + index.
+            rows = (t[f"index_{side}"][:, lo:hi].long()
+                    + torch.arange(H, device=anchors.device)[:, None] * k_anchors).flatten()
+            x = anchors.reshape(H * k_anchors, D).index_select(0, rows).float().reshape(H, hi - lo, D)
+            x = x * t[f"coef_{side}"][:, lo:hi, None].float()
+            # lo is a multiple of 32: the tile's bits start on a byte boundary.
+            mask = unpack_bits(t[f"mask_{side}"][:, lo // 8: (hi + 7) // 8], 1, hi - lo).bool()
+            where = mask.flatten().nonzero().squeeze(-1)  # flat (head, token) of the tile's residuals
+            if where.numel():
                 # Slot = prefix count of the token's 32-token block + residuals before it in the block.
                 n = hi - lo
                 padded = F.pad(mask, (0, (-n) % PREFIX_BLOCK)).reshape(H, -1, PREFIX_BLOCK).int()
                 before = (padded.cumsum(-1) - padded).reshape(H, -1)[:, :n]
                 blocks = t[f"prefix_{side}"][:, lo // PREFIX_BLOCK: lo // PREFIX_BLOCK + padded.shape[1]]
-                slots = (blocks.repeat_interleave(PREFIX_BLOCK, dim=1)[:, :n] + before)[mask].long()
-                x[mask] += self.decode_residuals(t[f"res_{side}"][slots], t[f"scale_{side}"][slots])
+                slots = (blocks.repeat_interleave(PREFIX_BLOCK, dim=1)[:, :n] + before).flatten()[where].long()
+                res = self.decode_residuals(t[f"res_{side}"][slots], t[f"scale_{side}"][slots])
+                x = x.reshape(H * n, D).index_add_(0, where, res).reshape(H, n, D)
             out.append(x)
         cos, sin = self.layout.rope.cos_sin(torch.arange(lo, hi, device=out[0].device))
         return apply_rope(out[0], cos, sin), out[1]
