@@ -199,3 +199,32 @@ def test_generation_through_cache_keeps_prompt_compressed_and_tail_dense():
     assert out.shape == (2, 408) and cache.get_seq_length() == 407
     store = cache.kvpack_layers[1].rows[1]
     assert store.n_prompt == 400 and store.tail_k.shape[1] == 7
+
+
+def test_recompression_of_the_dense_tail():
+    H, group, S, d = 2, 3, 600, 64
+    stores = {}
+    for every in (None, 64):
+        store = get_codec("anchor", budget=0.15, recompress_every=every).new_store(_layout(H, group, d))
+        _prefill(store, H, group, S, d)
+        k, v = _kv(H, 300, d, seed=11)
+        for t in range(300):
+            q = torch.randn(H * group, 1, d, generator=torch.Generator().manual_seed(100 + t))
+            out = store.attend(q, k[:, t:t + 1], v[:, t:t + 1], 0.125)
+            store.append(k[:, t:t + 1], v[:, t:t + 1], q, out)
+        stores[every] = store
+    plain, recompressed = stores[None], stores[64]
+    assert len(recompressed.segments) == 1 + 300 // 64 and recompressed.tail_k.shape[1] == 300 % 64
+    assert plain.tail_k.shape[1] == 300 and len(plain.segments) == 1
+    assert recompressed.nbytes() == sum(t.numel() * t.element_size() for t in recompressed.tensors().values())
+    assert recompressed.nbytes() < plain.nbytes()
+    # Attention still equals attention over what is stored (segments reconstructed at their positions).
+    q = torch.randn(H * group, 1, d)
+    kn, vn = _kv(H, 1, d, seed=12)
+    k_hat, v_hat = recompressed.reconstruct()
+    assert k_hat.shape[1] == S + 300
+    ref = reference_attention(q, torch.cat([k_hat, kn], 1), torch.cat([v_hat, vn], 1), 0.125)
+    torch.testing.assert_close(recompressed.attend(q, kn, vn, 0.125), ref.float(), rtol=1e-4, atol=1e-4)
+    # The re-compressed stretch is close to the tokens it replaced.
+    err = (k_hat[:, S:S + 256] - k[:, :256].to(torch.bfloat16).float()).norm() / k[:, :256].norm()
+    assert err < 0.6

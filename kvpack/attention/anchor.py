@@ -12,10 +12,9 @@ from .softmax_merge import PartialAttention, dense_partial
 
 
 def anchor_tile_partials(store, qg, scaling: float) -> list[PartialAttention]:
-    """Partial states of grouped queries ``[kv_heads, rows, d]`` over the store's compressed prompt."""
+    """Partial states of grouped queries ``[kv_heads, rows, d]`` over the store's compressed segments."""
     states = []
-    tile = store.config.tile
-    for lo in range(0, store.n_prompt, tile):
-        k, v = store.reconstruct_tile(lo, min(lo + tile, store.n_prompt))
+    for segment, lo, hi in store.tiles():
+        k, v = store.reconstruct_tile(segment, lo, hi)
         states.append(dense_partial(qg, k, v, scaling))
     return states

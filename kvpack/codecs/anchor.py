@@ -71,6 +71,9 @@ class AnchorConfig(CodecConfig):
         rho: share of the non-window anchors chosen by score (default 0.7); the rest is random.
         kernel: κ, the pooling kernel of the scores (odd, default 7).
         tile: tokens reconstructed per attention tile (multiple of 32; default 1024).
+        recompress_every: beyond the paper: when the dense tail of generated tokens reaches this
+            many tokens, compress them as a new segment (same anchors, Eq. 6/9 over the segment,
+            scored by the last W decode queries). None (default): generated tokens stay dense.
     """
 
     budget: float | None = 0.1
@@ -80,6 +83,7 @@ class AnchorConfig(CodecConfig):
     rho: float = 0.7
     kernel: int = 7
     tile: int = 1024
+    recompress_every: int | None = None
 
     def validate(self) -> None:
         super().validate()
@@ -100,6 +104,8 @@ class AnchorConfig(CodecConfig):
         require_int(self, "tile", minimum=PREFIX_BLOCK)
         if self.tile % PREFIX_BLOCK:
             raise ValueError(f"tile must be a multiple of {PREFIX_BLOCK}, got {self.tile}")
+        if self.recompress_every is not None:
+            require_int(self, "recompress_every", minimum=PREFIX_BLOCK)
 
 
 def residual_bytes(head_dim: int) -> int:
@@ -146,6 +152,17 @@ def select_anchors(votes: torch.Tensor, seq_len: int, n_anchors: int, window: in
     return torch.stack(out).to(votes.device)
 
 
+def project_onto_anchors(x: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Eq. 1–2 for ``x [H, n, D]`` onto ``anchors [H, k, D]``: ``(index [H, n], gamma [H, n], residual)``."""
+    D = x.shape[-1]
+    dots = torch.einsum("hsd,hkd->hsk", x, anchors)
+    norms = x.norm(dim=-1).clamp_min(1e-30)[..., None] * anchors.norm(dim=-1).clamp_min(1e-30)[:, None, :]
+    index = (dots.abs() / norms).argmax(dim=-1)
+    a = torch.gather(anchors, 1, index[..., None].expand(-1, -1, D))
+    gamma = (x * a).sum(-1) / (a * a).sum(-1).clamp_min(1e-30)
+    return index, gamma, x - gamma[..., None] * a
+
+
 def assign_and_project(x: torch.Tensor, anchor_pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Eq. 1–2 for ``x [H, S, D]`` (fp32) and anchor positions ``[H, k]``.
 
@@ -169,7 +186,8 @@ def assign_and_project(x: torch.Tensor, anchor_pos: torch.Tensor) -> tuple[torch
 
 
 def utilities(q_obs: torch.Tensor, y_obs: torch.Tensor, k_post: torch.Tensor, v: torch.Tensor, key_residual_post,
-              value_residual, scaling: float, obs_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              value_residual, scaling: float, obs_positions: torch.Tensor, key_positions: torch.Tensor | None = None,
+              lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 6: ``(u_K, u_V)`` ``[H, S]``.
 
     Args:
@@ -178,11 +196,17 @@ def utilities(q_obs: torch.Tensor, y_obs: torch.Tensor, k_post: torch.Tensor, v:
         key_residual_post: ``[H, S, D]`` key residuals rotated to their positions (R_t r_K).
         value_residual: ``[H, S, D]``.
         obs_positions: ``[m]`` position of each observation row (causal visibility).
+        key_positions: ``[S]`` positions of the keys (default ``0..S-1``).
+        lse: ``[H, m]`` log-sum-exp of each observation row's logits over *all* keys it attended;
+            when the keys here are only part of them (a re-compressed segment), α is normalised
+            with it. None: the keys here are all the row saw (the prompt).
     """
     S = k_post.shape[1]
+    pos = torch.arange(S, device=k_post.device) if key_positions is None else key_positions
     s = torch.einsum("hmd,hsd->hms", q_obs, k_post) * scaling
-    visible = torch.arange(S, device=s.device)[None, :] <= obs_positions[:, None]
-    alpha2 = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).square()  # [H, m, S]
+    s = s.masked_fill(pos[None, None, :] > obs_positions[None, :, None], float("-inf"))
+    alpha = torch.softmax(s, dim=-1) if lse is None else torch.exp(s - lse[..., None])
+    alpha2 = alpha.square()  # [H, m, S]
     ds = torch.einsum("hmd,hsd->hms", q_obs, key_residual_post) * scaling
     dist = (v.square().sum(-1)[:, None, :] - 2 * torch.einsum("hmd,hsd->hms", y_obs, v)
             + y_obs.square().sum(-1)[..., None]).clamp_min(0)
@@ -202,7 +226,16 @@ def top_pooled(u: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class AnchorStore(LayerStore):
-    """One sequence, one layer: the compressed prompt plus a dense tail of generated tokens."""
+    """One sequence, one layer: anchors, compressed segments (the prompt, then any re-compressed
+    stretch of generated tokens) and the dense tail of generated tokens.
+
+    Tensors: ``anchor_k``/``anchor_v`` ``[H, k, D]``; per segment ``i`` (``seg{i}_*``): ``index_*``
+    ``[H, n]`` int16, ``coef_*`` ``[H, n]`` fp16, ``mask_*`` packed bits, ``prefix_*`` ``[H, ⌈n/32⌉]``
+    int32, ``res_*`` ``[slots, D/4]`` uint8, ``scale_*`` ``[slots]`` fp32; ``tail_k``/``tail_v``; with
+    ``recompress_every``, the observation buffer ``obs_q``/``obs_y`` ``[Hq, ≤W, D]``, ``obs_lse``
+    ``[Hq, ≤W]`` fp32 and ``obs_pos`` ``[≤W]`` int32 (the last decode queries, their outputs and
+    softmax normalisers, which score a re-compressed segment's residuals).
+    """
 
     def __init__(self, layout: LayerLayout, config: AnchorConfig):
         super().__init__(layout, config)
@@ -212,20 +245,32 @@ class AnchorStore(LayerStore):
         self.hadamard = RandomizedHadamard(d, seed=config.seed * 1_000_003 + layout.layer_idx)
         empty = torch.empty(layout.kv_heads, 0, d, dtype=self.storage_dtype)
         self.tail_k, self.tail_v = empty, empty.clone()
-        self.t: dict[str, torch.Tensor] = {}  # the compressed prompt's tensors (see module doc)
+        self.anchors: dict[str, torch.Tensor] = {}
+        self.segments: list[dict[str, torch.Tensor]] = []
+        self.segment_spans: list[tuple[int, int]] = []  # (start position, tokens)
+        self.obs: dict[str, torch.Tensor] = {}
         self.n_prompt = 0
         self.n_anchors: int | None = None
         self.n_residuals = (0, 0)
+        self._last_lse: torch.Tensor | None = None
 
     def tensors(self):
-        return {**self.t, "tail_k": self.tail_k, "tail_v": self.tail_v}
+        out = dict(self.anchors)
+        for i, seg in enumerate(self.segments):
+            out.update({f"seg{i}_{name}": t for name, t in seg.items()})
+        return {**out, **self.obs, "tail_k": self.tail_k, "tail_v": self.tail_v}
 
     def resolved_params(self):
         if self.n_anchors is None:
             return {}
-        return {"anchors": self.n_anchors, "residuals_k": self.n_residuals[0], "residuals_v": self.n_residuals[1]}
+        return {"anchors": self.n_anchors, "residuals_k": self.n_residuals[0], "residuals_v": self.n_residuals[1],
+                "segments": len(self.segments)}
 
-    # -- compression ------------------------------------------------------------------------
+    @property
+    def n_compressed(self) -> int:
+        return sum(n for _, n in self.segment_spans)
+
+    # -- residual codec ---------------------------------------------------------------------
 
     def _encode_residuals(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[n, D]`` residuals -> packed 2-bit codes ``[n, D/4]`` and fp32 scales ``[n]``."""
@@ -237,6 +282,25 @@ class AnchorStore(LayerStore):
     def decode_residuals(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         y = lloyd_max.decode_packed(codes, self.layout.head_dim) * scale[:, None]
         return self.hadamard.inverse(y)
+
+    # -- compression ------------------------------------------------------------------------
+
+    def _segment(self, sides, u_k, u_v, n_res) -> dict[str, torch.Tensor]:
+        """Store one segment: ``sides`` = ((index, gamma, residual) for keys, same for values)."""
+        H, n = u_k.shape
+        n_k = n_res // 2
+        masks = (top_pooled(u_k, n_k), top_pooled(u_v, n_res - n_k))
+        seg = {}
+        for name, (idx, gamma, r), mask in zip(("k", "v"), sides, masks):
+            seg[f"index_{name}"] = idx.to(torch.int16)
+            seg[f"coef_{name}"] = gamma.to(torch.float16)
+            seg[f"mask_{name}"] = pack_bits(mask.to(torch.uint8), 1)
+            counts = F.pad(mask, (0, (-n) % PREFIX_BLOCK)).reshape(H, -1, PREFIX_BLOCK).sum(-1)
+            # Slot of a head's first residual in block b: all residuals of earlier heads and blocks.
+            seg[f"prefix_{name}"] = (counts.flatten().cumsum(0) - counts.flatten()).reshape(H, -1).to(torch.int32)
+            seg[f"res_{name}"], seg[f"scale_{name}"] = self._encode_residuals(r[mask])  # head-major slots
+        self.n_residuals = (self.n_residuals[0] + int(masks[0].sum()), self.n_residuals[1] + int(masks[1].sum()))
+        return seg
 
     def compress_prompt(self, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, out: torch.Tensor,
                         scaling: float) -> None:
@@ -265,31 +329,55 @@ class AnchorStore(LayerStore):
         ak, idx_k, gamma_k, r_k = assign_and_project(k_pre, anchor_pos)
         av, idx_v, gamma_v, r_v = assign_and_project(v, anchor_pos)
         group = lay.group
-        q_obs = q.reshape(H, group * W, D)
-        y_obs = out.reshape(H, group * W, D)
         obs_pos = torch.arange(S - W, S, device=k.device).repeat(group)
-        u_k, u_v = utilities(q_obs, y_obs, k, v, apply_rope(r_k, cos, sin), r_v, scaling, obs_pos)
+        u_k, u_v = utilities(q.reshape(H, group * W, D), out.reshape(H, group * W, D), k, v,
+                             apply_rope(r_k, cos, sin), r_v, scaling, obs_pos)
         is_anchor = torch.zeros(H, S, dtype=torch.bool, device=k.device)
         is_anchor.scatter_(1, anchor_pos, True)
         u_k = u_k.masked_fill(is_anchor, float("-inf"))
         u_v = u_v.masked_fill(is_anchor, float("-inf"))
-        n_k = n_res // 2
-        mask_k, mask_v = top_pooled(u_k, n_k), top_pooled(u_v, n_res - n_k)
-        t = {}
-        dt = self.storage_dtype
-        for side, anchors, idx, gamma, r, mask in (("k", ak, idx_k, gamma_k, r_k, mask_k),
-                                                   ("v", av, idx_v, gamma_v, r_v, mask_v)):
-            t[f"anchor_{side}"] = anchors.to(dt)
-            t[f"index_{side}"] = idx.to(torch.int16)
-            t[f"coef_{side}"] = gamma.to(torch.float16)
-            t[f"mask_{side}"] = pack_bits(mask.to(torch.uint8), 1)
-            counts = F.pad(mask.reshape(H, -1), (0, (-S) % PREFIX_BLOCK)).reshape(H, -1, PREFIX_BLOCK).sum(-1)
-            # Slot of a head's first residual in block b: all residuals of earlier heads and blocks.
-            t[f"prefix_{side}"] = (counts.flatten().cumsum(0) - counts.flatten()).reshape(H, -1).to(torch.int32)
-            t[f"res_{side}"], t[f"scale_{side}"] = self._encode_residuals(r[mask])  # head-major slot order
-        self.t = t
+        self.anchors = {"anchor_k": ak.to(self.storage_dtype), "anchor_v": av.to(self.storage_dtype)}
+        self.segments = [self._segment(((idx_k, gamma_k, r_k), (idx_v, gamma_v, r_v)), u_k, u_v, n_res)]
+        self.segment_spans = [(0, S)]
         self.n_prompt, self.n_anchors = S, n_anchors
-        self.n_residuals = (int(mask_k.sum()), int(mask_v.sum()))
+
+    def _recompress_tail(self, scaling: float) -> None:
+        """Beyond the paper: compress the oldest ``recompress_every`` tail tokens as a new segment,
+        projected onto the prompt's anchors, its residuals scored by the last decode queries (Eq. 6
+        with their exact normalisers) and budgeted by Eq. 9 over the segment (no new anchors)."""
+        cfg, lay = self.config, self.layout
+        n = cfg.recompress_every
+        H, D = lay.kv_heads, lay.head_dim
+        start = self.n_compressed
+        k, v = self.tail_k[:, :n].float(), self.tail_v[:, :n].float()
+        pos = torch.arange(start, start + n, device=k.device)
+        cos, sin = lay.rope.cos_sin(pos)
+        k_pre = invert_rope(k, cos, sin)
+        sides = (project_onto_anchors(k_pre, self.anchors["anchor_k"].float()),
+                 project_onto_anchors(v, self.anchors["anchor_v"].float()))
+        m_full = n * H * D * 2 * DENSE_REFERENCE_BYTES_PER_ELEMENT
+        n_res = max(0, math.floor((cfg.budget * m_full - base_bytes(n, H, D, 0)) / residual_bytes(D)))
+        o = self.obs
+        group, rows = lay.group, o["obs_q"].shape[1]
+        u_k, u_v = utilities(o["obs_q"].float().reshape(H, group * rows, D), o["obs_y"].float().reshape(H, group * rows, D),
+                             k, v, apply_rope(sides[0][2], cos, sin), sides[1][2], scaling,
+                             o["obs_pos"].long().repeat(group), key_positions=pos,
+                             lse=o["obs_lse"].reshape(H, group * rows))
+        self.segments.append(self._segment(sides, u_k, u_v, n_res))
+        self.segment_spans.append((start, n))
+        self.tail_k, self.tail_v = self.tail_k[:, n:].clone(), self.tail_v[:, n:].clone()
+
+    def _observe(self, q: torch.Tensor, out: torch.Tensor) -> None:
+        """Keep the last W decode queries, outputs and log-sum-exps (for re-compression)."""
+        W = self.config.window
+        new = {"obs_q": q.to(self.storage_dtype), "obs_y": out.to(self.storage_dtype),
+               "obs_lse": self._last_lse.float(),
+               "obs_pos": torch.arange(self.seq_len, self.seq_len + q.shape[1], dtype=torch.int32, device=q.device)}
+        for name, t in new.items():
+            dim = 0 if name == "obs_pos" else 1
+            old = self.obs.get(name)
+            cat = t if old is None else torch.cat([old, t], dim=dim)
+            self.obs[name] = cat.narrow(dim, max(0, cat.shape[dim] - W), min(W, cat.shape[dim])).clone()
 
     def append(self, k, v, q=None, out=None):
         self.check_chunk(q, k, v)
@@ -297,10 +385,18 @@ class AnchorStore(LayerStore):
             if q is None or out is None:
                 raise ValueError("anchor: the prefill chunk needs its queries and attention outputs")
             self.compress_prompt(k, v, q, out, self._scaling)
-        else:  # generated tokens stay dense, as in the paper
-            self.tail_k = torch.cat([self.tail_k, k.to(self.storage_dtype)], dim=1)
-            self.tail_v = torch.cat([self.tail_v, v.to(self.storage_dtype)], dim=1)
+            self.seq_len += k.shape[1]
+            return
+        # Generated tokens stay dense, as in the paper, unless re-compression is on.
+        self.tail_k = torch.cat([self.tail_k, k.to(self.storage_dtype)], dim=1)
+        self.tail_v = torch.cat([self.tail_v, v.to(self.storage_dtype)], dim=1)
+        if self.config.recompress_every:
+            if q is None or out is None:
+                raise ValueError("anchor: re-compression needs each chunk's queries and attention outputs")
+            self._observe(q, out)
         self.seq_len += k.shape[1]
+        if self.config.recompress_every and self.tail_k.shape[1] >= self.config.recompress_every:
+            self._recompress_tail(self._scaling)
 
     # -- attention --------------------------------------------------------------------------
 
@@ -318,44 +414,53 @@ class AnchorStore(LayerStore):
             states.append(dense_partial(qg, self.tail_k, self.tail_v, scaling))
         mask = causal_chunk_mask(q.shape[1], lay.group, q.device) if q.shape[1] > 1 else None
         states.append(dense_partial(qg, k, v, scaling, mask=mask))
-        return ungroup_output(finalize(merge_partials(states)), lay.q_heads).to(q.dtype)
+        merged = merge_partials(states)
+        # log-sum-exp of each query row over everything it saw (kept for re-compression scoring).
+        self._last_lse = ungroup_output((merged.m + merged.l.log()).unsqueeze(-1), lay.q_heads).squeeze(-1)
+        return ungroup_output(finalize(merged), lay.q_heads).to(q.dtype)
 
-    def reconstruct_tile(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (post-RoPE) and values ``[H, hi − lo, D]`` fp32 of prompt positions ``[lo, hi)``.
+    def reconstruct_tile(self, segment: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (post-RoPE) and values ``[H, hi − lo, D]`` fp32 of tokens ``[lo, hi)`` of a segment.
 
         ``lo`` must be a multiple of 32 (prefix-count blocks). Only this tile is materialised.
         """
         H, D = self.layout.kv_heads, self.layout.head_dim
-        t = self.t
+        seg = self.segments[segment]
+        start = self.segment_spans[segment][0]
+        n = hi - lo
         out = []
         for side in ("k", "v"):
-            anchors = t[f"anchor_{side}"]
+            anchors = self.anchors[f"anchor_{side}"]
             k_anchors = anchors.shape[1]
             # One flat row lookup (faster than gather with an expanded index): row h*k + index.
-            rows = (t[f"index_{side}"][:, lo:hi].long()
+            rows = (seg[f"index_{side}"][:, lo:hi].long()
                     + torch.arange(H, device=anchors.device)[:, None] * k_anchors).flatten()
-            x = anchors.reshape(H * k_anchors, D).index_select(0, rows).float().reshape(H, hi - lo, D)
-            x = x * t[f"coef_{side}"][:, lo:hi, None].float()
+            x = anchors.reshape(H * k_anchors, D).index_select(0, rows).float().reshape(H, n, D)
+            x = x * seg[f"coef_{side}"][:, lo:hi, None].float()
             # lo is a multiple of 32: the tile's bits start on a byte boundary.
-            mask = unpack_bits(t[f"mask_{side}"][:, lo // 8: (hi + 7) // 8], 1, hi - lo).bool()
+            mask = unpack_bits(seg[f"mask_{side}"][:, lo // 8: (hi + 7) // 8], 1, n).bool()
             where = mask.flatten().nonzero().squeeze(-1)  # flat (head, token) of the tile's residuals
             if where.numel():
                 # Slot = prefix count of the token's 32-token block + residuals before it in the block.
-                n = hi - lo
                 padded = F.pad(mask, (0, (-n) % PREFIX_BLOCK)).reshape(H, -1, PREFIX_BLOCK).int()
                 before = (padded.cumsum(-1) - padded).reshape(H, -1)[:, :n]
-                blocks = t[f"prefix_{side}"][:, lo // PREFIX_BLOCK: lo // PREFIX_BLOCK + padded.shape[1]]
+                blocks = seg[f"prefix_{side}"][:, lo // PREFIX_BLOCK: lo // PREFIX_BLOCK + padded.shape[1]]
                 slots = (blocks.repeat_interleave(PREFIX_BLOCK, dim=1)[:, :n] + before).flatten()[where].long()
-                res = self.decode_residuals(t[f"res_{side}"][slots], t[f"scale_{side}"][slots])
+                res = self.decode_residuals(seg[f"res_{side}"][slots], seg[f"scale_{side}"][slots])
                 x = x.reshape(H * n, D).index_add_(0, where, res).reshape(H, n, D)
             out.append(x)
-        cos, sin = self.layout.rope.cos_sin(torch.arange(lo, hi, device=out[0].device))
+        cos, sin = self.layout.rope.cos_sin(torch.arange(start + lo, start + hi, device=out[0].device))
         return apply_rope(out[0], cos, sin), out[1]
 
+    def tiles(self):
+        """``(segment, lo, hi)`` of every attention tile, in position order."""
+        for i, (_, n) in enumerate(self.segment_spans):
+            for lo in range(0, n, self.config.tile):
+                yield i, lo, min(lo + self.config.tile, n)
+
     def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole prompt + tail, ``[H, seq_len, D]`` fp32 — for tests only (attention never calls it)."""
-        parts = [self.reconstruct_tile(lo, min(lo + self.config.tile, self.n_prompt))
-                 for lo in range(0, self.n_prompt, self.config.tile)]
+        """Everything stored, ``[H, seq_len, D]`` fp32 — for tests only (attention never calls it)."""
+        parts = [self.reconstruct_tile(*tile) for tile in self.tiles()]
         k = torch.cat([p[0] for p in parts] + [self.tail_k.float()], dim=1)
         v = torch.cat([p[1] for p in parts] + [self.tail_v.float()], dim=1)
         return k, v
