@@ -1,4 +1,4 @@
-"""Needle retrieval of PuzzleKV configurations on SmolLM2 (greedy), with measured byte ratios.
+"""Needle retrieval of PuzzleKV and AnchorKV configurations on SmolLM2 (greedy), with measured byte ratios.
 
 Ten 7-digit needles at depths 0.1..0.9 in RULER-style noise of about --tokens tokens. Prints, per
 configuration, how many needles were retrieved exactly and the mean measured ratio.
@@ -28,6 +28,11 @@ CONFIGS = [
     ("puzzle", {"page_size": 48, "budget": 0.6}),
     ("puzzle", {"page_size": 64, "budget": 0.6}),
     ("puzzle", {"page_size": 64, "budget": 0.6, "int4": True}),
+    ("anchor", {"budget": 0.1}),  # faithful defaults: W = 32, k = max(S/128, W), rho = 0.7, kernel 7
+    ("anchor", {"budget": 0.05}),
+    ("anchor", {"budget": 0.2}),
+    ("anchor", {"budget": 0.1, "anchors": 128}),
+    ("anchor", {"budget": 0.1, "window": 64}),
 ]
 CASES = [(10, 0.1), (11, 0.2), (12, 0.3), (13, 0.4), (14, 0.5), (15, 0.6), (16, 0.7), (17, 0.9), (7, 0.4), (3, 0.8)]
 
@@ -35,18 +40,23 @@ CASES = [(10, 0.1), (11, 0.2), (12, 0.3), (13, 0.4), (14, 0.5), (15, 0.6), (16, 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--methods", default=None, help="comma-separated methods to run (default: all)")
     args = parser.parse_args()
+    wanted = set(args.methods.split(",")) if args.methods else None
     model, tok = load_model("smollm2")
     prompts = [needle_prompt(tok, args.tokens, depth, seed) for seed, depth in CASES]
     print(f"# bench_needle  ({machine()}), {len(CASES)} needles, ~{args.tokens} tokens")
-    print("method  config                                          retrieved  mean ratio  resolved ranks")
+    print("method  config                                          retrieved  mean ratio  resolved")
     for method, cfg in CONFIGS:
+        if wanted is not None and method not in wanted:
+            continue
         hits, ratios, ranks = 0, [], None
         for prompt, answer in prompts:
             r = generate(model, tok, prompt, method, cfg, max_new_tokens=10)
             hits += answer in r.text
             ratios.append(r.ratio)
-            ranks = (r.config.get("rank_k"), r.config.get("rank_v"))
+            keys = ("rank_k", "rank_v", "anchors", "residuals_k", "residuals_v")
+            ranks = {k: r.config[k] for k in keys if k in r.config}
         print(f"{method:<7} {json.dumps(cfg):<47} {hits:>4}/{len(CASES)}  {sum(ratios) / len(ratios):>10.3f}  {ranks}",
               flush=True)
 
