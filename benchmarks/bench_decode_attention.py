@@ -18,20 +18,7 @@ import torch.nn.functional as F
 from _util import machine, median_seconds
 
 from kvpack.codecs import LayerLayout, get_codec
-from kvpack.ops.rope import RotaryTable
-
-
-class _Rotary(torch.nn.Module):
-    """Llama-style RoPE (theta 500000, as Llama-3) for the synthetic layer."""
-
-    def __init__(self, d, theta=500000.0):
-        super().__init__()
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2).float() / d))
-
-    def forward(self, x, position_ids):
-        ang = position_ids[..., None].float() * self.inv_freq
-        emb = torch.cat([ang, ang], dim=-1)
-        return emb.cos(), emb.sin()
+from kvpack.ops.rope import LlamaRotary, RotaryTable
 
 
 def synthetic_kv(H: int, T: int, d: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +53,7 @@ def main() -> None:
             dense[name] = (t, (kd.numel() + vd.numel()) * kd.element_size())
         ref_bytes = dense["dense-bf16"][1]
         rows = [(name, t, b) for name, (t, b) in dense.items()]
-        layout = LayerLayout(layer_idx=0, kv_heads=H, q_heads=Hq, head_dim=d, rope=RotaryTable(_Rotary(d), d))
+        layout = LayerLayout(layer_idx=0, kv_heads=H, q_heads=Hq, head_dim=d, rope=RotaryTable(LlamaRotary(d, theta=500000.0), d))
         for label, method, cfg in (("puzzle (16,14)", "puzzle", {}), ("puzzle int4", "puzzle", {"int4": True}),
                                    ("anchor θ=0.1", "anchor", {"budget": 0.1}),
                                    ("anchor θ=0.05", "anchor", {"budget": 0.05})):

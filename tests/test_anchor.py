@@ -12,10 +12,10 @@ from kvpack.codecs.anchor import AnchorConfig, base_bytes, residual_bytes, resid
 from kvpack.hf.cache import KVPackCache, cache_kwargs
 from kvpack.ops import lloyd_max
 from kvpack.ops.hadamard import RandomizedHadamard, hadamard_matrix
-from kvpack.ops.rope import RotaryTable, apply_rope
+from kvpack.ops.rope import LlamaRotary, RotaryTable
 
 from .conftest import tiny_llama
-from .test_puzzle import _kv, _Rotary
+from .test_puzzle import _kv
 
 
 def test_lloyd_max_gaussian_codebook_is_the_known_optimum():
@@ -52,7 +52,7 @@ def test_paper_worked_example_within_a_few_percent():
 
 def _layout(H=2, group=3, d=64, rope=True):
     return LayerLayout(layer_idx=1, kv_heads=H, q_heads=H * group, head_dim=d,
-                       rope=RotaryTable(_Rotary(d), d) if rope else None)
+                       rope=RotaryTable(LlamaRotary(d), d) if rope else None)
 
 
 def _prefill(store, H, group, S, d, seed=0):
@@ -122,11 +122,6 @@ def test_utility_matches_direct_first_order_output_change():
     scaling = d ** -0.5
     pos = torch.arange(S - W, S)
 
-    def outputs(keys, values):
-        return torch.stack([reference_attention(q_all[:, p:p + 1], keys[:, :p + 1], values[:, :p + 1], scaling)
-                            for p in pos.tolist()], dim=2)[:, :, :, 0]  # [Hq, d, W] -> per query
-
-    y = outputs(k, v)  # [Hq, W, d]... built per query below
     q_obs = q_all[:, S - W:].reshape(H, group * W, d)
     y_obs = torch.stack([reference_attention(q_all[:, p:p + 1], k[:, :p + 1], v[:, :p + 1], scaling)[:, 0]
                          for p in pos.tolist()], dim=1).reshape(H, group * W, d)
@@ -143,7 +138,6 @@ def test_utility_matches_direct_first_order_output_change():
                               for p in pos.tolist()], dim=1).reshape(H, group * W, d)
             direct = ((y2 - y_obs) / eps).square().sum(-1).mean(dim=1)
             assert u[0, t].item() == pytest.approx(direct[0].item(), rel=1e-4, abs=1e-12), (side, t)
-    del y
 
 
 @pytest.mark.parametrize("group", [1, 3, 4])

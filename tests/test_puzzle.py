@@ -10,7 +10,7 @@ from kvpack.attention.reference import reference_attention
 from kvpack.attention.softmax_merge import dense_partial, finalize, group_queries, merge_partials, ungroup_output
 from kvpack.codecs import LayerLayout, get_codec
 from kvpack.codecs.puzzle import default_ranks, expected_bytes, layout_at, page_ratio
-from kvpack.ops.rope import RotaryTable
+from kvpack.ops.rope import LlamaRotary, RotaryTable
 
 
 def _layout(kv_heads, group, d, rope=None):
@@ -25,19 +25,6 @@ def _kv(H, T, d, seed=0, dtype=torch.float32):
     v = torch.randn(H, T, 4, generator=g, dtype=dtype) @ torch.randn(H, 4, d, generator=g, dtype=dtype)
     v = v + 0.3 * torch.randn(H, T, d, generator=g, dtype=dtype)
     return k, v
-
-
-class _Rotary(torch.nn.Module):
-    """A Llama-style rotary module (cos/sin at integer positions)."""
-
-    def __init__(self, d, theta=10000.0):
-        super().__init__()
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2).float() / d))
-
-    def forward(self, x, position_ids):
-        ang = position_ids[..., None].float() * self.inv_freq
-        emb = torch.cat([ang, ang], dim=-1)
-        return emb.cos(), emb.sin()
 
 
 @pytest.mark.parametrize("P,n_pages,rk,rv", [(8, 5, 3, 2), (16, 3, 16, 16), (5, 7, 1, 4)])
@@ -114,7 +101,7 @@ def test_low_rank_store_matches_attention_over_its_reconstruction(group):
 
 def test_pre_rope_keys_full_rank_exact_and_low_rank_consistent():
     H, d, P, T = 2, 16, 8, 70
-    rope = RotaryTable(_Rotary(d), d)
+    rope = RotaryTable(LlamaRotary(d), d)
     k, v = _kv(H, T, d, seed=6)
     layout = _layout(H, 2, d, rope=rope)
     full = get_codec("puzzle", page_size=P, rank_k=P, rank_v=P, key_rope="pre", storage_dtype="float32")

@@ -100,6 +100,34 @@ def ungroup_output(o: torch.Tensor, q_heads: int) -> torch.Tensor:
     return o.reshape(q_heads, rows * kv_heads // q_heads, d)
 
 
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Exact causal attention of a chunk over itself (an empty history): ``q [Hq, Q, d]``,
+    ``k, v [Hkv, Q, d]`` -> ``[Hq, Q, d]``, with SDPA as the model itself computes it."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q[None], k[None].to(q.dtype), v[None].to(q.dtype), is_causal=q.shape[1] > 1, scale=scaling,
+        enable_gqa=q.shape[0] != k.shape[0],
+    )
+    return out[0]
+
+
+def attend_history_and_chunk(history: list[PartialAttention], qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             scaling: float, q_heads: int) -> tuple[torch.Tensor, PartialAttention]:
+    """One softmax over the history's partial states and the new chunk (causal within the chunk).
+
+    Args:
+        history: partial states of ``qg`` over every stored part.
+        qg: ``[kv_heads, group * Q, d]`` grouped queries of the chunk; k, v: ``[kv_heads, Q, d]``.
+
+    Returns:
+        ``(out [q_heads, Q, d] fp32, merged state)``.
+    """
+    n_q = k.shape[1]
+    group = q_heads // k.shape[0]
+    mask = causal_chunk_mask(n_q, group, qg.device) if n_q > 1 else None
+    merged = merge_partials([*history, dense_partial(qg, k, v, scaling, mask=mask)])
+    return ungroup_output(finalize(merged), q_heads), merged
+
+
 def causal_chunk_mask(n_q: int, group: int, device) -> torch.Tensor:
     """``[group * Q, Q]`` bool: row ``g*Q + i`` (query i of head g) may see chunk keys ``j <= i``."""
     causal = torch.ones(n_q, n_q, dtype=torch.bool, device=device).tril()

@@ -39,11 +39,10 @@ import torch.nn.functional as F
 from ..attention.anchor import anchor_tile_partials
 from ..attention.scores import observation_scores
 from ..attention.softmax_merge import (
-    causal_chunk_mask,
+    attend_history_and_chunk,
     dense_partial,
-    finalize,
     group_queries,
-    merge_partials,
+    prefill_attention,
     ungroup_output,
 )
 from ..ops import lloyd_max
@@ -405,19 +404,15 @@ class AnchorStore(LayerStore):
         self._scaling = scaling
         lay = self.layout
         if self.seq_len == 0:
-            out = F.scaled_dot_product_attention(q[None], k[None].to(q.dtype), v[None].to(q.dtype),
-                                                 is_causal=q.shape[1] > 1, scale=scaling, enable_gqa=lay.group > 1)
-            return out[0]
+            return prefill_attention(q, k, v, scaling)
         qg = group_queries(q, lay.kv_heads)
         states = anchor_tile_partials(self, qg, scaling)
         if self.tail_k.shape[1]:
             states.append(dense_partial(qg, self.tail_k, self.tail_v, scaling))
-        mask = causal_chunk_mask(q.shape[1], lay.group, q.device) if q.shape[1] > 1 else None
-        states.append(dense_partial(qg, k, v, scaling, mask=mask))
-        merged = merge_partials(states)
+        out, merged = attend_history_and_chunk(states, qg, k, v, scaling, lay.q_heads)
         # log-sum-exp of each query row over everything it saw (kept for re-compression scoring).
         self._last_lse = ungroup_output((merged.m + merged.l.log()).unsqueeze(-1), lay.q_heads).squeeze(-1)
-        return ungroup_output(finalize(merged), lay.q_heads).to(q.dtype)
+        return out.to(q.dtype)
 
     def reconstruct_tile(self, segment: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (post-RoPE) and values ``[H, hi − lo, D]`` fp32 of tokens ``[lo, hi)`` of a segment.

@@ -23,17 +23,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..attention.scores import accumulated_attention, observation_scores
-from ..attention.softmax_merge import (
-    causal_chunk_mask,
-    dense_partial,
-    finalize,
-    group_queries,
-    merge_partials,
-    ungroup_output,
-)
+from ..attention.softmax_merge import attend_history_and_chunk, dense_partial, group_queries, prefill_attention
 from .base import DENSE_REFERENCE_BYTES_PER_ELEMENT, Codec, CodecConfig, LayerLayout, LayerStore, register_codec, \
     require_int
 
@@ -84,15 +76,11 @@ class EvictionStore(LayerStore):
 
     def attend(self, q, k, v, scaling):
         self.check_chunk(q, k, v)
-        lay = self.layout
         if self.seq_len == 0:
-            out = F.scaled_dot_product_attention(q[None], k[None].to(q.dtype), v[None].to(q.dtype),
-                                                 is_causal=q.shape[1] > 1, scale=scaling, enable_gqa=lay.group > 1)
-            return out[0]
-        qg = group_queries(q, lay.kv_heads)
-        mask = causal_chunk_mask(q.shape[1], lay.group, q.device) if q.shape[1] > 1 else None
-        states = [dense_partial(qg, self.k, self.v, scaling), dense_partial(qg, k, v, scaling, mask=mask)]
-        return ungroup_output(finalize(merge_partials(states)), lay.q_heads).to(q.dtype)
+            return prefill_attention(q, k, v, scaling)
+        qg = group_queries(q, self.layout.kv_heads)
+        history = [dense_partial(qg, self.k, self.v, scaling)]
+        return attend_history_and_chunk(history, qg, k, v, scaling, self.layout.q_heads)[0].to(q.dtype)
 
     def append(self, k, v, q=None, out=None):
         self.check_chunk(q, k, v)

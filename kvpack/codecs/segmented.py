@@ -12,16 +12,13 @@ from __future__ import annotations
 from abc import abstractmethod
 
 import torch
-import torch.nn.functional as F
 
 from ..attention.softmax_merge import (
     PartialAttention,
-    causal_chunk_mask,
+    attend_history_and_chunk,
     dense_partial,
-    finalize,
     group_queries,
-    merge_partials,
-    ungroup_output,
+    prefill_attention,
 )
 from .base import LayerStore
 
@@ -81,13 +78,8 @@ class SegmentedStore(LayerStore):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
         self.check_chunk(q, k, v)
         lay = self.layout
-        if self.seq_len == 0:
-            # Prefill: exact dense causal attention over the chunk, as the model would compute it.
-            out = F.scaled_dot_product_attention(
-                q.unsqueeze(0), k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype),
-                is_causal=q.shape[1] > 1, scale=scaling, enable_gqa=lay.group > 1,
-            )
-            return out.squeeze(0)
+        if self.seq_len == 0:  # prefill: exact dense causal attention, as the model computes it
+            return prefill_attention(q, k, v, scaling)
         qg = group_queries(q, lay.kv_heads)
         states = []
         if self.sink_k.shape[1]:
@@ -95,10 +87,7 @@ class SegmentedStore(LayerStore):
         states.extend(self.history_partials(qg, scaling))
         if self.tail_k.shape[1]:
             states.append(dense_partial(qg, self.tail_k, self.tail_v, scaling))
-        chunk_mask = causal_chunk_mask(q.shape[1], lay.group, q.device) if q.shape[1] > 1 else None
-        states.append(dense_partial(qg, k, v, scaling, mask=chunk_mask))
-        out = finalize(merge_partials(states))
-        return ungroup_output(out, lay.q_heads).to(q.dtype)
+        return attend_history_and_chunk(states, qg, k, v, scaling, lay.q_heads)[0].to(q.dtype)
 
     def append(self, k, v, q=None, out=None) -> None:
         self.check_chunk(q, k, v)

@@ -68,3 +68,17 @@ class RotaryTable:
             self._cache = (cos[0].float(), sin[0].float())
         cos, sin = self._cache
         return cos[positions], sin[positions]
+
+
+class LlamaRotary(torch.nn.Module):
+    """A stand-alone Llama-style rotary module (``cos, sin = module(x, position_ids)``) for synthetic
+    layers in tests and benchmarks, where there is no model to take one from."""
+
+    def __init__(self, head_dim: int, theta: float = 10000.0):
+        super().__init__()
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        emb = torch.cat([angles, angles], dim=-1)
+        return emb.cos(), emb.sin()
