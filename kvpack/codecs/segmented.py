@@ -93,12 +93,13 @@ class SegmentedStore(LayerStore):
         self.check_chunk(q, k, v)
         k = k.to(self.storage_dtype)
         v = v.to(self.storage_dtype)
-        n_sink = min(self.sink_capacity - self.sink_k.shape[1], k.shape[1]) if not self.tail_k.shape[1] else 0
+        # The sink fills first (the tail is empty until it is full).
+        n_sink = min(self.sink_capacity - self.sink_k.shape[1], k.shape[1])
         if n_sink > 0:
             self.sink_k = torch.cat([self.sink_k, k[:, :n_sink]], dim=1)
             self.sink_v = torch.cat([self.sink_v, v[:, :n_sink]], dim=1)
-        self.tail_k = torch.cat([self.tail_k, k[:, max(n_sink, 0):]], dim=1)
-        self.tail_v = torch.cat([self.tail_v, v[:, max(n_sink, 0):]], dim=1)
+        self.tail_k = torch.cat([self.tail_k, k[:, n_sink:]], dim=1)
+        self.tail_v = torch.cat([self.tail_v, v[:, n_sink:]], dim=1)
         self.seq_len += k.shape[1]
         self.on_append(q, out, k.shape[1])
         self.compress()

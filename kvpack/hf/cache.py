@@ -94,10 +94,10 @@ class KVPackLayer(CacheLayerMixin):
         raise NotImplementedError("kvpack caches cannot be cropped (compressed tokens cannot be un-stored)")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if beam_idx.tolist() != list(range(len(self.rows))):
-            self.rows = [self.rows[i] for i in beam_idx.tolist()]
-            if len(set(beam_idx.tolist())) != len(self.rows):
-                raise NotImplementedError("kvpack caches do not support beam search (rows would share stores)")
+        order = beam_idx.tolist()
+        if len(set(order)) != len(order):
+            raise NotImplementedError("kvpack caches do not support beam search (rows would share stores)")
+        self.rows = [self.rows[i] for i in order]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if repeats != 1:
