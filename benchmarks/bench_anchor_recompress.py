@@ -28,11 +28,12 @@ def main() -> None:
     prompt, _ = needle_prompt(tok, 2048, 0.5, seed=0)
     prompt += " Now write a long story about the sea."
     print(f"# AnchorKV θ = {args.budget}, ~2K-token prompt, {args.new_tokens} generated tokens")
-    print("recompress_every  ratio after generation  total s  first 40 characters")
+    print("recompress_every  new tokens  ratio after generation  total s  first 40 characters")
     for every in (None, 64, 128):
         cfg = {"budget": args.budget, "recompress_every": every}
-        r = generate(model, tok, prompt, "anchor", cfg, max_new_tokens=args.new_tokens)
-        print(f"{every!s:<17} {r.ratio:>22.4f}  {r.total_s:>7.1f}  {r.text[:40]!r}", flush=True)
+        r = generate(model, tok, prompt, "anchor", cfg, max_new_tokens=args.new_tokens,
+                     min_new_tokens=args.new_tokens)
+        print(f"{every!s:<17} {r.new_tokens:>10}  {r.ratio:>22.4f}  {r.total_s:>7.1f}  {r.text[:40]!r}", flush=True)
 
 
 if __name__ == "__main__":

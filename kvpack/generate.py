@@ -91,19 +91,22 @@ def resolved_config(codec: Codec, cache: KVPackCache) -> dict[str, Any]:
 
 @torch.no_grad()
 def generate(model, tokenizer, prompt: str, method: str | Codec = "puzzle", config: dict[str, Any] | None = None,
-             chat: bool = False, max_new_tokens: int = 32, progress: bool = False) -> GenerationResult:
+             chat: bool = False, max_new_tokens: int = 32, progress: bool = False,
+             min_new_tokens: int = 0) -> GenerationResult:
     """Greedy generation of ``prompt`` with a ``method`` cache, with measured KV bytes.
 
     Args:
         method: a registered codec name or a :class:`Codec`.
         config: codec config fields (with a name).
+        min_new_tokens: generate at least this many tokens (end-of-sequence suppressed until then).
     """
     codec = method if isinstance(method, Codec) else get_codec(method, **(config or {}))
     ids = encode_prompt(tokenizer, prompt, chat).to(model.device)
     cache = KVPackCache(model, codec)
     streamer = _ProgressStreamer(ids.shape[1], max_new_tokens, progress)
     start = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         min_new_tokens=min_new_tokens, do_sample=False,
                          streamer=streamer, **cache_kwargs(model, cache), pad_token_id=tokenizer.pad_token_id)
     total = time.perf_counter() - start
     new = out[0, ids.shape[1]:]
