@@ -57,6 +57,7 @@ class EvictionStore(LayerStore):
         empty = torch.empty(layout.kv_heads, 0, layout.head_dim, dtype=self.storage_dtype)
         self.k, self.v = empty, empty.clone()
         self.n_keep: int | None = None  # token budget decided at prefill
+        self._scaling: float | None = None
 
     def tensors(self):
         return {"k": self.k, "v": self.v}
@@ -76,6 +77,7 @@ class EvictionStore(LayerStore):
 
     def attend(self, q, k, v, scaling):
         self.check_chunk(q, k, v)
+        self._scaling = scaling  # the selection (run by append, after attention) scores with it
         if self.seq_len == 0:
             return prefill_attention(q, k, v, scaling)
         qg = group_queries(q, self.layout.kv_heads)
@@ -220,7 +222,6 @@ class H2OStore(EvictionStore):
     def __init__(self, layout, config):
         super().__init__(layout, config)
         self.scores: torch.Tensor | None = None  # [H, n] fp32, only with update_scores
-        self._scaling: float | None = None
 
     def tensors(self):
         out = super().tensors()
@@ -234,14 +235,10 @@ class H2OStore(EvictionStore):
     def n_recent(self) -> int:
         return int(round(self.n_keep * self.config.recent_fraction))
 
-    def attend(self, q, k, v, scaling):
-        self._scaling = scaling
-        return super().attend(q, k, v, scaling)
-
     def select(self, q, k, n_keep):
         scores = accumulated_attention(q, k, self._scaling, self.config.score_chunk)
         self._prefill_scores = scores
-        return h2o_select(scores, n_keep, int(round(n_keep * self.config.recent_fraction)))
+        return h2o_select(scores, n_keep, self.n_recent())
 
     def on_prefill_selected(self, q, k, idx):
         if self.config.update_scores:
@@ -252,13 +249,10 @@ class H2OStore(EvictionStore):
         if not self.config.update_scores:
             return
         # Attention mass of the new queries over every kept token (new ones included, causally).
-        new_k = self.k[:, -n_new:].float()
-        old = self.k[:, :-n_new].float()
-        keys = torch.cat([old, new_k], dim=1)
-        hkv = keys.shape[0]
+        keys = self.k.float()  # the new tokens are already appended, last
+        hkv, n_old = keys.shape[0], keys.shape[1] - n_new
         qg = q.float().reshape(hkv, q.shape[0] // hkv, n_new, -1)
         s = torch.einsum("hgnd,htd->hgnt", qg, keys) * self._scaling
-        n_old = old.shape[1]
         dev = keys.device
         visible = torch.arange(keys.shape[1], device=dev)[None, :] <= n_old + torch.arange(n_new, device=dev)[:, None]
         p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).sum(dim=(1, 2))
@@ -316,10 +310,6 @@ class SnapKVStore(EvictionStore):
 
     def min_tokens(self) -> int:
         return self.config.window
-
-    def attend(self, q, k, v, scaling):
-        self._scaling = scaling
-        return super().attend(q, k, v, scaling)
 
     def select(self, q, k, n_keep):
         S, W = k.shape[1], self.config.window

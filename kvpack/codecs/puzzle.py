@@ -18,6 +18,8 @@ takes the largest total rank ``R`` with ``ρ ≤ 0.6`` and splits it ``r_K = R//
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
 
 import torch
@@ -139,18 +141,12 @@ def ranks_for_budget(seq_len: int, cfg: PuzzleConfig, head_dim: int, elem_bytes:
     Raises:
         ValueError: even rank (1, 1) exceeds the budget (the dense sink and window alone cost more).
     """
-    key = (seq_len, cfg.to_json(), head_dim, elem_bytes)
-    if key not in _RANKS_CACHE:  # every layer and row of one prompt asks the same question
-        if len(_RANKS_CACHE) > 4096:
-            _RANKS_CACHE.clear()
-        _RANKS_CACHE[key] = _ranks_for_budget(seq_len, cfg, head_dim, elem_bytes)
-    return _RANKS_CACHE[key]
+    return _ranks_for_budget(seq_len, cfg.to_json(), head_dim, elem_bytes)
 
 
-_RANKS_CACHE: dict[tuple, tuple[int, int]] = {}
-
-
-def _ranks_for_budget(seq_len: int, cfg: PuzzleConfig, head_dim: int, elem_bytes: int) -> tuple[int, int]:
+@functools.lru_cache(maxsize=256)  # every layer and row of one prompt asks the same question
+def _ranks_for_budget(seq_len: int, cfg_json: str, head_dim: int, elem_bytes: int) -> tuple[int, int]:
+    cfg = PuzzleConfig.from_dict(json.loads(cfg_json))
     cap = min(cfg.page_size, head_dim)
     dense_per_token = 2 * head_dim * DENSE_REFERENCE_BYTES_PER_ELEMENT
     for total in range(2 * cap, 1, -1):
