@@ -1,4 +1,10 @@
-"""``kvpack`` command line: ``generate`` (one measured generation) and ``demo`` (the main job)."""
+"""``kvpack`` command line.
+
+``generate`` (one measured generation), ``demo`` (the main job), and kvtc's storage flow:
+``calibrate`` (once per model), ``compress`` (prompt -> blob file or prefix-store entry),
+``decompress`` (blob -> dense cache tensors in safetensors) and ``continue`` (blob or store entry
++ new text -> generation).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,12 @@ import sys
 from pathlib import Path
 
 
-def _codec_config(method: str, budget: float | None, sets: list[str]) -> dict:
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _codec_config(method: str, budget: float | None, sets: list[str], calibration: str | None = None) -> dict:
+    import dataclasses
+
     from .codecs.base import CODECS, available_codecs
 
     if method not in available_codecs():
@@ -17,17 +28,35 @@ def _codec_config(method: str, budget: float | None, sets: list[str]) -> dict:
     config = CODECS[method].Config.parse_overrides(sets)
     if budget is not None:
         config["budget"] = budget
+    if calibration is not None:
+        if "calibration" not in {f.name for f in dataclasses.fields(CODECS[method].Config)}:
+            raise ValueError(f"--calibration applies to calibrated methods (kvtc), not to {method!r}")
+        config["calibration"] = calibration
     return config
+
+
+def _load(model: str, dtype: str):
+    import torch
+
+    from .hf.models import load_model
+
+    return load_model(model, dtype=getattr(torch, dtype))
+
+
+def _read_prompt(args) -> str:
+    return Path(args.prompt_file).read_text() if getattr(args, "prompt_file", None) else args.prompt
 
 
 def cmd_generate(args) -> int:
     from .codecs.base import get_codec
     from .generate import generate
-    from .hf.models import load_model
 
-    codec = get_codec(args.method, **_codec_config(args.method, args.budget, args.set))  # validate before loading
-    prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
-    model, tokenizer = load_model(args.model)
+    # Validate before loading the model.
+    codec = get_codec(args.method, **_codec_config(args.method, args.budget, args.set, args.calibration))
+    if codec.storage:
+        codec.calibration()
+    prompt = _read_prompt(args)
+    model, tokenizer = _load(args.model, args.dtype)
     result = generate(model, tokenizer, prompt, codec, chat=args.chat,
                       max_new_tokens=args.max_new_tokens, progress=not args.quiet)
     if args.json:
@@ -67,18 +96,164 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _parse_ratios(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--ratios expects comma-separated numbers, got {text!r}") from None
+
+
+def cmd_calibrate(args) -> int:
+    """kvtc calibration: PCA + DP allocations, written to --out."""
+    from .kvtc.calibration import CalibrationSettings, calibrate
+
+    settings = CalibrationSettings(tokens=args.tokens, chunk_tokens=args.chunk_tokens, pca_dim=args.pca_dim,
+                                   ratios=_parse_ratios(args.ratios), seed=args.seed)
+    model, tokenizer = _load(args.model, args.dtype)
+    calib = calibrate(model, tokenizer, settings, progress=not args.quiet)
+    calib.save(args.out)
+    t = calib.stats["timings"]
+    print(f"calibration {calib.calibration_id} written to {args.out}: {calib.stats['chunks']} chunks of "
+          f"{settings.chunk_tokens} tokens, p = {calib.features} features, {calib.stats['positions_sampled']} "
+          f"positions; prefill {t['prefill_s']:.1f} s, PCA {t['pca_keys_s'] + t['pca_values_s']:.1f} s, "
+          f"DP {t['dp_keys_s'] + t['dp_values_s']:.1f} s, total {t['total_s']:.1f} s")
+    for key, summary in calib.stats["widths"].items():
+        k, v = summary["keys"], summary["values"]
+        print(f"  ratio {key:>4}: keys {k['coded_components']} components ({k['groups']} groups, max {k['max_width']} "
+              f"bits), values {v['coded_components']} ({v['groups']} groups, max {v['max_width']} bits)")
+    return 0
+
+
+def _model_and_calibration(args):
+    from .codecs.transform import load_calibration
+
+    calib = load_calibration(args.calibration)
+    model, tokenizer = _load(args.model, args.dtype)
+    calib.check_model(model)
+    return model, tokenizer, calib
+
+
+def cmd_compress(args) -> int:
+    """Prefill a prompt, compress its cache with kvtc, write a blob file or a prefix-store entry."""
+    from .generate import encode_prompt
+    from .kvtc.session import compress_tokens
+    from .store.prefix import PrefixStore
+
+    if bool(args.out) == bool(args.store):
+        raise ValueError("give exactly one of --out FILE or --store [DIR]")
+    prompt = _read_prompt(args)
+    if not prompt:
+        raise ValueError("empty prompt: nothing to compress")
+    model, tokenizer, calib = _model_and_calibration(args)
+    calib.allocation(args.ratio)
+    ids = encode_prompt(tokenizer, prompt, args.chat)[0].tolist()
+    blob = compress_tokens(model, calib, ids, args.ratio, args.backend, args.level)
+    if args.out:
+        _atomic_write_bytes(Path(args.out), blob)
+        where = args.out
+    else:
+        where = str(PrefixStore(None if args.store is True else args.store).put(blob, ids))
+    from .store.format import Blob
+
+    dense = Blob(blob).meta["dense_bf16_bytes"]
+    print(f"{len(ids)} tokens -> {len(blob):,} bytes (dense bf16 {dense:,}, ratio {dense / len(blob):.2f}x) in {where}")
+    return 0
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def cmd_decompress(args) -> int:
+    """A blob back to dense cache tensors (safetensors: layer{i}.keys / layer{i}.values, token_ids)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from .kvtc.coder import decompress_cache
+
+    model, _, calib = _model_and_calibration(args)
+    cache, ids = decompress_cache(Path(args.blob).read_bytes(), calib, model)
+    tensors = {"token_ids": torch.tensor(ids, dtype=torch.int64)}
+    for i, layer in enumerate(cache.layers):
+        tensors[f"layer{i}.keys"] = layer.keys[0].contiguous()
+        tensors[f"layer{i}.values"] = layer.values[0].contiguous()
+    save_file(tensors, args.out)
+    print(f"{len(ids)} tokens, {len(cache.layers)} layers written to {args.out}")
+    return 0
+
+
+def cmd_continue(args) -> int:
+    """Generation continued from a blob (+ new text) or from the longest stored prefix of a prompt."""
+    from .generate import encode_prompt
+    from .kvtc.session import continue_from_blob
+    from .store.prefix import PrefixStore
+
+    if bool(args.blob) == bool(args.store):
+        raise ValueError("give exactly one of --blob FILE or --store [DIR]")
+    text = _read_prompt(args)
+    if not text:
+        raise ValueError("empty prompt: give the new text (--blob) or the whole conversation (--store)")
+    model, tokenizer, calib = _model_and_calibration(args)
+    if args.blob:
+        from .kvtc.coder import blob_token_ids, read_blob
+
+        blob = Path(args.blob).read_bytes()
+        blob_token_ids(read_blob(blob, calib, model))  # verify before loading work
+        new = tokenizer(text, add_special_tokens=False).input_ids
+    else:
+        from .hf.fingerprint import model_fingerprint
+
+        ids = encode_prompt(tokenizer, text, args.chat)[0].tolist()
+        found = PrefixStore(None if args.store is True else args.store).longest_prefix(
+            model_fingerprint(model)["hash"], calib.calibration_id, ids[:-1])
+        if found is None:
+            raise ValueError("no stored prefix of this prompt for this model and calibration "
+                             "(store one with `kvpack compress --store`)")
+        n, blob = found
+        new = ids[n:]
+    result = continue_from_blob(model, tokenizer, calib, blob, new, max_new_tokens=args.max_new_tokens)
+    if args.json:
+        print(json.dumps(result.__dict__))
+    else:
+        print(result.text)
+        print(f"\n[kvtc] restored {result.prefix_tokens} tokens from {result.blob_bytes:,} bytes "
+              f"(dense bf16 {result.dense_bf16_bytes:,}) in {result.decompress_s:.2f} s, prefilled "
+              f"{result.prefilled_tokens} new tokens; first token after {result.first_token_s:.2f} s", file=sys.stderr)
+    return 0
+
+
+def _add_model_args(p, dtype_default: str = "float32") -> None:
+    p.add_argument("--model", default="smollm2", help="smollm2 (default), a model directory or a .gguf file")
+    p.add_argument("--dtype", default=dtype_default, choices=DTYPES, help=f"model dtype (default {dtype_default})")
+
+
+def _add_prompt_args(p, required: bool = True) -> None:
+    src = p.add_mutually_exclusive_group(required=required)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="file holding the prompt")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpack", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate with a compressed KV cache and report its measured bytes")
-    g.add_argument("--model", default="smollm2", help="smollm2 (default), a model directory or a .gguf file")
-    g.add_argument("--method", default="puzzle", help="codec name (full, puzzle, ...)")
+    _add_model_args(g)
+    g.add_argument("--method", default="puzzle", help="codec name (full, puzzle, anchor, kvtc, ...)")
     g.add_argument("--budget", type=float, default=None, help="target fraction of the dense bf16 KV bytes")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="codec config field")
-    src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", help="file holding the prompt")
+    g.add_argument("--calibration", default=None, help="calibration directory (kvtc)")
+    _add_prompt_args(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--json", action="store_true", help="print one JSON object")
@@ -90,6 +265,50 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tokens", type=int, default=2048)
     d.add_argument("--max-new-tokens", type=int, default=12)
     d.set_defaults(func=cmd_demo)
+
+    c = sub.add_parser("calibrate", help="kvtc: calibrate PCA bases and bit allocations for a model (once)")
+    _add_model_args(c, "bfloat16")
+    c.add_argument("--out", required=True, help="directory to write the calibration to")
+    c.add_argument("--tokens", type=int, default=32768, help="calibration tokens (default 32768)")
+    c.add_argument("--chunk-tokens", type=int, default=2048, help="tokens per calibration sequence")
+    c.add_argument("--pca-dim", type=int, default=3072, help="principal components computed (default 3072)")
+    c.add_argument("--ratios", default="8,16,32,64", help="target ratios to allocate bits for")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--quiet", action="store_true")
+    c.set_defaults(func=cmd_calibrate)
+
+    k = sub.add_parser("compress", help="kvtc: prefill a prompt and compress its cache to a blob or the store")
+    _add_model_args(k, "bfloat16")
+    k.add_argument("--calibration", required=True, help="directory written by `kvpack calibrate`")
+    k.add_argument("--ratio", type=float, default=16.0, help="a calibrated target ratio (default 16)")
+    k.add_argument("--backend", default="zlib", choices=("zlib", "zstd", "none"), help="entropy coder")
+    k.add_argument("--level", type=int, default=6, help="entropy coder level")
+    _add_prompt_args(k)
+    k.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    dest = k.add_mutually_exclusive_group()
+    dest.add_argument("--out", help="blob file to write")
+    dest.add_argument("--store", nargs="?", const=True, help="put the blob in the prefix store (default location or DIR)")
+    k.set_defaults(func=cmd_compress)
+
+    x = sub.add_parser("decompress", help="kvtc: a blob back to dense cache tensors (safetensors)")
+    _add_model_args(x, "bfloat16")
+    x.add_argument("--calibration", required=True)
+    x.add_argument("--blob", required=True, help="blob file")
+    x.add_argument("--out", required=True, help="safetensors file to write")
+    x.set_defaults(func=cmd_decompress)
+
+    n = sub.add_parser("continue", help="kvtc: generate after a blob (+ new text) or the longest stored prefix")
+    _add_model_args(n, "bfloat16")
+    n.add_argument("--calibration", required=True)
+    src = n.add_mutually_exclusive_group()
+    src.add_argument("--blob", help="blob file; the prompt is the new text after it")
+    src.add_argument("--store", nargs="?", const=True, help="prefix store (default location or DIR); the prompt is "
+                     "the whole conversation, its longest stored prefix is restored")
+    _add_prompt_args(n)
+    n.add_argument("--chat", action="store_true", help="(with --store) wrap the prompt in the chat template")
+    n.add_argument("--max-new-tokens", type=int, default=32)
+    n.add_argument("--json", action="store_true")
+    n.set_defaults(func=cmd_continue)
     return parser
 
 
@@ -101,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except (ValueError, TypeError, NotImplementedError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, NotImplementedError, FileNotFoundError, IsADirectoryError) as exc:
         print(f"kvpack: error: {exc}", file=sys.stderr)
         return 2
 

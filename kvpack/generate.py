@@ -102,6 +102,9 @@ def generate(model, tokenizer, prompt: str, method: str | Codec = "puzzle", conf
     """
     codec = method if isinstance(method, Codec) else get_codec(method, **(config or {}))
     ids = encode_prompt(tokenizer, prompt, chat).to(model.device)
+    if codec.storage:
+        fields = codec.roundtrip_generate(model, tokenizer, ids[0].tolist(), max_new_tokens, min_new_tokens)
+        return GenerationResult(method=codec.name, prompt_tokens=ids.shape[1], **fields)
     cache = KVPackCache(model, codec)
     streamer = _ProgressStreamer(ids.shape[1], max_new_tokens, progress)
     start = time.perf_counter()

@@ -273,6 +273,9 @@ class Codec:
 
     name: ClassVar[str] = ""
     Config: ClassVar[type[CodecConfig]] = CodecConfig
+    # Storage codecs (kvtc) hold no resident cache: they turn a whole cache into bytes and back, and
+    # implement ``roundtrip_generate`` instead of ``new_store``.
+    storage: ClassVar[bool] = False
 
     def __init__(self, config: CodecConfig | None = None, **overrides):
         if config is None:

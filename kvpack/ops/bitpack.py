@@ -1,11 +1,13 @@
 """Bit-packing of unsigned integer codes of 1, 2, 4 or 8 bits into uint8 (real low-bit storage).
 
 Codes are packed along the last axis, ``8 // bits`` per byte, the first code in the lowest bits;
-the last axis is zero-padded to a whole byte.
+the last axis is zero-padded to a whole byte. :func:`pack_bitstream` packs any width 1..8 into one
+continuous stream (widths that do not divide 8 straddle bytes).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 SUPPORTED_BITS = (1, 2, 4, 8)
@@ -34,3 +36,30 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
     codes = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
     return codes.reshape(*packed.shape[:-1], -1)[..., :n].to(torch.uint8)
+
+
+def pack_bitstream(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Any width 1..8: ``codes`` (uint8, any shape, values < ``2**bits``) flattened into one stream of
+    ``bits``-bit fields, little-endian within each byte, zero-padded to a whole byte.
+
+    Returns ``[ceil(codes.numel() * bits / 8)]`` uint8.
+    """
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"pack_bitstream expects uint8 codes, got {codes.dtype}")
+    flat = codes.reshape(-1).cpu().numpy()
+    planes = np.unpackbits(flat[:, None], axis=1, bitorder="little")[:, :bits]  # [n, bits], LSB first
+    return torch.from_numpy(np.packbits(planes.reshape(-1), bitorder="little"))
+
+
+def unpack_bitstream(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bitstream`: ``n`` codes ``[n]`` uint8 from a ``bits``-bit stream."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    need = (n * bits + 7) // 8
+    if packed.numel() < need:
+        raise ValueError(f"bit stream too short: {packed.numel()} bytes for {n} codes of {bits} bits")
+    planes = np.unpackbits(packed.reshape(-1).cpu().numpy()[:need], bitorder="little")[: n * bits]
+    codes = np.packbits(planes.reshape(n, bits), axis=1, bitorder="little")[:, 0]
+    return torch.from_numpy(codes)

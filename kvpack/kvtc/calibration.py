@@ -1,0 +1,423 @@
+"""kvtc calibration, once per model: cross-layer PCA of keys and values plus DP bit allocations.
+
+Steps (kvtc paper §3; ../shared/notes/kvtc.md):
+
+1. Run the model over the calibration corpus (``kvpack.kvtc.corpus``) in chunks of
+   ``chunk_tokens`` with exact attention and collect each chunk's cache.
+2. Per chunk, drop the first ``sinks`` tokens (attention sinks) and the last ``window`` tokens
+   (kvtc never codes either), undo RoPE on keys, and turn each remaining position into one key
+   vector and one value vector over all full-attention layers and KV heads (``features.py``).
+3. Sample ``samples`` positions from the pool (seeded), subtract the mean, and compute the
+   leading ``pca_dim`` principal directions with a randomized SVD (``torch.svd_lowrank``).
+4. Measure the error of coding every aligned group of coefficients at every width on
+   ``dp_samples`` positions and solve the DP allocation for each target ratio: the per-token
+   budget is ``16 · p / ratio`` bits (bf16 is 16 bits per feature).
+5. Keep only the leading components that some ratio codes (the zero-bit tail is dropped).
+
+The artifact is a directory: ``kvtc_calibration.safetensors`` (means and bases) and
+``kvtc_calibration.json`` (settings, model fingerprint, allocations, timings, statistics).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..ops.bitalloc import Allocation, aligned_group_errors, allocate_bits
+from ..hf.fingerprint import model_fingerprint
+from .features import layer_rotaries, to_features
+
+FORMAT = "kvpack-kvtc-calibration"
+FORMAT_VERSION = 1
+TENSORS_FILE = "kvtc_calibration.safetensors"
+META_FILE = "kvtc_calibration.json"
+BF16_BITS = 16
+DEFAULT_RATIOS = (8.0, 16.0, 32.0, 64.0)
+
+
+def ratio_key(ratio: float) -> str:
+    """The key a ratio's allocation is stored under (``16.0`` -> ``"16"``)."""
+    return f"{float(ratio):g}"
+
+
+@dataclass
+class CalibrationSettings:
+    """How a calibration was (or is to be) made.
+
+    Attributes:
+        tokens: calibration tokens run through the model (default 65,536).
+        chunk_tokens: tokens per forward pass (documents of this length).
+        sinks: leading tokens per sequence kvtc keeps lossless (paper: s = 4).
+        window: most recent tokens kvtc keeps lossless (paper: w = 128).
+        samples: positions sampled for the PCA (None = every eligible position).
+        pca_dim: principal components computed (the paper cuts at 10K of p = 32K for 8B models).
+        dp_samples: positions whose coefficients measure the group errors for the DP.
+        ratios: target ratios to allocate bits for.
+        seed: sampling and randomized-SVD seed.
+        svd_iters: power iterations of the randomized SVD.
+    """
+
+    tokens: int = 65536
+    chunk_tokens: int = 2048
+    sinks: int = 4
+    window: int = 128
+    samples: int | None = None
+    pca_dim: int = 2048
+    dp_samples: int = 4096
+    ratios: tuple[float, ...] = DEFAULT_RATIOS
+    seed: int = 0
+    svd_iters: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "chunk_tokens", "pca_dim", "dp_samples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("sinks", "window", "seed", "svd_iters"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.samples is not None and (not isinstance(self.samples, int) or self.samples < 2):
+            raise ValueError(f"samples must be None or an integer >= 2, got {self.samples!r}")
+        if self.chunk_tokens <= self.sinks + self.window:
+            raise ValueError(f"chunk_tokens ({self.chunk_tokens}) must exceed sinks + window "
+                             f"({self.sinks} + {self.window}) or no position is eligible")
+        self.ratios = tuple(float(r) for r in self.ratios)
+        if not self.ratios:
+            raise ValueError("give at least one target ratio")
+        for r in self.ratios:
+            if not (math.isfinite(r) and r > 1.0):
+                raise ValueError(f"target ratios must be > 1 (x smaller than bf16), got {r}")
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class Calibration:
+    """A model's kvtc calibration: PCA bases, means and bit allocations per target ratio.
+
+    Attributes:
+        fingerprint: :func:`kvpack.hf.fingerprint.model_fingerprint` of the calibrated model.
+        layers: full-attention layer indices the feature vectors concatenate.
+        kv_heads, head_dim: attention shape.
+        key_mean, value_mean: ``[p]`` fp32.
+        key_basis, value_basis: ``[p, r]`` fp32 orthonormal columns (leading components only).
+        allocations: ``{ratio_key: {"keys": Allocation, "values": Allocation}}``.
+        settings: the :class:`CalibrationSettings` used, as a dict.
+        stats: timings and spectra summaries.
+        calibration_id: hash of the tensors and allocations (blobs record it).
+    """
+
+    fingerprint: dict
+    layers: list[int]
+    kv_heads: int
+    head_dim: int
+    key_mean: torch.Tensor
+    key_basis: torch.Tensor
+    value_mean: torch.Tensor
+    value_basis: torch.Tensor
+    allocations: dict[str, dict[str, Allocation]]
+    settings: dict
+    stats: dict = field(default_factory=dict)
+    calibration_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.calibration_id:
+            self.calibration_id = self._compute_id()
+
+    @property
+    def features(self) -> int:
+        return len(self.layers) * self.kv_heads * self.head_dim
+
+    @property
+    def sinks(self) -> int:
+        return int(self.settings["sinks"])
+
+    @property
+    def window(self) -> int:
+        return int(self.settings["window"])
+
+    def ratios(self) -> list[float]:
+        return sorted(float(k) for k in self.allocations)
+
+    def allocation(self, ratio: float) -> dict[str, Allocation]:
+        """The key and value allocations for ``ratio``.
+
+        Raises:
+            ValueError: no allocation was calibrated for this ratio (the message lists those that were).
+        """
+        key = ratio_key(ratio)
+        if key not in self.allocations:
+            have = ", ".join(ratio_key(r) for r in self.ratios())
+            raise ValueError(f"this calibration has no bit allocation for ratio {key}; calibrated ratios: {have} "
+                             "(run `kvpack calibrate --ratios ...` to add one)")
+        return self.allocations[key]
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Raise ``ValueError`` unless ``model`` is the model this calibration was made for."""
+        fp = model_fingerprint(model)
+        if fp["hash"] != self.fingerprint["hash"]:
+            raise ValueError(
+                f"calibration was made for another model ({self.fingerprint['architecture']}, "
+                f"{self.fingerprint['layers']} layers, fingerprint {self.fingerprint['hash'][:12]}) than the one "
+                f"given ({fp['architecture']}, {fp['layers']} layers, fingerprint {fp['hash'][:12]})"
+            )
+
+    def _compute_id(self) -> str:
+        h = hashlib.sha256()
+        for t in (self.key_mean, self.key_basis, self.value_mean, self.value_basis):
+            h.update(str(tuple(t.shape)).encode())
+            h.update(t.contiguous().float().numpy().tobytes())
+        alloc = {k: {kind: a.to_dict() for kind, a in v.items()} for k, v in sorted(self.allocations.items())}
+        h.update(json.dumps(alloc, sort_keys=True).encode())
+        h.update(self.fingerprint["hash"].encode())
+        return h.hexdigest()[:24]
+
+    # -- files --------------------------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write the artifact into ``directory`` (created; each file replaced atomically)."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {"key_mean": self.key_mean, "key_basis": self.key_basis,
+                   "value_mean": self.value_mean, "value_basis": self.value_basis}
+        meta = {
+            "format": FORMAT, "version": FORMAT_VERSION, "calibration_id": self.calibration_id,
+            "fingerprint": self.fingerprint, "layers": self.layers, "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim, "settings": self.settings, "stats": self.stats,
+            "allocations": {k: {kind: a.to_dict() for kind, a in v.items()} for k, v in self.allocations.items()},
+        }
+        _atomic_write(directory / TENSORS_FILE, lambda p: save_file(
+            {k: v.contiguous() for k, v in tensors.items()}, str(p), metadata={"calibration_id": self.calibration_id}))
+        _atomic_write(directory / META_FILE, lambda p: Path(p).write_text(json.dumps(meta, indent=1)))
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "Calibration":
+        """Read an artifact written by :meth:`save`, checking that its files belong together.
+
+        Raises:
+            FileNotFoundError: a file is missing. ValueError: wrong format/version, mismatched or
+                corrupted files.
+        """
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        meta_path, tensors_path = directory / META_FILE, directory / TENSORS_FILE
+        for path in (meta_path, tensors_path):
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} is missing: not a kvtc calibration directory "
+                                        "(make one with `kvpack calibrate --model M --out DIR`)")
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{meta_path} is not valid JSON: {exc}") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ValueError(f"{meta_path} is not a kvtc calibration (format {meta.get('format') if isinstance(meta, dict) else None!r})")
+        if meta.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{meta_path}: calibration format version {meta.get('version')} is not supported "
+                             f"(expected {FORMAT_VERSION})")
+        try:
+            tensors = load_file(str(tensors_path))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ValueError(f"{tensors_path} is corrupted or truncated: {exc}") from None
+        missing = {"key_mean", "key_basis", "value_mean", "value_basis"} - set(tensors)
+        if missing:
+            raise ValueError(f"{tensors_path} lacks tensors {sorted(missing)}")
+        try:
+            allocations = {k: {kind: Allocation.from_dict(a) for kind, a in v.items()}
+                           for k, v in meta["allocations"].items()}
+            calib = cls(fingerprint=meta["fingerprint"], layers=[int(i) for i in meta["layers"]],
+                        kv_heads=int(meta["kv_heads"]), head_dim=int(meta["head_dim"]),
+                        key_mean=tensors["key_mean"], key_basis=tensors["key_basis"],
+                        value_mean=tensors["value_mean"], value_basis=tensors["value_basis"],
+                        allocations=allocations, settings=meta["settings"], stats=meta.get("stats", {}))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{meta_path} lacks or mangles field {exc}") from None
+        if calib.calibration_id != meta.get("calibration_id"):
+            raise ValueError(f"{directory}: the tensors and the JSON do not belong together or were modified "
+                             f"(content id {calib.calibration_id} vs recorded {meta.get('calibration_id')})")
+        calib._check_shapes()
+        return calib
+
+    def _check_shapes(self) -> None:
+        p = self.features
+        for kind, mean, basis in (("key", self.key_mean, self.key_basis), ("value", self.value_mean, self.value_basis)):
+            if mean.shape != (p,) or basis.dim() != 2 or basis.shape[0] != p:
+                raise ValueError(f"{kind} mean/basis shapes {list(mean.shape)}/{list(basis.shape)} do not fit "
+                                 f"p = {p} features")
+            for key, alloc in self.allocations.items():
+                n = alloc["keys" if kind == "key" else "values"].n_components
+                if n > basis.shape[1]:
+                    raise ValueError(f"ratio {key}: the {kind} allocation codes {n} components, "
+                                     f"the stored basis has {basis.shape[1]}")
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".tmp-", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ------------------------------------------------------------------------------------------------
+# Making a calibration
+# ------------------------------------------------------------------------------------------------
+
+
+def _calibration_chunks(tokenizer, settings: CalibrationSettings, documents: list[str] | None) -> list[torch.Tensor]:
+    from .corpus import calibration_documents
+
+    docs = documents if documents is not None else calibration_documents()
+    ids: list[int] = []
+    for doc in docs:
+        ids.extend(tokenizer(doc + "\n\n", add_special_tokens=False).input_ids)
+        if len(ids) >= settings.tokens:
+            break
+    ids = ids[: settings.tokens]
+    n_chunks = len(ids) // settings.chunk_tokens
+    if n_chunks == 0:
+        raise ValueError(f"the calibration corpus gave {len(ids)} tokens, fewer than one chunk of {settings.chunk_tokens}")
+    return [torch.tensor(ids[i * settings.chunk_tokens:(i + 1) * settings.chunk_tokens]) for i in range(n_chunks)]
+
+
+@torch.no_grad()
+def collect_features(model, chunks: list[torch.Tensor], layers: list[int], head_dim: int, sinks: int,
+                     window: int, progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value features ``[positions, p]`` of every chunk's eligible positions (fp32)."""
+    from transformers.cache_utils import DynamicCache
+    from tqdm import tqdm
+
+    from ..hf.cache import cache_kwargs
+
+    rotaries = layer_rotaries(model, layers, head_dim)
+    keys, values = [], []
+    for chunk in tqdm(chunks, desc="[kvpack] calibration prefill", unit="chunk", disable=not progress):
+        ids = chunk[None].to(model.device)
+        cache = DynamicCache(config=model.config)
+        model(ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1,
+              **cache_kwargs(model, cache))
+        stop = ids.shape[1] - window
+        positions = torch.arange(sinks, stop)
+        ks = [cache.layers[i].keys[0, :, sinks:stop] for i in layers]
+        vs = [cache.layers[i].values[0, :, sinks:stop] for i in layers]
+        keys.append(to_features(ks, [rotaries[i] for i in layers], positions))
+        values.append(to_features(vs, None, positions))
+    return torch.cat(keys), torch.cat(values)
+
+
+def pca(data: torch.Tensor, dim: int, iters: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean ``[p]``, leading principal directions ``[p, dim]`` and singular values ``[dim]`` of
+    ``data [n, p]`` by randomized SVD (Halko et al., via ``torch.svd_lowrank``)."""
+    mean = data.mean(0)
+    dim = min(dim, data.shape[0], data.shape[1])
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        _, s, v = torch.svd_lowrank(data - mean, q=dim, niter=iters)
+    finally:
+        torch.random.set_rng_state(gen_state)
+    order = torch.argsort(s, descending=True)
+    return mean, v[:, order].contiguous(), s[order]
+
+
+def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, documents: list[str] | None = None,
+              progress: bool = True) -> Calibration:
+    """Calibrate kvtc for ``model`` (see the module docstring for the steps).
+
+    Args:
+        documents: calibration texts (default: the standard-library corpus of ``kvpack.kvtc.corpus``).
+    """
+    from ..hf.fingerprint import attention_shape, full_attention_layers
+
+    settings = settings or CalibrationSettings()
+    shape = attention_shape(model)
+    layers = full_attention_layers(model)
+    if not layers:
+        raise ValueError("this model has no full-attention layer for kvtc to calibrate")
+    timings = {}
+    start = time.perf_counter()
+    chunks = _calibration_chunks(tokenizer, settings, documents)
+    keys, values = collect_features(model, chunks, layers, shape["head_dim"], settings.sinks, settings.window,
+                                    progress)
+    timings["prefill_s"] = time.perf_counter() - start
+    gen = torch.Generator().manual_seed(settings.seed)
+    pool = keys.shape[0]
+    n = pool if settings.samples is None else min(settings.samples, pool)
+    pick = torch.randperm(pool, generator=gen)[:n]
+    dp_pick = pick[: min(settings.dp_samples, n)]
+    p = keys.shape[1]
+    stats: dict = {"positions_pool": pool, "positions_sampled": n, "features": p, "chunks": len(chunks)}
+    bases, means, allocations = {}, {}, {}
+    for kind, data in (("keys", keys), ("values", values)):
+        t0 = time.perf_counter()
+        mean, basis, sv = pca(data[pick], settings.pca_dim, settings.svd_iters, settings.seed)
+        timings[f"pca_{kind}_s"] = time.perf_counter() - t0
+        total_var = float((data[pick] - mean).pow(2).sum())
+        explained = (sv.double().pow(2).cumsum(0) / total_var).tolist()
+        stats[f"{kind}_explained_at"] = {str(k): explained[k - 1] for k in (16, 64, 256, 1024, 2048, 4096)
+                                         if k <= len(explained)}
+        t0 = time.perf_counter()
+        coeffs = (data[dp_pick] - mean) @ basis
+        errors = aligned_group_errors(coeffs)
+        for ratio in settings.ratios:
+            budget = int(BF16_BITS * p // ratio)
+            allocations.setdefault(ratio_key(ratio), {})[kind] = allocate_bits(errors, basis.shape[1], budget)
+        timings[f"dp_{kind}_s"] = time.perf_counter() - t0
+        means[kind], bases[kind] = mean, basis
+    # Keep only components some ratio codes; re-solve nothing, just cut each allocation there.
+    for kind in ("keys", "values"):
+        used = max(_last_coded(a[kind]) for a in allocations.values())
+        bases[kind] = bases[kind][:, :used].contiguous()
+        for a in allocations.values():
+            a[kind] = _truncate(a[kind], used)
+        stats[f"{kind}_components_kept"] = used
+    stats["widths"] = {k: {kind: _width_summary(a[kind]) for kind in a} for k, a in allocations.items()}
+    timings["total_s"] = time.perf_counter() - start
+    stats["timings"] = timings
+    return Calibration(fingerprint=model_fingerprint(model), layers=layers, kv_heads=shape["kv_heads"],
+                       head_dim=shape["head_dim"], key_mean=means["keys"], key_basis=bases["keys"],
+                       value_mean=means["values"], value_basis=bases["values"], allocations=allocations,
+                       settings=settings.to_dict(), stats=stats)
+
+
+def _last_coded(alloc: Allocation) -> int:
+    coded = alloc.coded_groups()
+    return max((s + n for s, n, _ in coded), default=0)
+
+
+def _truncate(alloc: Allocation, n: int) -> Allocation:
+    """Drop groups at or beyond component ``n`` (they are all zero-width)."""
+    groups = tuple(g for g in alloc.groups if g[0] < n)
+    if groups and groups[-1][0] + groups[-1][1] > n:
+        start, size, width = groups[-1]
+        if width:
+            raise AssertionError("cut through a coded group")
+        groups = groups[:-1] + ((start, n - start, 0),) if n > start else groups[:-1]
+    return Allocation(groups=groups, budget_bits=alloc.budget_bits, used_bits=alloc.used_bits, error=alloc.error)
+
+
+def _width_summary(alloc: Allocation) -> dict:
+    widths = alloc.widths()
+    coded = widths[widths > 0]
+    nonincreasing = bool((widths[1:] <= widths[:-1]).all()) if len(widths) > 1 else True
+    return {"coded_components": int(len(coded)), "used_bits": alloc.used_bits, "budget_bits": alloc.budget_bits,
+            "groups": len(alloc.coded_groups()), "max_width": int(widths.max()) if len(widths) else 0,
+            "nonincreasing": nonincreasing,
+            "inversions": int((widths[1:] > widths[:-1]).sum()) if len(widths) > 1 else 0}

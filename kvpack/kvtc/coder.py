@@ -1,0 +1,259 @@
+"""kvtc compression and decompression of one sequence's transformers cache.
+
+Compression (after prefill, or after a turn): the first ``sinks`` and the last ``window`` tokens of
+every layer are kept lossless (in the cache's dtype); every token in between becomes a key and a
+value feature vector over all full-attention layers (keys pre-RoPE, ``features.py``), projected on
+the calibration's PCA basis, ``D = (X - μ) V``; each coded group of coefficients is quantized at its
+allocated width with an fp16 shift and scale per token (``ops/group_quant.py``), bit-packed, and
+every section is entropy-coded (DEFLATE by default) into one self-describing blob
+(``store/format.py``). Layers the PCA does not cover (sliding-window layers) are stored lossless.
+
+Decompression inverts each step. The inverse projection ``X_l = D V_lᵀ + μ_l`` is done per layer
+with the rows of ``V`` that belong to layer ``l``, so :func:`iter_decompressed_layers` hands out
+layer 0 before layer 1 is reconstructed (streaming); :func:`decompress_cache` builds the whole
+``DynamicCache`` from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import torch
+
+from ..hf.fingerprint import model_fingerprint
+from ..ops.bitalloc import Allocation
+from ..ops.bitpack import pack_bitstream, unpack_bitstream
+from ..ops.group_quant import dequantize_groups, quantize_groups
+from ..store.format import Blob, BlobError, pack_blob
+from .calibration import Calibration, ratio_key
+from .features import layer_from_features, layer_rotaries, to_features
+
+CODEC = "kvtc"
+DENSE_BYTES_PER_ELEMENT = 2  # bf16, the reference the ratio is measured against
+
+
+def tokens_digest(token_ids: list[int]) -> str:
+    """SHA-256 of a token sequence (how blobs and the prefix store identify a prefix)."""
+    return hashlib.sha256(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes()).hexdigest()
+
+
+def _cache_layers(cache) -> list:
+    return list(cache.layers)
+
+
+def _check_cache(cache, calibration: Calibration, n_tokens: int) -> None:
+    layers = _cache_layers(cache)
+    for i in calibration.layers:
+        if i >= len(layers) or getattr(layers[i], "keys", None) is None:
+            raise ValueError(f"cache layer {i} is missing or empty; kvtc compresses a filled cache")
+        k, v = layers[i].keys, layers[i].values
+        if k.dim() != 4 or k.shape[0] != 1:
+            raise ValueError(f"kvtc compresses one sequence: cache layer {i} has keys of shape {list(k.shape)}")
+        if k.shape[1] != calibration.kv_heads or k.shape[3] != calibration.head_dim:
+            raise ValueError(f"cache layer {i} has {k.shape[1]} heads of {k.shape[3]}, the calibration expects "
+                             f"{calibration.kv_heads} of {calibration.head_dim}")
+        if k.shape[2] != n_tokens or v.shape != k.shape:
+            raise ValueError(f"cache layer {i} holds {k.shape[2]} tokens, the token ids give {n_tokens}")
+        if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+            raise ValueError(f"cache layer {i} contains NaN or Inf")
+
+
+def _encode_coefficients(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, alloc: Allocation,
+                         prefix: str) -> dict[str, torch.Tensor]:
+    """Sections for one kind: the bit streams of every coded group, the shifts and the scales."""
+    coded = alloc.coded_groups()
+    n = x.shape[0]
+    r = alloc.n_components
+    coeffs = (x - mean) @ basis[:, :r]
+    streams, shifts, scales = [], [], []
+    for start, size, width in coded:
+        codes, shift, scale = quantize_groups(coeffs[:, start:start + size], width)
+        streams.append(pack_bitstream(codes, width))
+        shifts.append(shift)
+        scales.append(scale)
+    empty16 = torch.empty(n, 0, dtype=torch.float16)
+    return {
+        f"{prefix}_codes": torch.cat(streams) if streams else torch.empty(0, dtype=torch.uint8),
+        f"{prefix}_shift": torch.stack(shifts, dim=1) if shifts else empty16,
+        f"{prefix}_scale": torch.stack(scales, dim=1) if scales else empty16,
+    }
+
+
+def _decode_coefficients(blob: Blob, alloc: Allocation, prefix: str, n: int) -> torch.Tensor:
+    """``[n, r]`` fp32 dequantized coefficients (zeros for dropped groups)."""
+    coded = alloc.coded_groups()
+    stream = blob.section(f"{prefix}_codes")
+    shift = blob.section(f"{prefix}_shift")
+    scale = blob.section(f"{prefix}_scale")
+    if shift.shape != (n, len(coded)) or scale.shape != shift.shape:
+        raise BlobError(f"blob {prefix} shift/scale shapes {list(shift.shape)}/{list(scale.shape)} do not match "
+                        f"{n} tokens x {len(coded)} groups")
+    coeffs = torch.zeros(n, alloc.n_components)
+    offset = 0
+    for j, (start, size, width) in enumerate(coded):
+        nbytes = (n * size * width + 7) // 8
+        if offset + nbytes > stream.numel():
+            raise BlobError(f"blob {prefix} code stream is {stream.numel()} bytes, shorter than its groups need")
+        codes = unpack_bitstream(stream[offset:offset + nbytes], width, n * size).reshape(n, size)
+        coeffs[:, start:start + size] = dequantize_groups(codes, shift[:, j], scale[:, j])
+        offset += nbytes
+    if offset != stream.numel():
+        raise BlobError(f"blob {prefix} code stream has {stream.numel() - offset} unexplained bytes")
+    return coeffs
+
+
+def compress_cache(cache, calibration: Calibration, ratio: float, token_ids: list[int], model=None,
+                   backend: str = "zlib", level: int = 6) -> bytes:
+    """Compress a filled one-sequence transformers cache into a kvtc blob.
+
+    Args:
+        cache: the cache after prefilling ``token_ids`` (``cache.layers[i].keys [1, kv_heads, T, d]``).
+        calibration: the model's calibration; ``ratio`` must be one of its calibrated ratios.
+        token_ids: the ``T`` token ids the cache holds (stored, to continue from and to key a store).
+        model: the model (for its RoPE; checked against the calibration's fingerprint).
+        backend, level: entropy coder (``zlib`` = DEFLATE, ``zstd``, ``none``) and its level.
+
+    Returns:
+        The blob's bytes.
+    """
+    if model is None:
+        raise ValueError("compress_cache needs the model (its rotary embedding undoes RoPE on keys)")
+    calibration.check_model(model)
+    alloc = calibration.allocation(ratio)
+    n_tokens = len(token_ids)
+    if n_tokens == 0:
+        raise ValueError("cannot compress an empty cache (no tokens)")
+    _check_cache(cache, calibration, n_tokens)
+    s = min(calibration.sinks, n_tokens)
+    n_mid = max(0, n_tokens - calibration.sinks - calibration.window)
+    w_start = s + n_mid
+    layers = _cache_layers(cache)
+    ks = [layers[i].keys[0] for i in calibration.layers]
+    vs = [layers[i].values[0] for i in calibration.layers]
+    cache_dtype = ks[0].dtype
+    sections: dict[str, torch.Tensor] = {
+        "token_ids": torch.tensor(token_ids, dtype=torch.int32),
+        "sink_keys": torch.stack([k[:, :s] for k in ks]), "sink_values": torch.stack([v[:, :s] for v in vs]),
+        "window_keys": torch.stack([k[:, w_start:] for k in ks]),
+        "window_values": torch.stack([v[:, w_start:] for v in vs]),
+    }
+    if n_mid:
+        positions = torch.arange(s, w_start)
+        rot = layer_rotaries(model, calibration.layers, calibration.head_dim)
+        xk = to_features([k[:, s:w_start] for k in ks], [rot[i] for i in calibration.layers], positions)
+        xv = to_features([v[:, s:w_start] for v in vs], None, positions)
+        sections.update(_encode_coefficients(xk, calibration.key_mean, calibration.key_basis, alloc["keys"], "keys"))
+        sections.update(_encode_coefficients(xv, calibration.value_mean, calibration.value_basis, alloc["values"],
+                                             "values"))
+    other = [i for i, layer in enumerate(layers) if i not in calibration.layers]
+    for i in other:  # sliding-window (and other non-full) layers: lossless, as the model holds them
+        if getattr(layers[i], "keys", None) is None:
+            raise ValueError(f"cache layer {i} is empty")
+        sections[f"layer{i}_keys"] = layers[i].keys[0]
+        sections[f"layer{i}_values"] = layers[i].values[0]
+    dense = sum(int(layers[i].keys[0].numel()) * 2 for i in range(len(layers))) * DENSE_BYTES_PER_ELEMENT
+    meta = {
+        "codec": CODEC, "model": calibration.fingerprint, "calibration_id": calibration.calibration_id,
+        "ratio": ratio_key(ratio), "allocation": {k: a.to_dict() for k, a in alloc.items()},
+        "tokens": n_tokens, "tokens_sha256": tokens_digest(token_ids), "sinks": s, "coded_tokens": n_mid,
+        "window": n_tokens - w_start, "layers": calibration.layers, "other_layers": other,
+        "num_layers": len(layers), "kv_heads": calibration.kv_heads, "head_dim": calibration.head_dim,
+        "cache_dtype": str(cache_dtype).removeprefix("torch."), "dense_bf16_bytes": dense,
+    }
+    return pack_blob(meta, sections, backend=backend, level=level)
+
+
+def read_blob(data: bytes, calibration: Calibration | None = None, model=None) -> Blob:
+    """Parse and verify a kvtc blob, and check that it belongs to ``calibration`` and ``model``.
+
+    Raises:
+        BlobError: unreadable blob. ValueError: a blob of another model or calibration.
+    """
+    blob = Blob(data)
+    meta = blob.meta
+    if meta.get("codec") != CODEC:
+        raise BlobError(f"blob was written by codec {meta.get('codec')!r}, not {CODEC!r}")
+    if model is not None:
+        fp = model_fingerprint(model)
+        if meta["model"]["hash"] != fp["hash"]:
+            raise ValueError(f"blob was made with another model ({meta['model']['architecture']}, fingerprint "
+                             f"{meta['model']['hash'][:12]}) than the one given (fingerprint {fp['hash'][:12]})")
+    if calibration is not None and meta["calibration_id"] != calibration.calibration_id:
+        raise ValueError(f"blob was made with calibration {meta['calibration_id']}, not with the one given "
+                         f"({calibration.calibration_id})")
+    return blob
+
+
+def blob_token_ids(blob: Blob) -> list[int]:
+    ids = blob.section("token_ids").tolist()
+    if len(ids) != blob.meta["tokens"] or tokens_digest(ids) != blob.meta["tokens_sha256"]:
+        raise BlobError("blob token ids do not match its header")
+    return ids
+
+
+def iter_decompressed_layers(data: bytes | Blob, calibration: Calibration, model,
+                             device: torch.device | str | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Yield ``(layer_idx, keys [1, kv_heads, T, d], values)`` for every cache layer, in order,
+    each reconstructed only when asked for (streaming decompression).
+
+    Keys and values come back in the cache dtype recorded in the blob, keys post-RoPE.
+    """
+    blob = data if isinstance(data, Blob) else read_blob(data, calibration, model)
+    meta = blob.meta
+    if meta["calibration_id"] != calibration.calibration_id:
+        raise ValueError(f"blob was made with calibration {meta['calibration_id']}, not {calibration.calibration_id}")
+    dtype = getattr(torch, meta["cache_dtype"])
+    n, s, n_mid = meta["tokens"], meta["sinks"], meta["coded_tokens"]
+    alloc = {k: Allocation.from_dict(a) for k, a in meta["allocation"].items()}
+    sink_k, sink_v = blob.section("sink_keys"), blob.section("sink_values")
+    win_k, win_v = blob.section("window_keys"), blob.section("window_values")
+    n_layers, heads, d = len(calibration.layers), calibration.kv_heads, calibration.head_dim
+    for name, t, tokens in (("sink", sink_k, s), ("window", win_k, n - s - n_mid)):
+        if tuple(t.shape) != (n_layers, heads, tokens, d):
+            raise BlobError(f"blob {name} tensors have shape {list(t.shape)}, expected {[n_layers, heads, tokens, d]}")
+    coeffs = {}
+    if n_mid:
+        coeffs["keys"] = _decode_coefficients(blob, alloc["keys"], "keys", n_mid)
+        coeffs["values"] = _decode_coefficients(blob, alloc["values"], "values", n_mid)
+    rot = layer_rotaries(model, calibration.layers, d)
+    positions = torch.arange(s, s + n_mid)
+    width = heads * d
+    by_layer = {layer: j for j, layer in enumerate(calibration.layers)}
+    for i in range(meta["num_layers"]):
+        if i not in by_layer:
+            k, v = blob.section(f"layer{i}_keys"), blob.section(f"layer{i}_values")
+            yield i, k[None].to(device=device), v[None].to(device=device)
+            continue
+        j = by_layer[i]
+        cols = slice(j * width, (j + 1) * width)
+        parts_k, parts_v = [sink_k[j].to(dtype)], [sink_v[j].to(dtype)]
+        if n_mid:
+            rk, rv = alloc["keys"].n_components, alloc["values"].n_components
+            xk = coeffs["keys"] @ calibration.key_basis[cols, :rk].T + calibration.key_mean[cols]
+            xv = coeffs["values"] @ calibration.value_basis[cols, :rv].T + calibration.value_mean[cols]
+            parts_k.append(layer_from_features(xk, heads, d, rot[i], positions).to(dtype))
+            parts_v.append(layer_from_features(xv, heads, d, None, positions).to(dtype))
+        parts_k.append(win_k[j].to(dtype))
+        parts_v.append(win_v[j].to(dtype))
+        yield i, torch.cat(parts_k, 1)[None].to(device=device), torch.cat(parts_v, 1)[None].to(device=device)
+
+
+def decompress_cache(data: bytes | Blob, calibration: Calibration, model):
+    """Rebuild a transformers ``DynamicCache`` from a blob; generation continues from it.
+
+    Returns:
+        ``(cache, token_ids)``: the cache and the token ids it holds.
+    """
+    from transformers.cache_utils import DynamicCache
+
+    blob = data if isinstance(data, Blob) else read_blob(data, calibration, model)
+    ids = blob_token_ids(blob)
+    cache = DynamicCache(config=model.config)
+    if len(cache.layers) != blob.meta["num_layers"]:
+        raise ValueError(f"blob holds {blob.meta['num_layers']} layers, the model's cache has {len(cache.layers)}")
+    for i, k, v in iter_decompressed_layers(blob, calibration, model, device=model.device):
+        cache.layers[i].update(k, v)
+        if hasattr(cache.layers[i], "cumulative_length"):  # sliding layers hold a window of a longer sequence
+            cache.layers[i].cumulative_length = len(ids)
+    return cache, ids

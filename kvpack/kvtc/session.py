@@ -1,0 +1,96 @@
+"""kvtc end to end: prefill → compress → (store) → decompress → continue generating.
+
+These are the flows behind ``kvpack compress``, ``kvpack continue``, ``kvpack generate --method
+kvtc`` and the prefix store's multi-turn use. Prefill is exact (plain attention, the model's own
+``DynamicCache``); kvtc only changes what is kept between turns.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..hf.cache import cache_kwargs
+from .calibration import Calibration
+from .coder import compress_cache, decompress_cache, read_blob
+
+
+@torch.no_grad()
+def prefill(model, token_ids: list[int], cache=None):
+    """Run ``token_ids`` through the model into ``cache`` (a new ``DynamicCache`` if None); returns it."""
+    from transformers.cache_utils import DynamicCache
+
+    if not token_ids:
+        raise ValueError("empty prompt: nothing to prefill")
+    cache = cache if cache is not None else DynamicCache(config=model.config)
+    past = cache.get_seq_length()
+    ids = torch.tensor([token_ids[past:]], device=model.device)
+    if ids.shape[1]:
+        mask = torch.ones(1, past + ids.shape[1], dtype=torch.long, device=model.device)
+        model(ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+    return cache
+
+
+def compress_tokens(model, calibration: Calibration, token_ids: list[int], ratio: float, backend: str = "zlib",
+                    level: int = 6) -> bytes:
+    """Prefill ``token_ids`` exactly and compress the resulting cache into a blob."""
+    calibration.check_model(model)
+    calibration.allocation(ratio)  # refuse an uncalibrated ratio before the prefill
+    cache = prefill(model, token_ids)
+    return compress_cache(cache, calibration, ratio, token_ids, model=model, backend=backend, level=level)
+
+
+@dataclass
+class Continuation:
+    """A generation continued from a decompressed cache."""
+
+    text: str
+    token_ids: list[int]
+    prefix_tokens: int  # tokens restored from the blob
+    prefilled_tokens: int  # tokens run through the model before generating
+    blob_bytes: int
+    dense_bf16_bytes: int
+    decompress_s: float
+    first_token_s: float  # decompression + prefill of the new tokens + first decode step
+    total_s: float
+
+
+@torch.no_grad()
+def continue_from_blob(model, tokenizer, calibration: Calibration, blob: bytes, new_token_ids: list[int],
+                       max_new_tokens: int = 32, min_new_tokens: int = 0) -> Continuation:
+    """Decompress ``blob`` and generate greedily after its tokens plus ``new_token_ids``.
+
+    Raises:
+        ValueError: no new tokens (a restored cache needs at least one token to run), or a blob of
+            another model/calibration; BlobError: an unreadable blob.
+    """
+    if not new_token_ids:
+        raise ValueError("empty prompt: continuing from a stored cache needs at least one new token")
+    start = time.perf_counter()
+    parsed = read_blob(blob, calibration, model)
+    cache, prefix = decompress_cache(parsed, calibration, model)
+    decompress_s = time.perf_counter() - start
+    ids = torch.tensor([prefix + list(new_token_ids)], device=model.device)
+    stamps: list[float] = []
+
+    from transformers.generation.streamers import BaseStreamer
+
+    class _Stamp(BaseStreamer):
+        def put(self, value):
+            stamps.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         min_new_tokens=min_new_tokens, do_sample=False, streamer=_Stamp(),
+                         pad_token_id=tokenizer.pad_token_id, **cache_kwargs(model, cache))
+    end = time.perf_counter()
+    new = out[0, ids.shape[1]:].tolist()
+    first = (stamps[1] if len(stamps) > 1 else end) - start
+    return Continuation(text=tokenizer.decode(new, skip_special_tokens=True), token_ids=new,
+                        prefix_tokens=len(prefix), prefilled_tokens=len(new_token_ids), blob_bytes=len(blob),
+                        dense_bf16_bytes=int(parsed.meta["dense_bf16_bytes"]), decompress_s=decompress_s,
+                        first_token_s=first, total_s=end - start)

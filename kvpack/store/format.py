@@ -1,0 +1,158 @@
+"""A self-describing, checksummed container for compressed caches (kvtc blobs).
+
+Layout (all integers little-endian)::
+
+    magic    8 bytes   b"KVPACK\\x00B"
+    version  u16       FORMAT_VERSION
+    hlen     u32       length of the header
+    header   hlen      UTF-8 JSON: metadata + a table of sections
+    payload  ...       the sections, each entropy-coded on its own (so one can be read alone)
+    digest   32 bytes  SHA-256 of everything before it
+
+Each section is a tensor stored as raw little-endian bytes of a named dtype, compressed with the
+blob's backend (``zlib`` = DEFLATE, the default; ``zstd``; ``none``). The header table gives every
+section's dtype, shape, offset and sizes. Nothing is ever unpickled: reading a blob parses JSON and
+raw numbers only, and every length is checked before it is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import zlib
+
+import numpy as np
+import torch
+
+MAGIC = b"KVPACK\x00B"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<8sHI")
+DIGEST_BYTES = 32
+BACKENDS = ("zlib", "zstd", "none")
+_DTYPES = {
+    "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
+    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class BlobError(ValueError):
+    """A blob that cannot be read: truncated, corrupted, foreign or from an unknown format version."""
+
+
+def _compress(raw: bytes, backend: str, level: int) -> bytes:
+    if backend == "zlib":
+        return zlib.compress(raw, level)
+    if backend == "zstd":
+        import zstandard
+
+        return zstandard.ZstdCompressor(level=level).compress(raw)
+    if backend == "none":
+        return raw
+    raise ValueError(f"unknown entropy-coding backend {backend!r}; choose one of {BACKENDS}")
+
+
+def _decompress(data: bytes, backend: str, raw_size: int) -> bytes:
+    try:
+        if backend == "zlib":
+            out = zlib.decompress(data)
+        elif backend == "zstd":
+            import zstandard
+
+            out = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_size)
+        elif backend == "none":
+            out = data
+        else:
+            raise BlobError(f"blob uses unknown backend {backend!r}")
+    except (zlib.error, ImportError) as exc:
+        raise BlobError(f"a section does not decompress ({backend}): {exc}") from None
+    except Exception as exc:  # zstandard.ZstdError
+        if type(exc).__name__ == "ZstdError":
+            raise BlobError(f"a section does not decompress (zstd): {exc}") from None
+        raise
+    if len(out) != raw_size:
+        raise BlobError(f"a section decompressed to {len(out)} bytes, the header says {raw_size}")
+    return out
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """Raw little-endian bytes of a CPU tensor (bf16 through its 16-bit pattern)."""
+    t = t.detach().contiguous().cpu()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy().tobytes()
+
+
+def pack_blob(meta: dict, sections: dict[str, torch.Tensor], backend: str = "zlib", level: int = 6) -> bytes:
+    """Serialize ``sections`` (tensors) with ``meta`` (JSON-able) into one checksummed blob."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown entropy-coding backend {backend!r}; choose one of {BACKENDS}")
+    table, chunks, offset = [], [], 0
+    for name, t in sections.items():
+        if t.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"section {name!r}: dtype {t.dtype} cannot be stored")
+        raw = tensor_bytes(t)
+        data = _compress(raw, backend, level)
+        table.append({"name": name, "dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "offset": offset,
+                      "size": len(data), "raw_size": len(raw)})
+        chunks.append(data)
+        offset += len(data)
+    header = json.dumps({**meta, "backend": backend, "sections": table}, sort_keys=True).encode()
+    body = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)) + header + b"".join(chunks)
+    return body + hashlib.sha256(body).digest()
+
+
+class Blob:
+    """A parsed, verified blob: ``meta`` (the header) and lazy access to its sections.
+
+    Raises:
+        BlobError: bad magic, unknown version, truncated data, checksum mismatch, malformed header.
+    """
+
+    def __init__(self, data: bytes):
+        self.data = memoryview(data)
+        if len(data) < _PREFIX.size + DIGEST_BYTES:
+            raise BlobError(f"blob is truncated: {len(data)} bytes is shorter than the fixed header")
+        magic, version, hlen = _PREFIX.unpack_from(data, 0)
+        if magic != MAGIC:
+            raise BlobError(f"not a kvpack blob (magic {bytes(magic)!r}, expected {MAGIC!r})")
+        if version != FORMAT_VERSION:
+            raise BlobError(f"blob format version {version} is not supported (this kvpack reads {FORMAT_VERSION})")
+        body_end = len(data) - DIGEST_BYTES
+        if hashlib.sha256(self.data[:body_end]).digest() != bytes(self.data[body_end:]):
+            raise BlobError("blob checksum mismatch: the data is truncated or corrupted")
+        start = _PREFIX.size
+        if start + hlen > body_end:
+            raise BlobError("blob header runs past the end of the data")
+        try:
+            self.meta = json.loads(bytes(self.data[start:start + hlen]).decode())
+            self.sections = {s["name"]: s for s in self.meta["sections"]}
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise BlobError(f"blob header is malformed: {exc}") from None
+        self.payload_start = start + hlen
+        self.payload_end = body_end
+        for s in self.sections.values():
+            if s.get("dtype") not in _DTYPES or s["offset"] < 0 or s["size"] < 0 or \
+                    self.payload_start + s["offset"] + s["size"] > body_end:
+                raise BlobError(f"blob section {s.get('name')!r} is malformed or out of bounds")
+            elem = torch.empty(0, dtype=_DTYPES[s["dtype"]]).element_size()
+            if int(np.prod(s["shape"], dtype=np.int64)) * elem != s["raw_size"]:
+                raise BlobError(f"blob section {s['name']!r}: shape {s['shape']} does not match {s['raw_size']} bytes")
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def section(self, name: str) -> torch.Tensor:
+        """Decode one section into a tensor of its recorded dtype and shape."""
+        if name not in self.sections:
+            raise BlobError(f"blob has no section {name!r}")
+        s = self.sections[name]
+        lo = self.payload_start + s["offset"]
+        raw = _decompress(bytes(self.data[lo:lo + s["size"]]), self.meta["backend"], s["raw_size"])
+        dtype = _DTYPES[s["dtype"]]
+        storage = torch.int16 if dtype == torch.bfloat16 else dtype
+        t = torch.frombuffer(bytearray(raw), dtype=storage) if raw else torch.empty(0, dtype=storage)
+        if dtype == torch.bfloat16:
+            t = t.view(torch.bfloat16)
+        return t.reshape(s["shape"])
