@@ -338,11 +338,13 @@ def pca(data: torch.Tensor, dim: int, iters: int, seed: int) -> tuple[torch.Tens
 
 
 def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, documents: list[str] | None = None,
-              progress: bool = True) -> Calibration:
+              progress: bool = True, chunks: list[torch.Tensor] | None = None) -> Calibration:
     """Calibrate kvtc for ``model`` (see the module docstring for the steps).
 
     Args:
         documents: calibration texts (default: the standard-library corpus of ``kvpack.kvtc.corpus``).
+        chunks: token-id sequences ``[chunk_tokens]`` to use instead of tokenizing ``documents``
+            (``tokenizer`` may then be None).
     """
     from ..hf.fingerprint import attention_shape, full_attention_layers
 
@@ -353,7 +355,10 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, doc
         raise ValueError("this model has no full-attention layer for kvtc to calibrate")
     timings = {}
     start = time.perf_counter()
-    chunks = _calibration_chunks(tokenizer, settings, documents)
+    if chunks is None:
+        chunks = _calibration_chunks(tokenizer, settings, documents)
+    elif any(c.dim() != 1 or c.numel() <= settings.sinks + settings.window for c in chunks):
+        raise ValueError("calibration chunks must be 1-D token-id tensors longer than sinks + window")
     keys, values = collect_features(model, chunks, layers, shape["head_dim"], settings.sinks, settings.window,
                                     progress)
     timings["prefill_s"] = time.perf_counter() - start

@@ -104,7 +104,8 @@ def _decode_coefficients(blob: Blob, alloc: Allocation, prefix: str, n: int) -> 
 
 
 def compress_cache(cache, calibration: Calibration, ratio: float, token_ids: list[int], model=None,
-                   backend: str = "zlib", level: int = 6) -> bytes:
+                   backend: str = "zlib", level: int = 6, sinks: int | None = None,
+                   window: int | None = None) -> bytes:
     """Compress a filled one-sequence transformers cache into a kvtc blob.
 
     Args:
@@ -113,6 +114,8 @@ def compress_cache(cache, calibration: Calibration, ratio: float, token_ids: lis
         token_ids: the ``T`` token ids the cache holds (stored, to continue from and to key a store).
         model: the model (for its RoPE; checked against the calibration's fingerprint).
         backend, level: entropy coder (``zlib`` = DEFLATE, ``zstd``, ``none``) and its level.
+        sinks, window: tokens kept lossless at the start and the end (default: the calibration's,
+            which are the paper's s = 4 and w = 128).
 
     Returns:
         The blob's bytes.
@@ -125,8 +128,13 @@ def compress_cache(cache, calibration: Calibration, ratio: float, token_ids: lis
     if n_tokens == 0:
         raise ValueError("cannot compress an empty cache (no tokens)")
     _check_cache(cache, calibration, n_tokens)
-    s = min(calibration.sinks, n_tokens)
-    n_mid = max(0, n_tokens - calibration.sinks - calibration.window)
+    sinks = calibration.sinks if sinks is None else sinks
+    window = calibration.window if window is None else window
+    for name, value in (("sinks", sinks), ("window", window)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    s = min(sinks, n_tokens)
+    n_mid = max(0, n_tokens - sinks - window)
     w_start = s + n_mid
     layers = _cache_layers(cache)
     ks = [layers[i].keys[0] for i in calibration.layers]

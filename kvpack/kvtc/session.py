@@ -34,12 +34,14 @@ def prefill(model, token_ids: list[int], cache=None):
 
 
 def compress_tokens(model, calibration: Calibration, token_ids: list[int], ratio: float, backend: str = "zlib",
-                    level: int = 6) -> bytes:
-    """Prefill ``token_ids`` exactly and compress the resulting cache into a blob."""
+                    level: int = 6, sinks: int | None = None, window: int | None = None) -> bytes:
+    """Prefill ``token_ids`` exactly and compress the resulting cache into a blob (see
+    :func:`kvpack.kvtc.coder.compress_cache` for the options)."""
     calibration.check_model(model)
     calibration.allocation(ratio)  # refuse an uncalibrated ratio before the prefill
     cache = prefill(model, token_ids)
-    return compress_cache(cache, calibration, ratio, token_ids, model=model, backend=backend, level=level)
+    return compress_cache(cache, calibration, ratio, token_ids, model=model, backend=backend, level=level,
+                          sinks=sinks, window=window)
 
 
 @dataclass

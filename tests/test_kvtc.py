@@ -1,0 +1,461 @@
+"""kvtc: bit allocation, group quantizer, blob format, round trips, prefix store, bad input (tiny models)."""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kvpack.kvtc.calibration import Calibration, CalibrationSettings, calibrate
+from kvpack.kvtc.coder import compress_cache, decompress_cache, iter_decompressed_layers
+from kvpack.kvtc.session import compress_tokens, continue_from_blob, prefill
+from kvpack.ops.bitalloc import Allocation, aligned_group_errors, allocate_bits, group_cost
+from kvpack.ops.bitpack import pack_bitstream, unpack_bitstream
+from kvpack.ops.group_quant import dequantize_groups, quantize_groups
+from kvpack.store.format import MAGIC, Blob, BlobError, pack_blob
+from kvpack.store.prefix import CorruptEntryError, PrefixStore
+
+from .conftest import tiny_llama
+
+# ------------------------------------------------------------------------------------------------
+# Pure functions
+# ------------------------------------------------------------------------------------------------
+
+
+def _brute_force(errors, n, budget, sizes, widths):
+    best = np.inf
+
+    def rec(i, bits, err):
+        nonlocal best
+        if i == n:
+            best = min(best, err)
+            return
+        for g in sizes:
+            if i % g or i + g > n:
+                continue
+            for j, w in enumerate(widths):
+                c = group_cost(g, w)
+                if bits + c <= budget:
+                    rec(i + g, bits + c, err + errors[g][i // g, j])
+
+    rec(0, 0, 0.0)
+    return best
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dp_equals_brute_force_and_meets_budget(seed):
+    torch.manual_seed(seed)
+    sizes, widths = (1, 2, 4), (0, 1, 2, 3, 5)
+    x = torch.randn(300, 8) * torch.logspace(1, -1, 8) + torch.randn(8)
+    errors = aligned_group_errors(x, sizes=sizes, widths=widths)
+    for budget in (0, 20, 45, 70, 101, 160, 250):
+        alloc = allocate_bits(errors, 8, budget, widths=widths)
+        alloc.check()  # tiles [0, 8), used bits recomputed and within budget
+        assert alloc.used_bits <= budget
+        assert alloc.error == pytest.approx(_brute_force(errors, 8, budget, sizes, widths), rel=1e-12, abs=1e-12)
+        # The recorded error is the sum of its groups' measured errors (dropped runs: every
+        # component's own error at width 0).
+        recomputed = sum(errors[s][st // s, widths.index(w)] if w else errors[1][st:st + s, 0].sum()
+                         for st, s, w in alloc.groups)
+        assert recomputed == pytest.approx(alloc.error, rel=1e-9, abs=1e-12)
+
+
+def test_dp_error_falls_as_budget_grows_and_widths_follow_variance():
+    torch.manual_seed(3)
+    x = torch.randn(2000, 256) * torch.logspace(1, -2, 256)
+    errors = aligned_group_errors(x)
+    allocs = [allocate_bits(errors, 256, 256 * 16 // r) for r in (64, 32, 16, 8, 4)]
+    errs = [a.error for a in allocs]
+    assert all(a > b for a, b in zip(errs, errs[1:]))
+    w = allocs[2].widths()
+    assert w[0] >= w[64] >= w[-1] and w[-1] == 0  # high-variance components get more bits; the tail none
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("n", [1, 7, 13, 64])
+def test_bitstream_roundtrip_exact(bits, n):
+    codes = torch.randint(0, 1 << bits, (n,), dtype=torch.uint8)
+    packed = pack_bitstream(codes, bits)
+    assert packed.numel() == (n * bits + 7) // 8
+    assert torch.equal(unpack_bitstream(packed, bits, n), codes)
+
+
+@pytest.mark.parametrize("width", [1, 3, 8])
+def test_group_quantizer_within_half_step(width):
+    torch.manual_seed(4)
+    x = torch.randn(50, 16) * 3
+    codes, shift, scale = quantize_groups(x, width)
+    assert shift.dtype == scale.dtype == torch.float16 and codes.dtype == torch.uint8
+    back = dequantize_groups(codes, shift, scale)
+    step = scale.float()[:, None]
+    # Half a step, plus the fp16 rounding of the shift (the top level is measured from it).
+    slack = (shift.float() - x.amin(-1)).abs()[:, None] + 1e-5
+    assert ((back - x).abs() <= step / 2 + slack + 1e-3 * step).all()
+
+
+def test_group_quantizer_refuses_nan_and_fp16_overflow():
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize_groups(torch.tensor([[1.0, float("nan")]]), 4)
+    with pytest.raises(ValueError, match="fp16"):
+        quantize_groups(torch.tensor([[1e6, 0.0]]), 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tiny-model pipeline
+# ------------------------------------------------------------------------------------------------
+
+SETTINGS = dict(tokens=6 * 96, chunk_tokens=96, sinks=2, window=8, pca_dim=64, dp_samples=512)
+
+
+def _chunks(n=6, length=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (length,), generator=g) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=16, layers=2)
+    calib = calibrate(model, None, CalibrationSettings(ratios=(2, 4, 8, 16), **SETTINGS), chunks=_chunks(),
+                      progress=False)
+    return model, calib
+
+
+def _ids(n, seed=9):
+    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _kv_error(model, calib, ids, ratio):
+    cache = prefill(model, ids)
+    restored, _ = decompress_cache(compress_cache(cache, calib, ratio, ids, model=model), calib, model)
+    err = sum(float((restored.layers[i].keys - cache.layers[i].keys).pow(2).sum()
+                    + (restored.layers[i].values - cache.layers[i].values).pow(2).sum()) for i in range(2))
+    ref = sum(float(cache.layers[i].keys.pow(2).sum() + cache.layers[i].values.pow(2).sum()) for i in range(2))
+    return err / ref
+
+
+def test_calibration_structure(tiny, tmp_path):
+    model, calib = tiny
+    assert calib.features == 2 * 2 * 16 and calib.layers == [0, 1]
+    for kind, basis in (("keys", calib.key_basis), ("values", calib.value_basis)):
+        eye = torch.eye(basis.shape[1])
+        torch.testing.assert_close(basis.T @ basis, eye, atol=1e-4, rtol=0)  # orthonormal directions
+        for key in calib.allocations:
+            a = calib.allocations[key][kind]
+            a.check()
+            assert a.used_bits <= 16 * calib.features / float(key)
+            assert a.n_components <= basis.shape[1]
+    calib.save(tmp_path / "cal")
+    again = Calibration.load(tmp_path / "cal")
+    assert again.calibration_id == calib.calibration_id
+    assert torch.equal(again.key_basis, calib.key_basis)
+
+
+def test_roundtrip_error_falls_as_ratio_relaxes(tiny):
+    model, calib = tiny
+    ids = _ids(80)
+    errs = [_kv_error(model, calib, ids, r) for r in (16, 8, 4, 2)]
+    assert all(a > b for a, b in zip(errs, errs[1:])), errs
+    assert errs[-1] < 1e-3, errs  # 8-bit groups on every component
+
+
+def test_highest_quality_generation_equals_uncompressed(tiny):
+    model, calib = tiny
+    ids = _ids(70, seed=11)
+    blob = compress_tokens(model, calib, ids[:-1], 2)
+    assert Blob(blob).meta["coded_tokens"] == 69 - 2 - 8  # the coded middle really exists
+    got = continue_from_blob(model, _NoTokenizer(), calib, blob, ids[-1:], max_new_tokens=10)
+    x = torch.tensor([ids])
+    ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False)
+    assert got.token_ids == ref[0, len(ids):].tolist()
+
+
+class _NoTokenizer:
+    pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def test_sinks_and_window_are_lossless(tiny):
+    model, calib = tiny
+    ids = _ids(60)
+    cache = prefill(model, ids)
+    restored, got_ids = decompress_cache(compress_cache(cache, calib, 16, ids, model=model), calib, model)
+    assert got_ids == ids
+    for i in range(2):
+        for a, b in ((restored.layers[i].keys, cache.layers[i].keys), (restored.layers[i].values, cache.layers[i].values)):
+            assert torch.equal(a[:, :, :2], b[:, :, :2]) and torch.equal(a[:, :, -8:], b[:, :, -8:])
+            assert not torch.equal(a[:, :, 2:-8], b[:, :, 2:-8])  # the middle is coded (lossy)
+
+
+def test_streaming_decompression_builds_one_layer_at_a_time(tiny, monkeypatch):
+    import kvpack.kvtc.coder as coder
+
+    model, calib = tiny
+    ids = _ids(50)
+    blob = compress_cache(prefill(model, ids), calib, 8, ids, model=model)
+    calls = []
+    real = coder.layer_from_features
+    monkeypatch.setattr(coder, "layer_from_features", lambda *a, **k: calls.append(1) or real(*a, **k))
+    stream = iter_decompressed_layers(blob, calib, model)
+    i, k, v = next(stream)
+    assert i == 0 and len(calls) == 2  # layer 0's keys and values only; layer 1 not reconstructed yet
+    full, _ = decompress_cache(blob, calib, model)
+    assert torch.equal(k, full.layers[0].keys) and torch.equal(v, full.layers[0].values)
+
+
+@pytest.mark.parametrize("backend", ["zlib", "zstd", "none"])
+def test_backends_roundtrip_identically(tiny, backend):
+    model, calib = tiny
+    ids = _ids(60)
+    cache = prefill(model, ids)
+    ref, _ = decompress_cache(compress_cache(cache, calib, 8, ids, model=model, backend="none"), calib, model)
+    blob = compress_cache(cache, calib, 8, ids, model=model, backend=backend)
+    got, _ = decompress_cache(blob, calib, model)
+    for a, b in zip(got.layers, ref.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert Blob(blob).meta["backend"] == backend
+
+
+def test_blob_ratio_counts_every_byte(tiny):
+    model, calib = tiny
+    ids = _ids(90)
+    cache = prefill(model, ids)
+    blob = compress_cache(cache, calib, 8, ids, model=model)
+    parsed = Blob(blob)
+    header_and_digest = len(blob) - sum(s["size"] for s in parsed.sections.values())
+    assert header_and_digest > 0  # the header, magic and checksum are part of the size reported
+    assert parsed.meta["dense_bf16_bytes"] == 2 * 2 * 2 * 90 * 16 * 2  # layers · (K,V) · heads · T · d · bf16
+
+
+def test_sliding_window_model_roundtrip_continues_exactly_at_high_quality():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                           max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"] * 2)
+    model = Gemma3ForCausalLM(cfg).eval()
+    calib = calibrate(model, None, CalibrationSettings(ratios=(2,), **SETTINGS), chunks=_chunks(), progress=False)
+    assert calib.layers == [1, 3]
+    ids = _ids(60, seed=5)
+    blob = compress_tokens(model, calib, ids[:-1], 2)
+    restored, _ = decompress_cache(blob, calib, model)
+    assert isinstance(restored.layers[0], DynamicSlidingWindowLayer)
+    assert restored.get_seq_length() == 59 and restored.layers[0].cumulative_length == 59
+    got = continue_from_blob(model, _NoTokenizer(), calib, blob, ids[-1:], max_new_tokens=8)
+    x = torch.tensor([ids])
+    ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False)
+    assert got.token_ids == ref[0, 60:].tolist()
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def blob_bytes(tiny):
+    model, calib = tiny
+    ids = _ids(40)
+    return compress_cache(prefill(model, ids), calib, 8, ids, model=model)
+
+
+def _rewrite_digest(body: bytes) -> bytes:
+    import hashlib
+
+    return body + hashlib.sha256(body).digest()
+
+
+def test_truncated_blob_refused(tiny, blob_bytes):
+    model, calib = tiny
+    for cut in (5, 100, len(blob_bytes) - 1):
+        with pytest.raises(BlobError, match="truncated|checksum"):
+            decompress_cache(blob_bytes[:cut], calib, model)
+
+
+def test_flipped_byte_refused_by_checksum(tiny, blob_bytes):
+    model, calib = tiny
+    data = bytearray(blob_bytes)
+    data[len(data) // 2] ^= 0x10
+    with pytest.raises(BlobError, match="checksum"):
+        decompress_cache(bytes(data), calib, model)
+
+
+def test_wrong_magic_and_unknown_version_refused(tiny, blob_bytes):
+    model, calib = tiny
+    body = blob_bytes[:-32]
+    with pytest.raises(BlobError, match="not a kvpack blob"):
+        decompress_cache(_rewrite_digest(b"GARBAGE!" + body[8:]), calib, model)
+    newer = body[:8] + struct.pack("<H", 99) + body[10:]
+    with pytest.raises(BlobError, match="version 99 is not supported"):
+        decompress_cache(_rewrite_digest(newer), calib, model)
+    assert blob_bytes.startswith(MAGIC)
+
+
+def test_blob_and_calibration_of_another_model_refused(tiny, blob_bytes):
+    model, calib = tiny
+    other = tiny_llama(q_heads=4, kv_heads=2, head_dim=16, layers=2, seed=1)  # same shapes, other weights
+    with pytest.raises(ValueError, match="another model"):
+        decompress_cache(blob_bytes, calib, other)
+    with pytest.raises(ValueError, match="another model"):
+        compress_tokens(other, calib, _ids(30), 8)
+    other_calib = calibrate(other, None, CalibrationSettings(ratios=(8,), **SETTINGS), chunks=_chunks(), progress=False)
+    with pytest.raises(ValueError, match="calibration"):
+        decompress_cache(blob_bytes, other_calib, model)
+
+
+def test_ratio_without_allocation_and_empty_prompts_refused(tiny, blob_bytes):
+    model, calib = tiny
+    with pytest.raises(ValueError, match="no bit allocation for ratio 12; calibrated ratios: 2, 4, 8, 16"):
+        compress_tokens(model, calib, _ids(30), 12)
+    with pytest.raises(ValueError, match="empty prompt"):
+        compress_tokens(model, calib, [], 8)
+    with pytest.raises(ValueError, match="empty prompt"):
+        continue_from_blob(model, _NoTokenizer(), calib, blob_bytes, [], max_new_tokens=2)
+
+
+def test_nothing_is_unpickled(tiny, blob_bytes, monkeypatch, tmp_path):
+    import pickle
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("unpickling attempted")
+
+    model, calib = tiny
+    calib.save(tmp_path / "c")
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    decompress_cache(blob_bytes, Calibration.load(tmp_path / "c"), model)
+
+
+def test_corrupted_calibration_refused(tiny, tmp_path):
+    _, calib = tiny
+    d = calib.save(tmp_path / "c")
+    tensors = d / "kvtc_calibration.safetensors"
+    data = bytearray(tensors.read_bytes())
+    data[-3] ^= 0xFF  # inside the last tensor's bytes
+    tensors.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="do not belong together or were modified"):
+        Calibration.load(d)
+    tensors.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(ValueError, match="corrupted or truncated"):
+        Calibration.load(d)
+    with pytest.raises(FileNotFoundError, match="not a kvtc calibration"):
+        Calibration.load(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("ratios", (1.0,), "> 1"), ("chunk_tokens", 100, "exceed sinks"), ("pca_dim", 0, "positive"),
+    ("samples", 1, "samples"),
+])
+def test_bad_calibration_settings(field, value, match):
+    kwargs = {"tokens": 1024, "chunk_tokens": 512, "sinks": 4, "window": 128, field: value}
+    with pytest.raises(ValueError, match=match):
+        CalibrationSettings(**kwargs)
+
+
+def test_pack_blob_refuses_unknown_backend():
+    with pytest.raises(ValueError, match="backend"):
+        pack_blob({}, {"x": torch.zeros(3)}, backend="lz4")
+
+
+# ------------------------------------------------------------------------------------------------
+# Prefix store
+# ------------------------------------------------------------------------------------------------
+
+
+def _entry(tiny, n):
+    model, calib = tiny
+    ids = _ids(60)[:n]
+    return ids, compress_tokens(model, calib, ids, 8)
+
+
+def test_store_put_get_longest_prefix(tiny, tmp_path):
+    model, calib = tiny
+    store = PrefixStore(tmp_path)
+    ids30, blob30 = _entry(tiny, 30)
+    ids45, blob45 = _entry(tiny, 45)
+    store.put(blob30, ids30)
+    store.put(blob45, ids45)
+    mh, cid = calib.fingerprint["hash"], calib.calibration_id
+    assert store.get(mh, cid, ids30) == blob30
+    assert store.get(mh, cid, ids30[:-1]) is None
+    longer = _ids(60)
+    assert store.longest_prefix(mh, cid, longer) == (45, blob45)
+    assert store.longest_prefix(mh, cid, longer[:44]) == (30, blob30)
+    assert store.longest_prefix(mh, cid, _ids(60, seed=1)) is None
+    with pytest.raises(BlobError, match="does not describe"):
+        store.put(blob30, ids45)
+
+
+def test_store_corrupted_entry_reported_never_returned(tiny, tmp_path):
+    model, calib = tiny
+    store = PrefixStore(tmp_path)
+    ids30, blob30 = _entry(tiny, 30)
+    ids45, blob45 = _entry(tiny, 45)
+    store.put(blob30, ids30)
+    path = store.put(blob45, ids45)
+    data = bytearray(path.read_bytes())
+    data[200] ^= 1
+    path.write_bytes(bytes(data))
+    mh, cid = calib.fingerprint["hash"], calib.calibration_id
+    with pytest.raises(CorruptEntryError, match="corrupted"):
+        store.get(mh, cid, ids45)
+    with pytest.warns(UserWarning, match="corrupted"):
+        assert store.longest_prefix(mh, cid, _ids(60)) == (30, blob30)
+
+
+def test_store_failed_write_keeps_previous_entry(tiny, tmp_path, monkeypatch):
+    model, calib = tiny
+    store = PrefixStore(tmp_path)
+    ids, blob = _entry(tiny, 30)
+    path = store.put(blob, ids)
+    newer = compress_tokens(model, calib, ids, 16)
+
+    def crash(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(OSError, match="disk full"):
+        store.put(newer, ids)
+    assert path.read_bytes() == blob
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+
+
+def test_store_concurrent_readers_see_whole_entries(tiny, tmp_path):
+    model, calib = tiny
+    store = PrefixStore(tmp_path)
+    ids, blob_a = _entry(tiny, 30)
+    blob_b = compress_tokens(model, calib, ids, 16)
+    store.put(blob_a, ids)
+    mh, cid = calib.fingerprint["hash"], calib.calibration_id
+    seen, errors = set(), []
+
+    def reader():
+        for _ in range(60):
+            try:
+                seen.add(store.get(mh, cid, ids))
+            except Exception as exc:  # noqa: BLE001 - any failure is the test's finding
+                errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for j in range(30):
+        store.put(blob_b if j % 2 else blob_a, ids)
+    for t in threads:
+        t.join()
+    assert not errors and seen <= {blob_a, blob_b}
+
+
+def test_allocation_from_dict_refuses_bad_groups():
+    with pytest.raises(ValueError, match="invalid allocation group"):
+        Allocation.from_dict({"groups": [[0, 4, 2], [5, 4, 2]], "budget_bits": 100, "used_bits": 80, "error": 0})
+    with pytest.raises(ValueError, match="budget"):
+        Allocation.from_dict({"groups": [[0, 4, 8]], "budget_bits": 10, "used_bits": 64, "error": 0})
