@@ -20,6 +20,7 @@ The artifact is a directory: ``kvtc_calibration.safetensors`` (means and bases) 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -33,6 +34,7 @@ import torch
 
 from ..ops.bitalloc import Allocation, aligned_group_errors, allocate_bits
 from ..hf.fingerprint import model_fingerprint
+from ..progress import status
 from .features import layer_rotaries, to_features
 
 FORMAT = "kvpack-kvtc-calibration"
@@ -370,25 +372,31 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, doc
     p = keys.shape[1]
     stats: dict = {"positions_pool": pool, "positions_sampled": n, "features": p, "chunks": len(chunks)}
     bases, means, allocations = {}, {}, {}
+
+    def step(message):
+        return status(message) if progress else contextlib.nullcontext()
+
     for kind, data in (("keys", keys), ("values", values)):
         t0 = time.perf_counter()
-        mean, basis, sv = pca(data[pick], settings.pca_dim, settings.svd_iters, settings.seed)
+        with step(f"PCA of {n} x {data.shape[1]} {kind} (randomized SVD, {settings.pca_dim} components)"):
+            mean, basis, sv = pca(data[pick], settings.pca_dim, settings.svd_iters, settings.seed)
         timings[f"pca_{kind}_s"] = time.perf_counter() - t0
         total_var = float((data[pick] - mean).pow(2).sum())
         explained = (sv.double().pow(2).cumsum(0) / total_var).tolist()
         stats[f"{kind}_explained_at"] = {str(k): explained[k - 1] for k in (16, 64, 256, 1024, 2048, 4096)
                                          if k <= len(explained)}
         t0 = time.perf_counter()
-        coeffs = (data[dp_pick] - mean) @ basis
-        errors = aligned_group_errors(coeffs)
-        for ratio in settings.ratios:
-            budget = int(BF16_BITS * p // ratio)
-            allocations.setdefault(ratio_key(ratio), {})[kind] = allocate_bits(errors, basis.shape[1], budget)
+        with step(f"DP bit allocation of {kind} for ratios {', '.join(map(ratio_key, settings.ratios))}"):
+            coeffs = (data[dp_pick] - mean) @ basis
+            errors = aligned_group_errors(coeffs)
+            for ratio in settings.ratios:
+                budget = int(BF16_BITS * p // ratio)
+                allocations.setdefault(ratio_key(ratio), {})[kind] = allocate_bits(errors, basis.shape[1], budget)
         timings[f"dp_{kind}_s"] = time.perf_counter() - t0
         means[kind], bases[kind] = mean, basis
     # Keep only components some ratio codes; re-solve nothing, just cut each allocation there.
     for kind in ("keys", "values"):
-        used = max(_last_coded(a[kind]) for a in allocations.values())
+        used = max(a[kind].coded_extent for a in allocations.values())
         bases[kind] = bases[kind][:, :used].contiguous()
         for a in allocations.values():
             a[kind] = _truncate(a[kind], used)
@@ -400,11 +408,6 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, doc
                        head_dim=shape["head_dim"], key_mean=means["keys"], key_basis=bases["keys"],
                        value_mean=means["values"], value_basis=bases["values"], allocations=allocations,
                        settings=settings.to_dict(), stats=stats)
-
-
-def _last_coded(alloc: Allocation) -> int:
-    coded = alloc.coded_groups()
-    return max((s + n for s, n, _ in coded), default=0)
 
 
 def _truncate(alloc: Allocation, n: int) -> Allocation:

@@ -64,8 +64,7 @@ def _encode_coefficients(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tenso
     """Sections for one kind: the bit streams of every coded group, the shifts and the scales."""
     coded = alloc.coded_groups()
     n = x.shape[0]
-    r = alloc.n_components
-    coeffs = (x - mean) @ basis[:, :r]
+    coeffs = (x - mean) @ basis[:, :alloc.coded_extent]
     streams, shifts, scales = [], [], []
     for start, size, width in coded:
         codes, shift, scale = quantize_groups(coeffs[:, start:start + size], width)
@@ -81,7 +80,8 @@ def _encode_coefficients(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tenso
 
 
 def _decode_coefficients(blob: Blob, alloc: Allocation, prefix: str, n: int) -> torch.Tensor:
-    """``[n, r]`` fp32 dequantized coefficients (zeros for dropped groups)."""
+    """``[n, r]`` fp32 dequantized coefficients, ``r`` = the allocation's coded extent (zeros for
+    dropped groups)."""
     coded = alloc.coded_groups()
     stream = blob.section(f"{prefix}_codes")
     shift = blob.section(f"{prefix}_shift")
@@ -89,7 +89,7 @@ def _decode_coefficients(blob: Blob, alloc: Allocation, prefix: str, n: int) -> 
     if shift.shape != (n, len(coded)) or scale.shape != shift.shape:
         raise BlobError(f"blob {prefix} shift/scale shapes {list(shift.shape)}/{list(scale.shape)} do not match "
                         f"{n} tokens x {len(coded)} groups")
-    coeffs = torch.zeros(n, alloc.n_components)
+    coeffs = torch.zeros(n, alloc.coded_extent)
     offset = 0
     for j, (start, size, width) in enumerate(coded):
         nbytes = (n * size * width + 7) // 8
@@ -213,7 +213,14 @@ def iter_decompressed_layers(data: bytes | Blob, calibration: Calibration, model
         raise ValueError(f"blob was made with calibration {meta['calibration_id']}, not {calibration.calibration_id}")
     dtype = getattr(torch, meta["cache_dtype"])
     n, s, n_mid = meta["tokens"], meta["sinks"], meta["coded_tokens"]
-    alloc = {k: Allocation.from_dict(a) for k, a in meta["allocation"].items()}
+    try:
+        alloc = {k: Allocation.from_dict(meta["allocation"][k]) for k in ("keys", "values")}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BlobError(f"blob allocation is malformed: {exc}") from None
+    for kind, basis in (("keys", calibration.key_basis), ("values", calibration.value_basis)):
+        if alloc[kind].coded_extent > basis.shape[1]:
+            raise BlobError(f"blob codes {alloc[kind].coded_extent} {kind} components, the calibration has "
+                            f"{basis.shape[1]}")
     sink_k, sink_v = blob.section("sink_keys"), blob.section("sink_values")
     win_k, win_v = blob.section("window_keys"), blob.section("window_values")
     n_layers, heads, d = len(calibration.layers), calibration.kv_heads, calibration.head_dim
@@ -237,7 +244,7 @@ def iter_decompressed_layers(data: bytes | Blob, calibration: Calibration, model
         cols = slice(j * width, (j + 1) * width)
         parts_k, parts_v = [sink_k[j].to(dtype)], [sink_v[j].to(dtype)]
         if n_mid:
-            rk, rv = alloc["keys"].n_components, alloc["values"].n_components
+            rk, rv = alloc["keys"].coded_extent, alloc["values"].coded_extent
             xk = coeffs["keys"] @ calibration.key_basis[cols, :rk].T + calibration.key_mean[cols]
             xv = coeffs["values"] @ calibration.value_basis[cols, :rv].T + calibration.value_mean[cols]
             parts_k.append(layer_from_features(xk, heads, d, rot[i], positions).to(dtype))

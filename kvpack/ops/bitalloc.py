@@ -47,6 +47,11 @@ class Allocation:
     def n_components(self) -> int:
         return sum(size for _, size, _ in self.groups)
 
+    @property
+    def coded_extent(self) -> int:
+        """Components up to the end of the last coded group (the rest decode as 0 and need no basis)."""
+        return max((start + size for start, size, width in self.groups if width), default=0)
+
     def widths(self) -> np.ndarray:
         """Width of each component, ``[n_components]`` int."""
         out = np.zeros(self.n_components, dtype=np.int64)
