@@ -383,7 +383,7 @@ class AnchorStore(LayerStore):
         if self.seq_len == 0:
             if q is None or out is None:
                 raise ValueError("anchor: the prefill chunk needs its queries and attention outputs")
-            self.compress_prompt(k, v, q, out, self._scaling)
+            self.compress_prompt(k, v, q, out, self.scaling)
             self.seq_len += k.shape[1]
             return
         # Generated tokens stay dense, as in the paper, unless re-compression is on.
@@ -395,13 +395,13 @@ class AnchorStore(LayerStore):
             self._observe(q, out)
         self.seq_len += k.shape[1]
         if self.config.recompress_every and self.tail_k.shape[1] >= self.config.recompress_every:
-            self._recompress_tail(self._scaling)
+            self._recompress_tail(self.scaling)
 
     # -- attention --------------------------------------------------------------------------
 
     def attend(self, q, k, v, scaling):
         self.check_chunk(q, k, v)
-        self._scaling = scaling
+        self.scaling = scaling
         lay = self.layout
         if self.seq_len == 0:
             return prefill_attention(q, k, v, scaling)

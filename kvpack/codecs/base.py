@@ -198,6 +198,7 @@ class LayerStore(ABC):
         self.config = config
         self.storage_dtype = config.storage_torch_dtype(layout.model_dtype)
         self.seq_len = 0
+        self.scaling: float | None = None  # the layer's logit scale, known from the first attend
 
     # -- the contract -----------------------------------------------------------------------
 
@@ -225,6 +226,16 @@ class LayerStore(ABC):
         """Every tensor the store holds (dense regions, factors, codes, scales, indices...)."""
 
     # -- shared -----------------------------------------------------------------------------
+
+    def load_prefill(self, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, out: torch.Tensor,
+                     scaling: float) -> None:
+        """Store an exactly computed prefill chunk into an empty store, as ``attend`` + ``append``
+        would in a prefill, but with the attention outputs ``out [q_heads, T, d]`` computed
+        elsewhere (the evaluation harness builds every method from one exact prefill)."""
+        if self.seq_len:
+            raise ValueError(f"load_prefill needs an empty store; this one holds {self.seq_len} tokens")
+        self.scaling = scaling
+        self.append(k, v, q=q, out=out)
 
     def resolved_params(self) -> dict[str, Any]:
         """Parameters the store derived from its input (e.g. ranks chosen for a budget)."""

@@ -57,7 +57,6 @@ class EvictionStore(LayerStore):
         empty = torch.empty(layout.kv_heads, 0, layout.head_dim, dtype=self.storage_dtype)
         self.k, self.v = empty, empty.clone()
         self.n_keep: int | None = None  # token budget decided at prefill
-        self._scaling: float | None = None
 
     def tensors(self):
         return {"k": self.k, "v": self.v}
@@ -77,7 +76,7 @@ class EvictionStore(LayerStore):
 
     def attend(self, q, k, v, scaling):
         self.check_chunk(q, k, v)
-        self._scaling = scaling  # the selection (run by append, after attention) scores with it
+        self.scaling = scaling  # the selection (run by append, after attention) scores with it
         if self.seq_len == 0:
             return prefill_attention(q, k, v, scaling)
         qg = group_queries(q, self.layout.kv_heads)
@@ -236,7 +235,7 @@ class H2OStore(EvictionStore):
         return int(round(self.n_keep * self.config.recent_fraction))
 
     def select(self, q, k, n_keep):
-        scores = accumulated_attention(q, k, self._scaling, self.config.score_chunk)
+        scores = accumulated_attention(q, k, self.scaling, self.config.score_chunk)
         self._prefill_scores = scores
         return h2o_select(scores, n_keep, self.n_recent())
 
@@ -252,7 +251,7 @@ class H2OStore(EvictionStore):
         keys = self.k.float()  # the new tokens are already appended, last
         hkv, n_old = keys.shape[0], keys.shape[1] - n_new
         qg = q.float().reshape(hkv, q.shape[0] // hkv, n_new, -1)
-        s = torch.einsum("hgnd,htd->hgnt", qg, keys) * self._scaling
+        s = torch.einsum("hgnd,htd->hgnt", qg, keys) * self.scaling
         dev = keys.device
         visible = torch.arange(keys.shape[1], device=dev)[None, :] <= n_old + torch.arange(n_new, device=dev)[:, None]
         p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).sum(dim=(1, 2))
@@ -315,7 +314,7 @@ class SnapKVStore(EvictionStore):
         S, W = k.shape[1], self.config.window
         if n_keep >= S or S <= W:
             return torch.arange(S, device=k.device)[None].expand(k.shape[0], -1)[:, :n_keep]
-        votes = observation_scores(q, k, self._scaling, W, self.config.kernel)
+        votes = observation_scores(q, k, self.scaling, W, self.config.kernel)
         return snapkv_select(votes, n_keep, W)
 
 

@@ -88,6 +88,20 @@ class KVTC(Codec):
         raise ValueError("kvtc is a storage codec: it does not hold a resident cache (use kvpack.kvtc or "
                          "`kvpack generate --method kvtc`)")
 
+    def roundtrip_cache(self, model, cache, token_ids: list[int]):
+        """Compress a filled one-sequence ``DynamicCache`` and decompress it again.
+
+        Returns:
+            ``(restored cache, blob bytes)``.
+        """
+        from ..kvtc.coder import compress_cache, decompress_cache
+
+        calibration = self.calibration()
+        blob = compress_cache(cache, calibration, self.config.ratio, token_ids, model=model,
+                              backend=self.config.backend, level=self.config.level)
+        restored, _ = decompress_cache(blob, calibration, model)
+        return restored, len(blob)
+
     def roundtrip_generate(self, model, tokenizer, token_ids: list[int], max_new_tokens: int,
                            min_new_tokens: int = 0) -> dict:
         """Prefill ``token_ids[:-1]``, compress, decompress, generate after ``token_ids``.

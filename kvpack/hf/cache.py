@@ -148,6 +148,25 @@ class KVPackLayer(CacheLayerMixin):
                 out[b][:, keep] = o_b
         return out.transpose(1, 2).contiguous()
 
+    def load_prefill(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, out: torch.Tensor,
+                     scaling: float) -> None:
+        """Fill this empty layer from an exact prefill computed elsewhere (no padding).
+
+        Args:
+            key, value: ``[B, kv_heads, T, d]`` (keys post-RoPE); query, out: ``[B, q_heads, T, d]``,
+                the chunk's queries and exact attention outputs.
+        """
+        if self.is_initialized and any(store.seq_len for store in self.rows):
+            raise ValueError(f"layer {self.layout.layer_idx}: load_prefill needs an empty layer")
+        self.device = key.device
+        self.rows = []
+        for b in range(key.shape[0]):
+            store = self.codec.new_store(self.layout)
+            store.load_prefill(key[b], value[b], query[b], out[b], scaling)
+            self.rows.append(store)
+        self.columns = key.shape[2]
+        self.is_initialized = True
+
     # -- accounting -------------------------------------------------------------------------
 
     def nbytes(self) -> int:
