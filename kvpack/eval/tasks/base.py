@@ -86,7 +86,7 @@ def essay_sentences() -> tuple[str, ...]:
     for key in sorted(topics):
         text = re.sub(r"\s+", " ", topics[key])
         for sentence in re.split(r"(?<=[.!?])\s+", text):
-            if 40 <= len(sentence) <= 300 and not re.search(r"\d", sentence) and sentence[0].isupper():
+            if 40 <= len(sentence) <= 160 and not re.search(r"\d", sentence) and sentence[0].isupper():
                 out.append(sentence)
     return tuple(out)
 
@@ -108,8 +108,12 @@ def essay_units(rng: random.Random, n: int) -> list[str]:
     return [sentences[(start + i) % len(sentences)] for i in range(n)]
 
 
+_NOISE_PARTS = [s + "." for s in NOISE_SENTENCE.rstrip(".").split(". ")]
+
+
 def noise_units(n: int) -> list[str]:
-    return [NOISE_SENTENCE] * n
+    """``n`` sentences of RULER's noise block, cycling (sentence granularity fits lengths closely)."""
+    return [_NOISE_PARTS[i % len(_NOISE_PARTS)] for i in range(n)]
 
 
 def random_number(rng: random.Random, digits: int = 7) -> str:

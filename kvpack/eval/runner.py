@@ -1,0 +1,198 @@
+"""The evaluation runner: tasks × lengths × samples × methods × budgets on one model, resumable.
+
+For each sample the prompt (instruction + context + question) is prefilled once with exact
+attention (:mod:`kvpack.eval.prefill`) — in the *query-aware* setting everything but the last
+prompt token, in the *query-agnostic* setting only instruction + context — and every method ×
+budget is built from that same prefill and decoded greedily (the rest of the prompt is prefilled
+over the compressed cache first). Rows are appended to ``results.jsonl`` as they finish; a rerun
+skips every (setting, task, length, sample, method, budget) already there.
+
+Fidelity (``fidelity=True``), from a second build of each cache: the rest of the prompt, the gold
+answer and a held-out continuation (more haystack) are teacher-forced in one pass; the mean
+next-token KL divergence KL(FullKV ‖ method) over the answer positions and the perplexity of the
+continuation are recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..codecs.base import get_codec
+from ..hf.cache import cache_kwargs
+from .prefill import build_cache, exact_prefill
+from .scoring import score
+from .tasks import make_sample
+
+SETTINGS = ("query-aware", "query-agnostic")
+CONTINUATION_TOKENS = 64
+
+
+@dataclass
+class MethodSpec:
+    """One method at one budget (``budget`` None: the method's own parameters, e.g. FullKV)."""
+
+    method: str
+    budget: float | None = None
+    config: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return self.method if self.budget is None else f"{self.method}@{self.budget:g}"
+
+    def codec_config(self) -> dict:
+        cfg = dict(self.config)
+        if self.budget is not None:
+            cfg["budget"] = self.budget
+        return cfg
+
+
+def method_specs(methods: list[str], budgets: list[float], overrides: dict[str, dict] | None = None) -> list[MethodSpec]:
+    """``full`` once (no budget); every other method at every budget."""
+    overrides = overrides or {}
+    specs = []
+    for m in methods:
+        if m == "full":
+            specs.append(MethodSpec("full", None, overrides.get(m, {})))
+        else:
+            specs.extend(MethodSpec(m, b, overrides.get(m, {})) for b in budgets)
+    return specs
+
+
+@dataclass
+class EvalPlan:
+    tasks: list[str]
+    lengths: list[int]
+    samples: int
+    specs: list[MethodSpec]
+    settings: list[str] = field(default_factory=lambda: ["query-aware"])
+    seed: int = 0
+    fidelity: bool = True
+
+    def __post_init__(self) -> None:
+        from .tasks import TASKS
+
+        unknown = [t for t in self.tasks if t not in TASKS]
+        if unknown:
+            raise ValueError(f"unknown task(s) {unknown}; known tasks: {', '.join(sorted(TASKS))}")
+        bad = [s for s in self.settings if s not in SETTINGS]
+        if bad:
+            raise ValueError(f"unknown setting(s) {bad}; choose from {SETTINGS}")
+        if self.samples < 1:
+            raise ValueError(f"samples must be >= 1, got {self.samples}")
+        if any((not isinstance(n, int)) or n < 64 for n in self.lengths):
+            raise ValueError(f"lengths must be integers >= 64 tokens, got {self.lengths}")
+        if not self.specs:
+            raise ValueError("no methods to evaluate")
+        for spec in self.specs:  # refuse unknown methods or fields now, not hours into a run
+            get_codec(spec.method, **{k: v for k, v in spec.codec_config().items() if k != "budget"})
+
+
+def _row_key(row: dict) -> tuple:
+    return (row["setting"], row["task"], row["length"], row["sample"], row["method"], row["budget"])
+
+
+def load_rows(path: Path) -> list[dict]:
+    """Rows of a results file (a torn last line from an interrupted run is ignored)."""
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def _teacher_forced_logprobs(model, cache, chunk: list[int], total: int) -> torch.Tensor:
+    """Log-probabilities ``[len(chunk), vocab]`` (fp32) of a chunk appended to a built cache."""
+    ids = torch.tensor([chunk], device=model.device)
+    mask = torch.ones(1, total, dtype=torch.long, device=model.device)
+    out = model(ids, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache))
+    return torch.log_softmax(out.logits[0].float(), dim=-1)
+
+
+def _greedy(model, tokenizer, cache, ids: list[int], max_new_tokens: int) -> tuple[str, float]:
+    x = torch.tensor([ids], device=model.device)
+    start = time.perf_counter()
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id, **cache_kwargs(model, cache))
+    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True), time.perf_counter() - start
+
+
+@torch.no_grad()
+def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bool = True) -> list[dict]:
+    """Run (or resume) ``plan``; returns every row of ``out_dir/results.jsonl``."""
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = out_dir / "results.jsonl"
+    rows = load_rows(results)
+    done = {_row_key(r) for r in rows}
+    units = [(setting, task, length, index) for setting in plan.settings for task in plan.tasks
+             for length in plan.lengths for index in range(plan.samples)]
+    total = len(units) * len(plan.specs)
+    bar = tqdm(total=total, desc="[kvpack] eval", unit="run", disable=not progress)
+    bar.update(sum(1 for u in units for s in plan.specs if (*u, s.method, s.budget) in done))
+    with results.open("a") as sink:
+        for setting, task, length, index in units:
+            pending = [s for s in plan.specs if (setting, task, length, index, s.method, s.budget) not in done]
+            if not pending:
+                continue
+            bar.set_postfix_str(f"{task} {length} #{index}")
+            sample = make_sample(tokenizer, task, length, index, plan.samples, plan.seed)
+            ctx_ids = tokenizer(sample.context).input_ids
+            q_ids = tokenizer(sample.question, add_special_tokens=False).input_ids
+            ids = ctx_ids + q_ids
+            n_pre = len(ids) - 1 if setting == "query-aware" else len(ctx_ids)
+            prefill = exact_prefill(model, ids[:n_pre])
+            tf_chunk = ans_len = ref_logprobs = None
+            if plan.fidelity:
+                ans_ids = tokenizer(" " + ", ".join(sample.answers), add_special_tokens=False).input_ids
+                cont_ids = tokenizer(sample.continuation, add_special_tokens=False).input_ids[:CONTINUATION_TOKENS]
+                tf_chunk = ids[n_pre:] + ans_ids + cont_ids
+                ans_len = len(ans_ids)
+                ref = build_cache(model, get_codec("full"), prefill)
+                ref_logprobs = _teacher_forced_logprobs(model, ref.cache, tf_chunk, n_pre + len(tf_chunk))
+                del ref
+            for spec in pending:
+                row = {"setting": setting, "task": task, "length": length, "sample": index, "depth": sample.depth,
+                       "seed": sample.seed, "prompt_tokens": len(ids), "compressed_tokens": n_pre,
+                       "method": spec.method, "budget": spec.budget, "label": spec.label,
+                       "answers": sample.answers, "metric": sample.metric, "prefill_s": prefill.seconds}
+                try:
+                    codec = get_codec(spec.method, **spec.codec_config())
+                    built = build_cache(model, codec, prefill)
+                    prediction, decode_s = _greedy(model, tokenizer, built.cache, ids, sample.max_new_tokens)
+                    row.update(config=codec.config.to_dict(), kv_bytes=built.kv_bytes,
+                               dense_kv_bytes=built.dense_kv_bytes, ratio=built.kv_bytes / built.dense_kv_bytes,
+                               compress_s=built.seconds, decode_s=decode_s, prediction=prediction,
+                               score=score(prediction, sample.answers, sample.metric))
+                    if plan.fidelity:
+                        again = build_cache(model, codec, prefill)
+                        logp = _teacher_forced_logprobs(model, again.cache, tf_chunk, n_pre + len(tf_chunk))
+                        a = len(ids) - n_pre  # logits at a-1+j predict answer token j
+                        sl = slice(a - 1, a - 1 + ans_len)
+                        p_ref = ref_logprobs[sl].exp()
+                        row["kl_answer"] = float((p_ref * (ref_logprobs[sl] - logp[sl])).sum(-1).mean())
+                        targets = torch.tensor(tf_chunk[a + ans_len:], device=logp.device)
+                        cont_lp = logp[a - 1 + ans_len: a - 1 + ans_len + len(targets)]
+                        nll = -cont_lp.gather(1, targets[:, None]).mean()
+                        row["ppl_continuation"] = float(math.exp(float(nll)))
+                except (ValueError, NotImplementedError) as exc:
+                    row.update(error=f"{type(exc).__name__}: {exc}", score=None)
+                sink.write(json.dumps(row) + "\n")
+                sink.flush()
+                rows.append(row)
+                done.add(_row_key(row))
+                bar.update(1)
+    bar.close()
+    (out_dir / "plan.json").write_text(json.dumps({**asdict(plan), "specs": [asdict(s) for s in plan.specs]},
+                                                  indent=1))
+    return rows
