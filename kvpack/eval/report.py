@@ -20,6 +20,12 @@ def _mean(values):
     return statistics.fmean(values) if values else None
 
 
+def _task_order(tasks: set[str]) -> list[str]:
+    from .tasks import RULER_TASKS
+
+    return sorted(tasks, key=lambda t: (RULER_TASKS.index(t) if t in RULER_TASKS else len(RULER_TASKS), t))
+
+
 def summarize(rows: list[dict]) -> dict:
     """``{setting: {"tasks": [...], "methods": {label: {...}}}}``."""
     out: dict = {}
@@ -27,7 +33,7 @@ def summarize(rows: list[dict]) -> dict:
     for r in rows:
         by_setting[r["setting"]].append(r)
     for setting, srows in by_setting.items():
-        tasks = sorted({r["task"] for r in srows})
+        tasks = _task_order({r["task"] for r in srows})
         groups: dict[str, list[dict]] = defaultdict(list)
         for r in srows:
             groups[r["label"]].append(r)
