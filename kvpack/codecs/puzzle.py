@@ -48,6 +48,9 @@ class PuzzleConfig(CodecConfig):
             (factorize pre-RoPE keys; RoPE is re-applied at attention time at the original positions).
         int4: quantize the factors to symmetric INT4 with Σ^½ absorbed into both (paper §4.3).
         tile_pages: factorized pages processed per attention tile (bounds transient memory).
+        kernel: attention path for stored tokens: ``auto`` (the Triton kernel for CUDA tensors when
+            Triton is installed, else PyTorch), ``triton`` (always; CPU only under
+            ``TRITON_INTERPRET=1``) or ``torch``.
         budget: when set, the ranks are chosen per input as the largest pair whose total bytes
             (factors and dense regions, for the coming page cycle) stay within ``budget × dense``.
     """
@@ -60,6 +63,7 @@ class PuzzleConfig(CodecConfig):
     key_rope: str = "post"
     int4: bool = False
     tile_pages: int = 256
+    kernel: str = "auto"
 
     def validate(self) -> None:
         super().validate()
@@ -78,6 +82,10 @@ class PuzzleConfig(CodecConfig):
             raise ValueError(f"key_rope must be 'post' or 'pre', got {self.key_rope!r}")
         if not isinstance(self.int4, bool):
             raise ValueError(f"int4 must be a boolean, got {self.int4!r}")
+        from ..attention.triton import KERNEL_CHOICES
+
+        if self.kernel not in KERNEL_CHOICES:
+            raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {self.kernel!r}")
 
 
 def split_total_rank(total: int, cap: int) -> tuple[int, int]:
@@ -284,6 +292,15 @@ class PuzzleStore(SegmentedStore):
             dequantize_int4(f["lv_q"][:, lo:hi], f["lv_s"][:, lo:hi], rank_v),
             dequantize_int4(f["rv_q"][:, lo:hi], f["rv_s"][:, lo:hi], d),
         )
+
+    def stored_partials(self, qg, scaling):
+        from ..attention.triton import use_triton
+
+        if use_triton(self.config.kernel, qg.device):
+            from ..attention.triton.puzzle_op import puzzle_partial
+
+            return [puzzle_partial(self, qg, scaling)]
+        return super().stored_partials(qg, scaling)
 
     def history_partials(self, qg, scaling):
         states = []

@@ -81,13 +81,19 @@ class SegmentedStore(LayerStore):
         if self.seq_len == 0:  # prefill: exact dense causal attention, as the model computes it
             return prefill_attention(q, k, v, scaling)
         qg = group_queries(q, lay.kv_heads)
+        states = self.stored_partials(qg, scaling)
+        return attend_history_and_chunk(states, qg, k, v, scaling, lay.q_heads)[0].to(q.dtype)
+
+    def stored_partials(self, qg: torch.Tensor, scaling: float) -> list[PartialAttention]:
+        """Partial states of grouped queries over everything stored: sink, history, tail (the
+        PyTorch path; codecs with a fused kernel override it)."""
         states = []
         if self.sink_k.shape[1]:
             states.append(dense_partial(qg, self.sink_k, self.sink_v, scaling))
         states.extend(self.history_partials(qg, scaling))
         if self.tail_k.shape[1]:
             states.append(dense_partial(qg, self.tail_k, self.tail_v, scaling))
-        return attend_history_and_chunk(states, qg, k, v, scaling, lay.q_heads)[0].to(q.dtype)
+        return states
 
     def append(self, k, v, q=None, out=None) -> None:
         self.check_chunk(q, k, v)

@@ -1,0 +1,147 @@
+"""Triton split-K attention over one PuzzleKV layer: dense sink/tail tokens and factorized pages.
+
+One launch per layer covers every KV head (grid axis 0) and splits the sequence (grid axis 1) into
+chunks of factorized pages and chunks of dense tokens (flash-decoding). Each program keeps an
+online-softmax state for all query rows of its KV head's GQA group and writes ``(m, l, o)``; the
+caller merges the splits by log-sum-exp (:func:`puzzle_partial_triton` returns the merged state).
+
+A factorized page's logits are ``(q R_Kᵀ) L_Kᵀ`` and its output is accumulated as ``(p L_V) R_V``:
+the dense ``K̂``/``V̂`` of a page never exist in global memory. With pre-RoPE keys the page's keys
+are rebuilt in registers as two halves ``K₁ = L R[:, :d/2]``, ``K₂ = L R[:, d/2:]`` and rotated
+(``rotate_half`` convention) before meeting the query. INT4 factors (packed nibbles, code − 8 times
+an fp16 scale: column-wise for L_K, R_K, R_V, row-wise for L_V) are dequantized on load.
+
+Numerics: fp32 accumulation throughout; inputs may be fp32/bf16/fp16. Tiles are padded to powers
+of two (>= 16, as ``tl.dot`` needs) and masked.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_factor(ptr, base, rows, cols, row_stride, offs_r, offs_c, INT4: tl.constexpr, s_ptr, s_base,
+                 s_row_stride, s_col_stride):
+    """A ``[len(offs_r), len(offs_c)]`` fp32 tile of a factor matrix (rows x cols valid)."""
+    mask = (offs_r[:, None] < rows) & (offs_c[None, :] < cols)
+    if INT4:
+        byte = tl.load(ptr + base + offs_r[:, None] * row_stride + offs_c[None, :] // 2, mask=mask, other=0)
+        code = (byte.to(tl.int32) >> ((offs_c[None, :] % 2) * 4)) & 0xF
+        scale = tl.load(s_ptr + s_base + offs_r[:, None] * s_row_stride + offs_c[None, :] * s_col_stride,
+                        mask=mask, other=0.0).to(tl.float32)
+        return tl.where(mask, (code - 8).to(tl.float32) * scale, 0.0)
+    return tl.load(ptr + base + offs_r[:, None] * row_stride + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def puzzle_split_kernel(
+    q_ptr, lk_ptr, rk_ptr, lv_ptr, rv_ptr, lks_ptr, rks_ptr, lvs_ptr, rvs_ptr, cos_ptr, sin_ptr,
+    dk_ptr, dv_ptr, m_ptr, l_ptr, o_ptr,
+    M, N, P, RK, RV, D, T, scaling,
+    pages_per_split, tokens_per_split, n_page_splits, n_splits,
+    INT4: tl.constexpr, PRE_ROPE: tl.constexpr,
+    BM: tl.constexpr, BP: tl.constexpr, BRK: tl.constexpr, BRV: tl.constexpr, BD: tl.constexpr,
+    BDH: tl.constexpr, BT: tl.constexpr,
+):
+    """Grid ``(kv_heads, n_splits)``. Layouts (contiguous):
+
+    q ``[H, M, D]`` fp32; float factors lk ``[H, N, P, RK]``, rk ``[H, N, RK, D]``, lv ``[H, N, P, RV]``,
+    rv ``[H, N, RV, D]`` — or INT4 packed along the last axis (``ceil(cols / 2)`` bytes) with scales
+    lks ``[H, N, 1, RK]``, rks ``[H, N, 1, D]``, lvs ``[H, N, P, 1]``, rvs ``[H, N, 1, D]``;
+    cos/sin ``[N * P, D]`` at the pages' positions (PRE_ROPE); dense keys/values ``[H, T, D]``;
+    outputs m, l ``[H, n_splits, M]``, o ``[H, n_splits, M, D]`` fp32.
+    """
+    h = tl.program_id(0)
+    s = tl.program_id(1)
+    offs_m = tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    mask_m = offs_m < M
+    q = tl.load(q_ptr + h * M * D + offs_m[:, None] * D + offs_d[None, :],
+                mask=mask_m[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BD], tl.float32)
+    offs_p = tl.arange(0, BP)
+    offs_rk = tl.arange(0, BRK)
+    offs_rv = tl.arange(0, BRV)
+    if s < n_page_splits:
+        HALF = D // 2
+        offs_h = tl.arange(0, BDH)
+        if PRE_ROPE:
+            q1 = tl.load(q_ptr + h * M * D + offs_m[:, None] * D + offs_h[None, :],
+                         mask=mask_m[:, None] & (offs_h[None, :] < HALF), other=0.0).to(tl.float32)
+            q2 = tl.load(q_ptr + h * M * D + offs_m[:, None] * D + HALF + offs_h[None, :],
+                         mask=mask_m[:, None] & (offs_h[None, :] < HALF), other=0.0).to(tl.float32)
+        if INT4:
+            rk_cols = (RK + 1) // 2
+            rv_cols = (RV + 1) // 2
+            d_cols = (D + 1) // 2
+        else:
+            rk_cols = RK
+            rv_cols = RV
+            d_cols = D
+        n_lo = s * pages_per_split
+        n_hi = tl.minimum(n_lo + pages_per_split, N)
+        for n in range(n_lo, n_hi):
+            page = h * N + n
+            lk = _load_factor(lk_ptr, page * P * rk_cols, P, RK, rk_cols, offs_p, offs_rk, INT4,
+                              lks_ptr, page * RK, 0, 1)
+            if PRE_ROPE:
+                rk1 = _load_factor(rk_ptr, page * RK * d_cols, RK, HALF, d_cols, offs_rk, offs_h, INT4,
+                                   rks_ptr, page * D, 0, 1)
+                # The second half starts at column HALF (a whole byte when packed: D is even).
+                rk2 = _load_factor(rk_ptr, page * RK * d_cols + (HALF // 2 if INT4 else HALF), RK, HALF, d_cols,
+                                   offs_rk, offs_h, INT4, rks_ptr, page * D + HALF, 0, 1)
+                k1 = tl.dot(lk, rk1)  # [BP, BDH]
+                k2 = tl.dot(lk, rk2)
+                pos = n * P + offs_p
+                pm = (offs_p[:, None] < P) & (offs_h[None, :] < HALF)
+                c1 = tl.load(cos_ptr + pos[:, None] * D + offs_h[None, :], mask=pm, other=0.0)
+                s1 = tl.load(sin_ptr + pos[:, None] * D + offs_h[None, :], mask=pm, other=0.0)
+                c2 = tl.load(cos_ptr + pos[:, None] * D + HALF + offs_h[None, :], mask=pm, other=0.0)
+                s2 = tl.load(sin_ptr + pos[:, None] * D + HALF + offs_h[None, :], mask=pm, other=0.0)
+                k1r = k1 * c1 - k2 * s1
+                k2r = k2 * c2 + k1 * s2
+                scores = tl.dot(q1, tl.trans(k1r)) + tl.dot(q2, tl.trans(k2r))
+            else:
+                rk = _load_factor(rk_ptr, page * RK * d_cols, RK, D, d_cols, offs_rk, offs_d, INT4,
+                                  rks_ptr, page * D, 0, 1)
+                scores = tl.dot(tl.dot(q, tl.trans(rk)), tl.trans(lk))  # (q R_Kᵀ) L_Kᵀ: [BM, BP]
+            scores = scores * scaling
+            scores = tl.where(mask_m[:, None] & (offs_p[None, :] < P), scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            lv = _load_factor(lv_ptr, page * P * rv_cols, P, RV, rv_cols, offs_p, offs_rv, INT4,
+                              lvs_ptr, page * P, 1, 0)
+            rv = _load_factor(rv_ptr, page * RV * d_cols, RV, D, d_cols, offs_rv, offs_d, INT4,
+                              rvs_ptr, page * D, 0, 1)
+            acc = acc * alpha[:, None] + tl.dot(tl.dot(p, lv), rv)  # (p L_V) R_V in rank space first
+            m_i = m_new
+    else:
+        offs_t = tl.arange(0, BT)
+        t_lo = (s - n_page_splits) * tokens_per_split
+        t_hi = tl.minimum(t_lo + tokens_per_split, T)
+        for t0 in range(t_lo, t_hi, BT):
+            tt = t0 + offs_t
+            tm = tt < t_hi
+            kv_mask = tm[:, None] & (offs_d[None, :] < D)
+            k = tl.load(dk_ptr + h * T * D + tt[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(dv_ptr + h * T * D + tt[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k.to(tl.float32))) * scaling
+            scores = tl.where(mask_m[:, None] & tm[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+            m_i = m_new
+    out = (h * n_splits + s) * M
+    tl.store(m_ptr + out + offs_m, m_i, mask=mask_m)
+    tl.store(l_ptr + out + offs_m, l_i, mask=mask_m)
+    tl.store(o_ptr + out * D + offs_m[:, None] * D + offs_d[None, :], acc, mask=mask_m[:, None] & (offs_d[None, :] < D))

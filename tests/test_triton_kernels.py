@@ -1,0 +1,126 @@
+"""Triton kernels against the fp64 reference, on CPU through the Triton interpreter (small odd shapes).
+
+The reference is attention over what the store holds (``store.reconstruct()``: sink, dense
+reconstruction of every factorized page, tail) in fp64; the kernel never builds that. Tolerance:
+fp32 inputs 2e-4 relative to the output scale (fp32 accumulation in a different order); bf16
+storage 2e-2 (bf16's 8-bit mantissa on the stored factors read by both paths in fp32 is identical,
+the slack covers tf32 on GPUs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is not installed: kernel tests skipped (pip install triton)")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    pytest.skip("no CUDA device and TRITON_INTERPRET is not set (conftest sets it for CPU runs)",
+                allow_module_level=True)
+
+from kvpack.attention.reference import reference_attention  # noqa: E402
+from kvpack.attention.softmax_merge import finalize, group_queries, ungroup_output  # noqa: E402
+from kvpack.codecs.base import LayerLayout  # noqa: E402
+from kvpack.codecs.puzzle import PuzzleConfig, PuzzleStore  # noqa: E402
+from kvpack.ops.rope import LlamaRotary, RotaryTable, apply_rope  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _store(kv_heads, group, d, seq, cfg: PuzzleConfig, seed=0):
+    torch.manual_seed(seed)
+    layout = LayerLayout(layer_idx=0, kv_heads=kv_heads, q_heads=kv_heads * group, head_dim=d,
+                         rope=RotaryTable(LlamaRotary(d), d))
+    store = PuzzleStore(layout, cfg)
+    # Keys with a decaying spectrum and RoPE applied (post-RoPE, as a model caches them).
+    base = torch.randn(kv_heads, seq, d) @ torch.diag(torch.logspace(0.5, -1, d))
+    cos, sin = layout.rope.cos_sin(torch.arange(seq))
+    k = apply_rope(base, cos, sin)
+    v = torch.randn(kv_heads, seq, d)
+    q = torch.randn(kv_heads * group, seq, d)
+    store.scaling = d ** -0.5
+    store.append(k, v, q=q, out=torch.zeros_like(q))
+    return store
+
+
+def _check(store, n_q=1, atol=2e-4, **split):
+    from kvpack.attention.triton.puzzle_op import puzzle_partial
+
+    lay = store.layout
+    q = torch.randn(lay.q_heads, n_q, lay.head_dim)
+    qg = group_queries(q, lay.kv_heads)
+    scaling = lay.head_dim ** -0.5
+    state = puzzle_partial(store, qg, scaling, **split)
+    got = ungroup_output(finalize(state), lay.q_heads)
+    k_hat, v_hat = store.reconstruct()
+    ref = reference_attention(q, k_hat, v_hat, scaling)
+    scale = ref.abs().max().item()
+    assert (got.double() - ref).abs().max().item() <= atol * max(scale, 1.0)
+    return state
+
+
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (1, 3), (2, 4)])
+@pytest.mark.parametrize("seq", [97, 54])
+def test_puzzle_kernel_matches_fp64_reference(kv_heads, group, seq):
+    cfg = PuzzleConfig(page_size=16, rank_k=5, rank_v=7, storage_dtype="float32", kernel="triton")
+    store = _store(kv_heads, group, 32, seq, cfg)
+    assert store.n_pages > 0 and store.tail_k.shape[1] % 16  # a partial page in the tail
+    _check(store, pages_per_split=2, tokens_per_split=20)  # several page and dense splits
+
+
+@pytest.mark.parametrize("ranks", [(1, 1), (16, 16)])
+def test_puzzle_kernel_rank_one_and_full(ranks):
+    cfg = PuzzleConfig(page_size=16, rank_k=ranks[0], rank_v=ranks[1], storage_dtype="float32", kernel="triton")
+    _check(_store(1, 3, 16, 75, cfg), pages_per_split=1)
+
+
+def test_puzzle_kernel_pre_rope_keys():
+    cfg = PuzzleConfig(page_size=16, rank_k=6, rank_v=6, storage_dtype="float32", key_rope="pre", kernel="triton")
+    _check(_store(2, 2, 32, 83, cfg), pages_per_split=3)
+
+
+def test_puzzle_kernel_int4_factors():
+    cfg = PuzzleConfig(page_size=16, rank_k=7, rank_v=5, storage_dtype="float32", int4=True, kernel="triton")
+    _check(_store(2, 3, 32, 70, cfg), pages_per_split=2)
+
+
+def test_puzzle_kernel_int4_pre_rope_bf16_page_not_power_of_two():
+    cfg = PuzzleConfig(page_size=24, rank_k=9, rank_v=8, int4=True, key_rope="pre", kernel="triton")
+    _check(_store(1, 4, 32, 101, cfg), atol=2e-2)
+
+
+def test_puzzle_kernel_several_query_rows():
+    cfg = PuzzleConfig(page_size=16, rank_k=5, rank_v=5, storage_dtype="float32", kernel="triton")
+    _check(_store(2, 3, 16, 60, cfg), n_q=3)
+
+
+def test_store_attend_dispatches_to_the_kernel_and_agrees_with_torch():
+    """A decode step through PuzzleStore.attend: kernel='triton' vs kernel='torch' on the same data."""
+    outs = []
+    for kernel in ("torch", "triton"):
+        cfg = PuzzleConfig(page_size=16, rank_k=6, rank_v=6, storage_dtype="float32", kernel=kernel)
+        store = _store(2, 3, 32, 90, cfg, seed=3)
+        torch.manual_seed(9)
+        q, k, v = torch.randn(6, 1, 32), torch.randn(2, 1, 32), torch.randn(2, 1, 32)
+        outs.append(store.attend(q, k, v, 32 ** -0.5))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_choice_validated():
+    with pytest.raises(ValueError, match="kernel"):
+        PuzzleConfig(kernel="cuda")
+
+
+def test_custom_op_traces_with_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kvpack.attention.triton.puzzle_op import puzzle_attention
+
+    with FakeTensorMode():
+        q = torch.empty(2, 3, 32)
+        e = torch.empty(0)
+        m, l, o = puzzle_attention(q, torch.empty(2, 4, 16, 5), torch.empty(2, 4, 5, 32), torch.empty(2, 4, 16, 5),
+                                   torch.empty(2, 4, 5, 32), e, e, e, e, e, e, torch.empty(2, 20, 32),
+                                   torch.empty(2, 20, 32), 16, 5, 5, 0.2, False, False, 2, 16)
+        assert m.shape == (2, 3) and l.shape == (2, 3) and o.shape == (2, 3, 32)
