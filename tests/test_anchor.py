@@ -222,3 +222,17 @@ def test_recompression_of_the_dense_tail():
     # The re-compressed stretch is close to the tokens it replaced.
     err = (k_hat[:, S:S + 256] - k[:, :256].to(torch.bfloat16).float()).norm() / k[:, :256].norm()
     assert err < 0.6
+
+
+def test_budget_just_above_fixed_cost_stores_no_residuals_and_still_attends():
+    # A budget that buys zero residual slots must not crash (the empty residual tensors are packed).
+    H, group, S, d = 1, 2, 130, 32
+    store = get_codec("anchor", budget=0.252, storage_dtype="float32", window=8, anchors=12,
+                      attention_backend="torch").new_store(_layout(H, group, d))
+    _prefill(store, H, group, S, d)
+    assert store.n_residuals == (0, 0)
+    q = torch.randn(H * group, 1, d)
+    kn, vn = _kv(H, 1, d, seed=3)
+    k_hat, v_hat = store.reconstruct()
+    ref = reference_attention(q, torch.cat([k_hat, kn], 1), torch.cat([v_hat, vn], 1), 0.125)
+    torch.testing.assert_close(store.attend(q, kn, vn, 0.125), ref.float(), rtol=1e-4, atol=1e-4)

@@ -63,7 +63,7 @@ def _check(store, n_q=1, atol=2e-4, **split):
 @pytest.mark.parametrize("kv_heads,group", [(2, 1), (1, 3), (2, 4)])
 @pytest.mark.parametrize("seq", [97, 54])
 def test_puzzle_kernel_matches_fp64_reference(kv_heads, group, seq):
-    cfg = PuzzleConfig(page_size=16, rank_k=5, rank_v=7, storage_dtype="float32", kernel="triton")
+    cfg = PuzzleConfig(page_size=16, rank_k=5, rank_v=7, storage_dtype="float32", attention_backend="triton")
     store = _store(kv_heads, group, 32, seq, cfg)
     assert store.n_pages > 0 and store.tail_k.shape[1] % 16  # a partial page in the tail
     _check(store, pages_per_split=2, tokens_per_split=20)  # several page and dense splits
@@ -71,35 +71,35 @@ def test_puzzle_kernel_matches_fp64_reference(kv_heads, group, seq):
 
 @pytest.mark.parametrize("ranks", [(1, 1), (16, 16)])
 def test_puzzle_kernel_rank_one_and_full(ranks):
-    cfg = PuzzleConfig(page_size=16, rank_k=ranks[0], rank_v=ranks[1], storage_dtype="float32", kernel="triton")
+    cfg = PuzzleConfig(page_size=16, rank_k=ranks[0], rank_v=ranks[1], storage_dtype="float32", attention_backend="triton")
     _check(_store(1, 3, 16, 75, cfg), pages_per_split=1)
 
 
 def test_puzzle_kernel_pre_rope_keys():
-    cfg = PuzzleConfig(page_size=16, rank_k=6, rank_v=6, storage_dtype="float32", key_rope="pre", kernel="triton")
+    cfg = PuzzleConfig(page_size=16, rank_k=6, rank_v=6, storage_dtype="float32", key_rope="pre", attention_backend="triton")
     _check(_store(2, 2, 32, 83, cfg), pages_per_split=3)
 
 
 def test_puzzle_kernel_int4_factors():
-    cfg = PuzzleConfig(page_size=16, rank_k=7, rank_v=5, storage_dtype="float32", int4=True, kernel="triton")
+    cfg = PuzzleConfig(page_size=16, rank_k=7, rank_v=5, storage_dtype="float32", int4=True, attention_backend="triton")
     _check(_store(2, 3, 32, 70, cfg), pages_per_split=2)
 
 
 def test_puzzle_kernel_int4_pre_rope_bf16_page_not_power_of_two():
-    cfg = PuzzleConfig(page_size=24, rank_k=9, rank_v=8, int4=True, key_rope="pre", kernel="triton")
+    cfg = PuzzleConfig(page_size=24, rank_k=9, rank_v=8, int4=True, key_rope="pre", attention_backend="triton")
     _check(_store(1, 4, 32, 101, cfg), atol=2e-2)
 
 
 def test_puzzle_kernel_several_query_rows():
-    cfg = PuzzleConfig(page_size=16, rank_k=5, rank_v=5, storage_dtype="float32", kernel="triton")
+    cfg = PuzzleConfig(page_size=16, rank_k=5, rank_v=5, storage_dtype="float32", attention_backend="triton")
     _check(_store(2, 3, 16, 60, cfg), n_q=3)
 
 
 def test_store_attend_dispatches_to_the_kernel_and_agrees_with_torch():
-    """A decode step through PuzzleStore.attend: kernel='triton' vs kernel='torch' on the same data."""
+    """A decode step through PuzzleStore.attend: attention_backend='triton' vs 'torch' on the same data."""
     outs = []
     for kernel in ("torch", "triton"):
-        cfg = PuzzleConfig(page_size=16, rank_k=6, rank_v=6, storage_dtype="float32", kernel=kernel)
+        cfg = PuzzleConfig(page_size=16, rank_k=6, rank_v=6, storage_dtype="float32", attention_backend=kernel)
         store = _store(2, 3, 32, 90, cfg, seed=3)
         torch.manual_seed(9)
         q, k, v = torch.randn(6, 1, 32), torch.randn(2, 1, 32), torch.randn(2, 1, 32)
@@ -108,8 +108,8 @@ def test_store_attend_dispatches_to_the_kernel_and_agrees_with_torch():
 
 
 def test_kernel_choice_validated():
-    with pytest.raises(ValueError, match="kernel"):
-        PuzzleConfig(kernel="cuda")
+    with pytest.raises(ValueError, match="attention_backend"):
+        PuzzleConfig(attention_backend="cuda")
 
 
 def test_custom_op_traces_with_fake_tensors():
@@ -124,3 +124,80 @@ def test_custom_op_traces_with_fake_tensors():
                                    torch.empty(2, 4, 5, 32), e, e, e, e, e, e, torch.empty(2, 20, 32),
                                    torch.empty(2, 20, 32), 16, 5, 5, 0.2, False, False, 2, 16)
         assert m.shape == (2, 3) and l.shape == (2, 3) and o.shape == (2, 3, 32)
+
+
+# ------------------------------------------------------------------------------------------------
+# AnchorKV
+# ------------------------------------------------------------------------------------------------
+
+
+def _anchor_store(kv_heads, group, d, seq, seed=0, **cfg):
+    from kvpack.codecs import get_codec
+
+    torch.manual_seed(seed)
+    layout = LayerLayout(layer_idx=0, kv_heads=kv_heads, q_heads=kv_heads * group, head_dim=d,
+                         rope=RotaryTable(LlamaRotary(d), d))
+    cfg = {"window": 8, "anchors": 12, **cfg}  # a small fixed cost, so short sequences fit the budget
+    store = get_codec("anchor", attention_backend="triton", **cfg).new_store(layout)
+    base = torch.randn(kv_heads, 6, d)
+    pick = torch.randint(0, 6, (kv_heads, seq))
+    k = torch.gather(base, 1, pick[..., None].expand(-1, -1, d)) * (0.5 + torch.rand(kv_heads, seq, 1))
+    k = k + 0.2 * torch.randn(kv_heads, seq, d)
+    v = torch.randn(kv_heads, seq, d)
+    q = torch.randn(kv_heads * group, seq, d)
+    store.append(k, v, q, store.attend(q, k, v, d ** -0.5))
+    return store
+
+
+def _check_anchor(store, n_q=1, atol=2e-4, **split):
+    from kvpack.attention.softmax_merge import merge_partials
+    from kvpack.attention.triton.anchor_op import anchor_partials
+
+    lay = store.layout
+    q = torch.randn(lay.q_heads, n_q, lay.head_dim)
+    qg = group_queries(q, lay.kv_heads)
+    scaling = lay.head_dim ** -0.5
+    got = ungroup_output(finalize(merge_partials(anchor_partials(store, qg, scaling, **split))), lay.q_heads)
+    k_hat, v_hat = store.reconstruct()
+    n = sum(n for _, n in store.segment_spans)
+    ref = reference_attention(q, k_hat[:, :n], v_hat[:, :n], scaling)
+    assert (got.double() - ref).abs().max().item() <= atol * max(ref.abs().max().item(), 1.0)
+
+
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (1, 3), (2, 4)])
+@pytest.mark.parametrize("seq", [97, 170])
+def test_anchor_kernel_matches_fp64_reference(kv_heads, group, seq):
+    store = _anchor_store(kv_heads, group, 32, seq, budget=0.5, storage_dtype="float32")
+    assert store.n_residuals[0] > 0 and store.n_residuals[1] > 0  # residuals are exercised
+    _check_anchor(store, blocks_per_split=1)
+
+
+def test_anchor_kernel_every_token_with_residual_and_bf16_storage():
+    store = _anchor_store(2, 3, 64, 150, budget=1.0)
+    _check_anchor(store, n_q=2, atol=2e-2)
+
+
+def test_anchor_kernel_no_residuals():
+    store = _anchor_store(1, 4, 32, 130, budget=0.252, storage_dtype="float32")  # just above the fixed cost
+    assert store.n_residuals == (0, 0)
+    _check_anchor(store, blocks_per_split=2)
+
+
+def test_anchor_store_dispatch_and_recompressed_segments_agree_with_torch():
+    from kvpack.codecs import get_codec
+
+    outs = []
+    for backend in ("torch", "triton"):
+        torch.manual_seed(5)
+        layout = LayerLayout(layer_idx=0, kv_heads=2, q_heads=6, head_dim=32, rope=RotaryTable(LlamaRotary(32), 32))
+        store = get_codec("anchor", budget=0.4, storage_dtype="float32", recompress_every=40, window=8,
+                          anchors=12, attention_backend=backend).new_store(layout)
+        k, v, q = torch.randn(2, 120, 32), torch.randn(2, 120, 32), torch.randn(6, 120, 32)
+        store.append(k, v, q, store.attend(q, k, v, 32 ** -0.5))
+        for _ in range(45):  # decode past one re-compression: two segments
+            qn, kn, vn = torch.randn(6, 1, 32), torch.randn(2, 1, 32), torch.randn(2, 1, 32)
+            out = store.attend(qn, kn, vn, 32 ** -0.5)
+            store.append(kn, vn, qn, out)
+        outs.append(out)
+        assert len(store.segments) == 2
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.anchor import anchor_tile_partials
+from ..attention.triton import use_triton
 from ..attention.scores import observation_scores
 from ..attention.softmax_merge import (
     attend_history_and_chunk,
@@ -73,6 +74,9 @@ class AnchorConfig(CodecConfig):
         recompress_every: beyond the paper: when the dense tail of generated tokens reaches this
             many tokens, compress them as a new segment (same anchors, Eq. 6/9 over the segment,
             scored by the last W decode queries). None (default): generated tokens stay dense.
+        attention_backend: attention over the compressed segments: ``auto`` (the Triton kernel for
+            CUDA tensors when Triton is installed, else PyTorch), ``triton`` (always; CPU only under
+            ``TRITON_INTERPRET=1``) or ``torch``.
     """
 
     budget: float | None = 0.1
@@ -83,9 +87,14 @@ class AnchorConfig(CodecConfig):
     kernel: int = 7
     tile: int = 1024
     recompress_every: int | None = None
+    attention_backend: str = "auto"
 
     def validate(self) -> None:
         super().validate()
+        from ..attention.triton import KERNEL_CHOICES
+
+        if self.attention_backend not in KERNEL_CHOICES:
+            raise ValueError(f"attention_backend must be one of {KERNEL_CHOICES}, got {self.attention_backend!r}")
         if self.budget is None:
             raise ValueError("anchor: budget (the retain fraction θ) is required")
         require_int(self, "window", minimum=1)
@@ -406,7 +415,12 @@ class AnchorStore(LayerStore):
         if self.seq_len == 0:
             return prefill_attention(q, k, v, scaling)
         qg = group_queries(q, lay.kv_heads)
-        states = anchor_tile_partials(self, qg, scaling)
+        if use_triton(self.config.attention_backend, qg.device):
+            from ..attention.triton.anchor_op import anchor_partials
+
+            states = anchor_partials(self, qg, scaling)
+        else:
+            states = anchor_tile_partials(self, qg, scaling)
         if self.tail_k.shape[1]:
             states.append(dense_partial(qg, self.tail_k, self.tail_v, scaling))
         out, merged = attend_history_and_chunk(states, qg, k, v, scaling, lay.q_heads)

@@ -48,7 +48,7 @@ class PuzzleConfig(CodecConfig):
             (factorize pre-RoPE keys; RoPE is re-applied at attention time at the original positions).
         int4: quantize the factors to symmetric INT4 with Σ^½ absorbed into both (paper §4.3).
         tile_pages: factorized pages processed per attention tile (bounds transient memory).
-        kernel: attention path for stored tokens: ``auto`` (the Triton kernel for CUDA tensors when
+        attention_backend: attention path for stored tokens: ``auto`` (the Triton kernel for CUDA tensors when
             Triton is installed, else PyTorch), ``triton`` (always; CPU only under
             ``TRITON_INTERPRET=1``) or ``torch``.
         budget: when set, the ranks are chosen per input as the largest pair whose total bytes
@@ -63,7 +63,7 @@ class PuzzleConfig(CodecConfig):
     key_rope: str = "post"
     int4: bool = False
     tile_pages: int = 256
-    kernel: str = "auto"
+    attention_backend: str = "auto"
 
     def validate(self) -> None:
         super().validate()
@@ -84,8 +84,8 @@ class PuzzleConfig(CodecConfig):
             raise ValueError(f"int4 must be a boolean, got {self.int4!r}")
         from ..attention.triton import KERNEL_CHOICES
 
-        if self.kernel not in KERNEL_CHOICES:
-            raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {self.kernel!r}")
+        if self.attention_backend not in KERNEL_CHOICES:
+            raise ValueError(f"attention_backend must be one of {KERNEL_CHOICES}, got {self.attention_backend!r}")
 
 
 def split_total_rank(total: int, cap: int) -> tuple[int, int]:
@@ -296,7 +296,7 @@ class PuzzleStore(SegmentedStore):
     def stored_partials(self, qg, scaling):
         from ..attention.triton import use_triton
 
-        if use_triton(self.config.kernel, qg.device):
+        if use_triton(self.config.attention_backend, qg.device):
             from ..attention.triton.puzzle_op import puzzle_partial
 
             return [puzzle_partial(self, qg, scaling)]

@@ -20,6 +20,9 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if codes.dtype != torch.uint8:
         raise TypeError(f"pack_bits expects uint8 codes, got {codes.dtype}")
     per = 8 // bits
+    if codes.numel() == 0:  # e.g. no residual got a slot: keep the shape, hold nothing
+        return torch.empty(*codes.shape[:-1], (codes.shape[-1] + per - 1) // per, dtype=torch.uint8,
+                           device=codes.device)
     pad = (-codes.shape[-1]) % per
     if pad:
         codes = torch.nn.functional.pad(codes, (0, pad))

@@ -2,7 +2,7 @@
 
 Kernels run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (how CI checks them).
 Importing this package never imports Triton; :func:`triton_available` says whether it can be used.
-Codecs choose with their ``kernel`` setting: ``auto`` (Triton for CUDA tensors when Triton is
+Codecs choose with their ``attention_backend`` setting: ``auto`` (Triton for CUDA tensors when Triton is
 installed, PyTorch otherwise), ``triton`` (always; on CPU only under the interpreter) or ``torch``.
 """
 
@@ -27,7 +27,7 @@ def interpreter_on() -> bool:
 
 
 def use_triton(choice: str, device: torch.device) -> bool:
-    """Whether a codec with ``kernel=choice`` runs its Triton kernel for tensors on ``device``.
+    """Whether a codec with ``attention_backend=choice`` runs its Triton kernel for tensors on ``device``.
 
     Raises:
         ValueError: ``choice == "triton"`` where Triton cannot run (not installed, or CPU tensors
@@ -38,8 +38,8 @@ def use_triton(choice: str, device: torch.device) -> bool:
     runnable = triton_installed() and (device.type == "cuda" or interpreter_on())
     if choice == "triton":
         if not triton_installed():
-            raise ValueError("kernel='triton' needs the triton package (pip install triton)")
+            raise ValueError("attention_backend='triton' needs the triton package (pip install triton)")
         if not runnable:
-            raise ValueError("kernel='triton' on CPU tensors needs TRITON_INTERPRET=1 (the Triton interpreter)")
+            raise ValueError("attention_backend='triton' on CPU tensors needs TRITON_INTERPRET=1 (the Triton interpreter)")
         return True
     return runnable and device.type == "cuda"

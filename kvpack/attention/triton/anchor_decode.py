@@ -1,0 +1,116 @@
+"""Triton split-K attention over one AnchorKV segment, keys and values rebuilt in registers.
+
+Grid ``(kv_heads, n_splits)``; each program walks its share of the segment in 32-token blocks (the
+prefix-count granularity). For a block it gathers each token's anchor row, scales it by the token's
+coefficient γ, and adds the token's residual where its mask bit is set: the slot is the block's
+prefix count plus the residuals before the token in the block (``tl.cumsum`` of the mask bits), the
+2-bit codes become Lloyd–Max levels times the token's scale, and the inverse randomized Hadamard is
+applied as one ``[32, D] x [D, D]`` product with the orthonormal Sylvester matrix followed by the
+signs — exactly the map ``x = s ⊙ (Hᵀ y)`` (H is symmetric), computed as a small dense matmul instead
+of a butterfly (at D <= 256 a tensor-core matmul costs less than D log D shuffles between lanes).
+Keys are then rotated by RoPE at their positions (halves, ``rotate_half`` convention) and meet the
+queries; values are contracted with the probabilities. Nothing reconstructed is written back.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rebuild_half(anchor_ptr, h, K, D, idx, coef, col0, offs_c, n_cols, tm, y, hmat_ptr, signs_ptr, offs_dd):
+    """Columns ``[col0, col0 + n_cols)`` of the rebuilt tile: γ · anchor[idx] + (y Hᵀ)[:, cols] ⊙ s."""
+    cm = offs_c < n_cols
+    a = tl.load(anchor_ptr + (h * K + idx)[:, None] * D + col0 + offs_c[None, :], mask=tm[:, None] & cm[None, :],
+                other=0.0).to(tl.float32)
+    hm = tl.load(hmat_ptr + offs_dd[:, None] * D + col0 + offs_c[None, :],
+                 mask=(offs_dd[:, None] < D) & cm[None, :], other=0.0)
+    signs = tl.load(signs_ptr + col0 + offs_c, mask=cm, other=0.0)
+    return a * coef[:, None] + tl.dot(y, hm) * signs[None, :]
+
+
+@triton.jit
+def _residual_levels(res_ptr, scale_ptr, slot, has, offs_d, D, L0, L1, L2, L3):
+    """``[32, BD]`` Lloyd–Max levels times the token's scale (zero rows where there is no residual)."""
+    m = has[:, None] & (offs_d[None, :] < D)
+    byte = tl.load(res_ptr + slot[:, None] * (D // 4) + offs_d[None, :] // 4, mask=m, other=0).to(tl.int32)
+    code = (byte >> ((offs_d[None, :] % 4) * 2)) & 3
+    level = tl.where(code == 0, L0, tl.where(code == 1, L1, tl.where(code == 2, L2, L3)))
+    scale = tl.load(scale_ptr + slot, mask=has, other=0.0).to(tl.float32)
+    return tl.where(m, level * scale[:, None], 0.0)
+
+
+@triton.jit
+def anchor_split_kernel(
+    q_ptr, ak_ptr, av_ptr, hmat_ptr, signs_ptr, cos_ptr, sin_ptr,
+    idx_k_ptr, coef_k_ptr, mask_k_ptr, prefix_k_ptr, res_k_ptr, scale_k_ptr,
+    idx_v_ptr, coef_v_ptr, mask_v_ptr, prefix_v_ptr, res_v_ptr, scale_v_ptr,
+    m_ptr, l_ptr, o_ptr,
+    M, K, D, n, scaling, blocks_per_split, n_splits, L0, L1, L2, L3,
+    BM: tl.constexpr, BD: tl.constexpr, BDH: tl.constexpr, BT: tl.constexpr,
+):
+    """Layouts: q ``[H, M, D]`` fp32; anchors ``[H, K, D]``; hmat ``[D, D]``, signs ``[D]``; cos/sin
+    ``[n, D]`` at the segment's positions; per side: index ``[H, n]`` int16, coef ``[H, n]``,
+    mask ``[H, ceil(n / 8)]`` packed bits, prefix ``[H, ceil(n / 32)]`` int32 (global slot of the
+    block's first residual), res ``[slots, D / 4]`` packed 2-bit codes, scale ``[slots]``.
+    Outputs m, l ``[H, n_splits, M]``, o ``[H, n_splits, M, D]``. ``BT`` must be 32 (prefix blocks).
+    """
+    h = tl.program_id(0)
+    s = tl.program_id(1)
+    HALF = D // 2
+    offs_m = tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    offs_h = tl.arange(0, BDH)
+    offs_t = tl.arange(0, BT)
+    mask_m = offs_m < M
+    hm_ = mask_m[:, None] & (offs_h[None, :] < HALF)
+    q1 = tl.load(q_ptr + h * M * D + offs_m[:, None] * D + offs_h[None, :], mask=hm_, other=0.0)
+    q2 = tl.load(q_ptr + h * M * D + offs_m[:, None] * D + HALF + offs_h[None, :], mask=hm_, other=0.0)
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BD], tl.float32)
+    n_bytes = (n + 7) // 8
+    n_blocks = (n + BT - 1) // BT
+    b_lo = s * blocks_per_split
+    b_hi = tl.minimum(b_lo + blocks_per_split, n_blocks)
+    for b in range(b_lo, b_hi):
+        tt = b * BT + offs_t
+        tm = tt < n
+        # Keys: anchors, coefficients, residuals, RoPE.
+        idx = tl.load(idx_k_ptr + h * n + tt, mask=tm, other=0).to(tl.int32)
+        coef = tl.load(coef_k_ptr + h * n + tt, mask=tm, other=0.0).to(tl.float32)
+        byte = tl.load(mask_k_ptr + h * n_bytes + tt // 8, mask=tm, other=0).to(tl.int32)
+        bit = (byte >> (tt % 8)) & 1
+        slot = tl.load(prefix_k_ptr + h * n_blocks + b) + tl.cumsum(bit, 0) - bit
+        y = _residual_levels(res_k_ptr, scale_k_ptr, slot, (bit == 1) & tm, offs_d, D, L0, L1, L2, L3)
+        k1 = _rebuild_half(ak_ptr, h, K, D, idx, coef, 0, offs_h, HALF, tm, y, hmat_ptr, signs_ptr, offs_d)
+        k2 = _rebuild_half(ak_ptr, h, K, D, idx, coef, HALF, offs_h, HALF, tm, y, hmat_ptr, signs_ptr, offs_d)
+        pm = tm[:, None] & (offs_h[None, :] < HALF)
+        c1 = tl.load(cos_ptr + tt[:, None] * D + offs_h[None, :], mask=pm, other=0.0)
+        s1 = tl.load(sin_ptr + tt[:, None] * D + offs_h[None, :], mask=pm, other=0.0)
+        c2 = tl.load(cos_ptr + tt[:, None] * D + HALF + offs_h[None, :], mask=pm, other=0.0)
+        s2 = tl.load(sin_ptr + tt[:, None] * D + HALF + offs_h[None, :], mask=pm, other=0.0)
+        k1r = k1 * c1 - k2 * s1
+        k2r = k2 * c2 + k1 * s2
+        scores = (tl.dot(q1, tl.trans(k1r)) + tl.dot(q2, tl.trans(k2r))) * scaling
+        scores = tl.where(mask_m[:, None] & tm[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # Values: the same reconstruction, full width, no RoPE.
+        idx = tl.load(idx_v_ptr + h * n + tt, mask=tm, other=0).to(tl.int32)
+        coef = tl.load(coef_v_ptr + h * n + tt, mask=tm, other=0.0).to(tl.float32)
+        byte = tl.load(mask_v_ptr + h * n_bytes + tt // 8, mask=tm, other=0).to(tl.int32)
+        bit = (byte >> (tt % 8)) & 1
+        slot = tl.load(prefix_v_ptr + h * n_blocks + b) + tl.cumsum(bit, 0) - bit
+        y = _residual_levels(res_v_ptr, scale_v_ptr, slot, (bit == 1) & tm, offs_d, D, L0, L1, L2, L3)
+        v = _rebuild_half(av_ptr, h, K, D, idx, coef, 0, offs_d, D, tm, y, hmat_ptr, signs_ptr, offs_d)
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+        m_i = m_new
+    out = (h * n_splits + s) * M
+    tl.store(m_ptr + out + offs_m, m_i, mask=mask_m)
+    tl.store(l_ptr + out + offs_m, l_i, mask=mask_m)
+    tl.store(o_ptr + out * D + offs_m[:, None] * D + offs_d[None, :], acc, mask=mask_m[:, None] & (offs_d[None, :] < D))
