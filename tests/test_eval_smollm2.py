@@ -30,3 +30,18 @@ def test_fullkv_clears_the_niah_floor_at_4k(smollm2, tmp_path):
         by_task.setdefault(r["task"], []).append(r["score"])
     assert sum(by_task["niah_single_1"]) / 2 >= FLOOR_SINGLE_1, rows
     assert sum(sum(v) for v in by_task.values()) / 6 >= FLOOR_AVERAGE, by_task
+
+
+def test_cli_eval_writes_outputs(tmp_path, capsys):
+    from kvpack.cli import main
+
+    out = tmp_path / "ev"
+    assert main(["eval", "--methods", "full,streaming", "--budgets", "0.5", "--tasks", "niah_single_1", "--lengths",
+                 "512", "--samples", "1", "--setting", "query-agnostic", "--no-fidelity", "--quiet", "--out",
+                 str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| streaming@0.5 |" in printed and "query-agnostic" in printed
+    for name in ("results.jsonl", "summary.md", "summary.json", "score_vs_ratio.png", "heatmap_query-agnostic.png"):
+        assert (out / name).is_file()
+    assert main(["eval", "--tasks", "bogus", "--out", str(out)]) == 2
+    assert "unknown task" in capsys.readouterr().err

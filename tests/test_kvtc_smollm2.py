@@ -6,6 +6,7 @@ fast; docs/kvtc.md has the figures of the full-size calibration.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -101,3 +102,35 @@ def test_second_turn_continues_from_stored_first_turn(calibrated, smollm2, tmp_p
                                 pad_token_id=tok.pad_token_id)
     recomputed_text = tok.decode(recomputed[0, len(ids):], skip_special_tokens=True)
     assert _number(cont.text) == _number(recomputed_text) == answer, (cont.text, recomputed_text)
+
+
+def test_cli_compress_continue_decompress_and_store(calibrated, tmp_path, capsys):
+    from kvpack.cli import main
+
+    _, directory = calibrated
+    prompt = "Alice keeps her spare key under the blue flowerpot. " * 30
+    blob = tmp_path / "turn1.kvtc"
+    assert main(["compress", "--calibration", directory, "--ratio", "16", "--prompt", prompt, "--out", str(blob)]) == 0
+    assert blob.stat().st_size > 0
+    assert main(["continue", "--calibration", directory, "--blob", str(blob), "--prompt",
+                 " Question: where is the spare key? Answer: under the", "--max-new-tokens", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["prefix_tokens"] > 300 and out["blob_bytes"] == blob.stat().st_size
+    dense = tmp_path / "cache.safetensors"
+    assert main(["decompress", "--calibration", directory, "--blob", str(blob), "--out", str(dense)]) == 0
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(dense))
+    assert tensors["layer0.keys"].shape[1] == out["prefix_tokens"] and len(tensors) == 1 + 2 * 30
+    store = tmp_path / "store"
+    assert main(["compress", "--calibration", directory, "--ratio", "16", "--prompt", prompt, "--store", str(store)]) == 0
+    assert main(["continue", "--calibration", directory, "--store", str(store), "--prompt",
+                 prompt + " Question: where is the spare key?", "--max-new-tokens", "4", "--json"]) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["prefix_tokens"] == out["prefix_tokens"] and again["prefilled_tokens"] >= 1
+    # Bad input at the command line: a clear error and exit code 2, no traceback.
+    blob.write_bytes(blob.read_bytes()[:100])
+    assert main(["continue", "--calibration", directory, "--blob", str(blob), "--prompt", "x"]) == 2
+    assert "truncated" in capsys.readouterr().err
+    assert main(["compress", "--calibration", directory, "--ratio", "12", "--prompt", "x", "--out", str(blob)]) == 2
+    assert "no bit allocation for ratio 12" in capsys.readouterr().err
