@@ -202,6 +202,10 @@ def test_runner_end_to_end_and_resume(tiny_model, tokenizer, tiny_calibration, t
             assert r["ratio"] < 1.0 and r["kl_answer"] >= -1e-6
         assert r["ppl_continuation"] > 1.0
         assert r["config"]["version"] >= 1
+        if r["method"] == "puzzle":
+            assert r["config"]["rank_k"] >= 1  # the ranks the budget resolved to
+        if r["method"] == "kvtc":
+            assert len(r["config"]["calibration_id"]) == 24
     kvtc_rows = [r for r in ok if r["method"] == "kvtc"]
     assert kvtc_rows and all(r["kv_bytes"] > 0 for r in kvtc_rows)
     agnostic = next(r for r in ok if r["setting"] == "query-agnostic")

@@ -109,6 +109,15 @@ def load_rows(path: Path) -> list[dict]:
     return rows
 
 
+def _resolved_config(codec, cache) -> dict:
+    """The codec's config plus what it derived from the input (PuzzleKV's ranks, kvtc's calibration id)."""
+    from ..generate import resolved_config
+
+    if codec.storage:
+        return {**codec.config.to_dict(), "calibration_id": codec.calibration().calibration_id}
+    return resolved_config(codec, cache)
+
+
 def _teacher_forced_logprobs(model, cache, chunk: list[int], total: int) -> torch.Tensor:
     """Log-probabilities ``[len(chunk), vocab]`` (fp32) of a chunk appended to a built cache."""
     ids = torch.tensor([chunk], device=model.device)
@@ -170,7 +179,7 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
                     codec = get_codec(spec.method, **spec.codec_config())
                     built = build_cache(model, codec, prefill)
                     prediction, decode_s = _greedy(model, tokenizer, built.cache, ids, sample.max_new_tokens)
-                    row.update(config=codec.config.to_dict(), kv_bytes=built.kv_bytes,
+                    row.update(config=_resolved_config(codec, built.cache), kv_bytes=built.kv_bytes,
                                dense_kv_bytes=built.dense_kv_bytes, ratio=built.kv_bytes / built.dense_kv_bytes,
                                compress_s=built.seconds, decode_s=decode_s, prediction=prediction,
                                score=score(prediction, sample.answers, sample.metric))
