@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._common import online_softmax_step, store_split_state
+
 
 @triton.jit
 def _rebuild_half(anchor_ptr, h, K, D, idx, coef, col0, offs_c, n_cols, tm, y, hmat_ptr, signs_ptr, offs_dd):
@@ -39,6 +41,21 @@ def _residual_levels(res_ptr, scale_ptr, slot, has, offs_d, D, L0, L1, L2, L3):
     level = tl.where(code == 0, L0, tl.where(code == 1, L1, tl.where(code == 2, L2, L3)))
     scale = tl.load(scale_ptr + slot, mask=has, other=0.0).to(tl.float32)
     return tl.where(m, level * scale[:, None], 0.0)
+
+
+@triton.jit
+def _block_tokens(idx_ptr, coef_ptr, mask_ptr, prefix_ptr, res_ptr, scale_ptr, h, n, b, tt, tm, offs_d, D,
+                  L0, L1, L2, L3):
+    """One side's per-token data of a 32-token block: anchor index, coefficient, and the residual
+    levels ``y [32, BD]`` (zero rows where the mask bit is clear)."""
+    idx = tl.load(idx_ptr + h * n + tt, mask=tm, other=0).to(tl.int32)
+    coef = tl.load(coef_ptr + h * n + tt, mask=tm, other=0.0).to(tl.float32)
+    byte = tl.load(mask_ptr + h * ((n + 7) // 8) + tt // 8, mask=tm, other=0).to(tl.int32)
+    bit = (byte >> (tt % 8)) & 1
+    # Slot = the block's prefix count + residuals before the token in the block.
+    slot = tl.load(prefix_ptr + h * ((n + 31) // 32) + b) + tl.cumsum(bit, 0) - bit
+    y = _residual_levels(res_ptr, scale_ptr, slot, (bit == 1) & tm, offs_d, D, L0, L1, L2, L3)
+    return idx, coef, y
 
 
 @triton.jit
@@ -70,7 +87,6 @@ def anchor_split_kernel(
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
-    n_bytes = (n + 7) // 8
     n_blocks = (n + BT - 1) // BT
     b_lo = s * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, n_blocks)
@@ -78,12 +94,8 @@ def anchor_split_kernel(
         tt = b * BT + offs_t
         tm = tt < n
         # Keys: anchors, coefficients, residuals, RoPE.
-        idx = tl.load(idx_k_ptr + h * n + tt, mask=tm, other=0).to(tl.int32)
-        coef = tl.load(coef_k_ptr + h * n + tt, mask=tm, other=0.0).to(tl.float32)
-        byte = tl.load(mask_k_ptr + h * n_bytes + tt // 8, mask=tm, other=0).to(tl.int32)
-        bit = (byte >> (tt % 8)) & 1
-        slot = tl.load(prefix_k_ptr + h * n_blocks + b) + tl.cumsum(bit, 0) - bit
-        y = _residual_levels(res_k_ptr, scale_k_ptr, slot, (bit == 1) & tm, offs_d, D, L0, L1, L2, L3)
+        idx, coef, y = _block_tokens(idx_k_ptr, coef_k_ptr, mask_k_ptr, prefix_k_ptr, res_k_ptr, scale_k_ptr, h, n,
+                                     b, tt, tm, offs_d, D, L0, L1, L2, L3)
         k1 = _rebuild_half(ak_ptr, h, K, D, idx, coef, 0, offs_h, HALF, tm, y, hmat_ptr, signs_ptr, offs_d)
         k2 = _rebuild_half(ak_ptr, h, K, D, idx, coef, HALF, offs_h, HALF, tm, y, hmat_ptr, signs_ptr, offs_d)
         pm = tm[:, None] & (offs_h[None, :] < HALF)
@@ -95,22 +107,11 @@ def anchor_split_kernel(
         k2r = k2 * c2 + k1 * s2
         scores = (tl.dot(q1, tl.trans(k1r)) + tl.dot(q2, tl.trans(k2r))) * scaling
         scores = tl.where(mask_m[:, None] & tm[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_new, l_i, alpha, p = online_softmax_step(m_i, l_i, scores)
         # Values: the same reconstruction, full width, no RoPE.
-        idx = tl.load(idx_v_ptr + h * n + tt, mask=tm, other=0).to(tl.int32)
-        coef = tl.load(coef_v_ptr + h * n + tt, mask=tm, other=0.0).to(tl.float32)
-        byte = tl.load(mask_v_ptr + h * n_bytes + tt // 8, mask=tm, other=0).to(tl.int32)
-        bit = (byte >> (tt % 8)) & 1
-        slot = tl.load(prefix_v_ptr + h * n_blocks + b) + tl.cumsum(bit, 0) - bit
-        y = _residual_levels(res_v_ptr, scale_v_ptr, slot, (bit == 1) & tm, offs_d, D, L0, L1, L2, L3)
+        idx, coef, y = _block_tokens(idx_v_ptr, coef_v_ptr, mask_v_ptr, prefix_v_ptr, res_v_ptr, scale_v_ptr, h, n,
+                                     b, tt, tm, offs_d, D, L0, L1, L2, L3)
         v = _rebuild_half(av_ptr, h, K, D, idx, coef, 0, offs_d, D, tm, y, hmat_ptr, signs_ptr, offs_d)
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
-    out = (h * n_splits + s) * M
-    tl.store(m_ptr + out + offs_m, m_i, mask=mask_m)
-    tl.store(l_ptr + out + offs_m, l_i, mask=mask_m)
-    tl.store(o_ptr + out * D + offs_m[:, None] * D + offs_d[None, :], acc, mask=mask_m[:, None] & (offs_d[None, :] < D))
+    store_split_state(m_ptr, l_ptr, o_ptr, h, s, n_splits, M, D, m_i, l_i, acc, offs_m, offs_d)

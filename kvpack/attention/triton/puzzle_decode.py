@@ -20,6 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._common import online_softmax_step, store_split_state
+
 
 @triton.jit
 def _load_factor(ptr, base, rows, cols, row_stride, offs_r, offs_c, INT4: tl.constexpr, s_ptr, s_base,
@@ -111,11 +113,7 @@ def puzzle_split_kernel(
                 scores = tl.dot(tl.dot(q, tl.trans(rk)), tl.trans(lk))  # (q R_Kᵀ) L_Kᵀ: [BM, BP]
             scores = scores * scaling
             scores = tl.where(mask_m[:, None] & (offs_p[None, :] < P), scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_new, l_i, alpha, p = online_softmax_step(m_i, l_i, scores)
             lv = _load_factor(lv_ptr, page * P * rv_cols, P, RV, rv_cols, offs_p, offs_rv, INT4,
                               lvs_ptr, page * P, 1, 0)
             rv = _load_factor(rv_ptr, page * RV * d_cols, RV, D, d_cols, offs_rv, offs_d, INT4,
@@ -134,14 +132,7 @@ def puzzle_split_kernel(
             v = tl.load(dv_ptr + h * T * D + tt[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
             scores = tl.dot(q, tl.trans(k.to(tl.float32))) * scaling
             scores = tl.where(mask_m[:, None] & tm[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_new, l_i, alpha, p = online_softmax_step(m_i, l_i, scores)
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
             m_i = m_new
-    out = (h * n_splits + s) * M
-    tl.store(m_ptr + out + offs_m, m_i, mask=mask_m)
-    tl.store(l_ptr + out + offs_m, l_i, mask=mask_m)
-    tl.store(o_ptr + out * D + offs_m[:, None] * D + offs_d[None, :], acc, mask=mask_m[:, None] & (offs_d[None, :] < D))
+    store_split_state(m_ptr, l_ptr, o_ptr, h, s, n_splits, M, D, m_i, l_i, acc, offs_m, offs_d)

@@ -99,52 +99,27 @@ def _niah(tokenizer, length: int, depth: float, rng: random.Random, *, task: str
                   max_new_tokens=per_answer * len(answers) + 4, tokens=tokens)
 
 
-@register_task("niah_single_1")
-def niah_single_1(tokenizer, length, depth, rng):
-    return _niah(tokenizer, length, depth, rng, task="niah_single_1", haystack="noise", key_kind="words",
-                 value_kind="number")
+# RULER's NIAH variants (the table in the module docstring).
+NIAH_VARIANTS = {
+    "niah_single_1": dict(haystack="noise", key_kind="words", value_kind="number"),
+    "niah_single_2": dict(haystack="essay", key_kind="words", value_kind="number"),
+    "niah_single_3": dict(haystack="essay", key_kind="words", value_kind="uuid"),
+    "niah_multikey_1": dict(haystack="essay", key_kind="words", value_kind="number", n_distractors=3),
+    "niah_multikey_2": dict(haystack="needle", key_kind="words", value_kind="number"),
+    "niah_multikey_3": dict(haystack="needle", key_kind="uuid", value_kind="uuid"),
+    "niah_multivalue": dict(haystack="essay", key_kind="words", value_kind="number", n_values=4),
+    "niah_multiquery": dict(haystack="essay", key_kind="words", value_kind="number", n_queries=4),
+}
 
 
-@register_task("niah_single_2")
-def niah_single_2(tokenizer, length, depth, rng):
-    return _niah(tokenizer, length, depth, rng, task="niah_single_2", haystack="essay", key_kind="words",
-                 value_kind="number")
+def _register_variant(name: str, spec: dict) -> None:
+    @register_task(name)
+    def make(tokenizer, length, depth, rng):
+        return _niah(tokenizer, length, depth, rng, task=name, **spec)
 
 
-@register_task("niah_single_3")
-def niah_single_3(tokenizer, length, depth, rng):
-    return _niah(tokenizer, length, depth, rng, task="niah_single_3", haystack="essay", key_kind="words",
-                 value_kind="uuid")
-
-
-@register_task("niah_multikey_1")
-def niah_multikey_1(tokenizer, length, depth, rng):
-    return _niah(tokenizer, length, depth, rng, task="niah_multikey_1", haystack="essay", key_kind="words",
-                 value_kind="number", n_distractors=3)
-
-
-@register_task("niah_multikey_2")
-def niah_multikey_2(tokenizer, length, depth, rng):
-    return _niah(tokenizer, length, depth, rng, task="niah_multikey_2", haystack="needle", key_kind="words",
-                 value_kind="number")
-
-
-@register_task("niah_multikey_3")
-def niah_multikey_3(tokenizer, length, depth, rng):
-    return _niah(tokenizer, length, depth, rng, task="niah_multikey_3", haystack="needle", key_kind="uuid",
-                 value_kind="uuid")
-
-
-@register_task("niah_multivalue")
-def niah_multivalue(tokenizer, length, depth, rng):
-    return _niah(tokenizer, length, depth, rng, task="niah_multivalue", haystack="essay", key_kind="words",
-                 value_kind="number", n_values=4)
-
-
-@register_task("niah_multiquery")
-def niah_multiquery(tokenizer, length, depth, rng):
-    return _niah(tokenizer, length, depth, rng, task="niah_multiquery", haystack="essay", key_kind="words",
-                 value_kind="number", n_queries=4)
+for _name, _spec in NIAH_VARIANTS.items():
+    _register_variant(_name, _spec)
 
 
 PASSKEY_INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
