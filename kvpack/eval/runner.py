@@ -144,8 +144,9 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
     results = out_dir / "results.jsonl"
     rows = load_rows(results)
     done = {_row_key(r) for r in rows}
-    units = [(setting, task, length, index) for setting in plan.settings for task in plan.tasks
-             for length in plan.lengths for index in range(plan.samples)]
+    # Both settings of a sample run back to back, so a run cut short has comparable rows.
+    units = [(setting, task, length, index) for task in plan.tasks for length in plan.lengths
+             for index in range(plan.samples) for setting in plan.settings]
     total = len(units) * len(plan.specs)
     bar = tqdm(total=total, desc="[kvpack] eval", unit="run", disable=not progress)
     bar.update(sum(1 for u in units for s in plan.specs if (*u, s.method, s.budget) in done))
