@@ -261,7 +261,7 @@ def _eval_overrides(items: list[str], calibration: str | None) -> dict[str, dict
 def cmd_eval(args) -> int:
     """RULER-style evaluation of methods x budgets; writes results, summaries and plots to --out."""
     from .eval.report import summary_markdown, write_report
-    from .eval.runner import EvalPlan, method_specs, run_eval
+    from .eval.runner import EvalPlan, method_specs, rows_in_plan, run_eval
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
@@ -270,7 +270,7 @@ def cmd_eval(args) -> int:
                     samples=args.samples, specs=method_specs(methods, budgets, _eval_overrides(args.set, args.calibration)),
                     settings=settings, seed=args.seed, fidelity=not args.no_fidelity)
     model, tokenizer = _load(args.model, args.dtype)
-    rows = run_eval(model, tokenizer, plan, args.out, progress=not args.quiet)
+    rows = rows_in_plan(run_eval(model, tokenizer, plan, args.out, progress=not args.quiet), plan)
     summary = write_report(rows, args.out)
     print(summary_markdown(summary))
     print(f"results: {Path(args.out) / 'results.jsonl'}; summary: {Path(args.out) / 'summary.md'}; "

@@ -213,6 +213,11 @@ def test_runner_end_to_end_and_resume(tiny_model, tokenizer, tiny_calibration, t
                  and r["sample"] == agnostic["sample"])
     assert agnostic["compressed_tokens"] < aware["compressed_tokens"] == aware["prompt_tokens"] - 1
 
+    from kvpack.eval.runner import rows_in_plan
+
+    narrower = EvalPlan(tasks=["vt"], lengths=[256], samples=2, specs=plan.specs[:2], settings=["query-aware"])
+    assert {(r["task"], r["method"]) for r in rows_in_plan(rows, narrower)} == {("vt", "full"), ("vt", "streaming")}
+    assert len(rows_in_plan(rows, plan)) == len(rows)
     summary = write_report(rows, tmp_path)
     for name in ("summary.json", "summary.md", "score_vs_ratio.png", "heatmap_query-aware.png",
                  "heatmap_query-agnostic.png"):

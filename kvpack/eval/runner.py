@@ -97,6 +97,15 @@ def _row_key(row: dict) -> tuple:
     return (row["setting"], row["task"], row["length"], row["sample"], row["method"], row["budget"])
 
 
+def rows_in_plan(rows: list[dict], plan: EvalPlan) -> list[dict]:
+    """The rows a plan asks for (an output directory may also hold rows of earlier, wider runs)."""
+    units = {(s, t, n, i) for s in plan.settings for t in plan.tasks for n in plan.lengths
+             for i in range(plan.samples)}
+    specs = {(s.method, s.budget) for s in plan.specs}
+    return [r for r in rows if (r["setting"], r["task"], r["length"], r["sample"]) in units
+            and (r["method"], r["budget"]) in specs]
+
+
 def load_rows(path: Path) -> list[dict]:
     """Rows of a results file (a torn last line from an interrupted run is ignored)."""
     rows = []
