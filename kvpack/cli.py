@@ -137,6 +137,7 @@ def cmd_compress(args) -> int:
     """Prefill a prompt, compress its cache with kvtc, write a blob file or a prefix-store entry."""
     from .generate import encode_prompt
     from .kvtc.session import compress_tokens
+    from .store.atomic import atomic_write_bytes
     from .store.prefix import PrefixStore
 
     if bool(args.out) == bool(args.store):
@@ -149,7 +150,7 @@ def cmd_compress(args) -> int:
     ids = encode_prompt(tokenizer, prompt, args.chat)[0].tolist()
     blob = compress_tokens(model, calib, ids, args.ratio, args.backend, args.level)
     if args.out:
-        _atomic_write_bytes(Path(args.out), blob)
+        atomic_write_bytes(args.out, blob)
         where = args.out
     else:
         where = str(PrefixStore(None if args.store is True else args.store).put(blob, ids))
@@ -158,20 +159,6 @@ def cmd_compress(args) -> int:
     dense = Blob(blob).meta["dense_bf16_bytes"]
     print(f"{len(ids)} tokens -> {len(blob):,} bytes (dense bf16 {dense:,}, ratio {dense / len(blob):.2f}x) in {where}")
     return 0
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    import tempfile
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def cmd_decompress(args) -> int:

@@ -25,7 +25,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch
 from ..ops.bitalloc import Allocation, aligned_group_errors, allocate_bits
 from ..hf.fingerprint import model_fingerprint
 from ..progress import status
+from ..store.atomic import atomic_write
 from .features import layer_rotaries, to_features
 
 FORMAT = "kvpack-kvtc-calibration"
@@ -200,9 +200,9 @@ class Calibration:
             "head_dim": self.head_dim, "settings": self.settings, "stats": self.stats,
             "allocations": {k: {kind: a.to_dict() for kind, a in v.items()} for k, v in self.allocations.items()},
         }
-        _atomic_write(directory / TENSORS_FILE, lambda p: save_file(
+        atomic_write(directory / TENSORS_FILE, lambda p: save_file(
             {k: v.contiguous() for k, v in tensors.items()}, str(p), metadata={"calibration_id": self.calibration_id}))
-        _atomic_write(directory / META_FILE, lambda p: Path(p).write_text(json.dumps(meta, indent=1)))
+        atomic_write(directory / META_FILE, lambda p: Path(p).write_text(json.dumps(meta, indent=1)))
         return directory
 
     @classmethod
@@ -265,17 +265,6 @@ class Calibration:
                 if n > basis.shape[1]:
                     raise ValueError(f"ratio {key}: the {kind} allocation codes {n} components, "
                                      f"the stored basis has {basis.shape[1]}")
-
-
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".tmp-", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ------------------------------------------------------------------------------------------------

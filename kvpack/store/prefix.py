@@ -18,10 +18,10 @@ Safety:
 from __future__ import annotations
 
 import os
-import tempfile
 import warnings
 from pathlib import Path
 
+from .atomic import atomic_write_bytes
 from .format import Blob, BlobError
 
 SUFFIX = ".kvtc"
@@ -74,19 +74,7 @@ class PrefixStore:
         meta = parsed.meta
         if meta.get("tokens") != len(token_ids) or meta.get("tokens_sha256") != _digest(token_ids):
             raise BlobError("the blob's header does not describe these token ids")
-        target = self.path(meta["model"]["hash"], meta["calibration_id"], token_ids)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=target.name + ".tmp-", dir=target.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return target
+        return atomic_write_bytes(self.path(meta["model"]["hash"], meta["calibration_id"], token_ids), blob)
 
     def get(self, model_hash: str, calibration_id: str, token_ids: list[int]) -> bytes | None:
         """The blob stored for exactly ``token_ids`` (None if there is none).
