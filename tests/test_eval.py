@@ -37,7 +37,7 @@ def _tokens(tok, s):
 
 
 @pytest.mark.parametrize("task", RULER_TASKS)
-@pytest.mark.parametrize("length", [2048, 4096])
+@pytest.mark.parametrize("length", [2048, 4096, 8192])
 def test_length_within_two_percent(tokenizer, task, length):
     s = make_sample(tokenizer, task, length, 0, 3)
     assert abs(_tokens(tokenizer, s) - length) <= 0.02 * length
