@@ -30,7 +30,7 @@ if "--cpu-smoke" in sys.argv:
 
 import torch  # noqa: E402
 
-from kvpack.attention.softmax_merge import finalize, group_queries  # noqa: E402
+from kvpack.attention.softmax_merge import finalize, group_queries, merge_partials  # noqa: E402
 from kvpack.codecs import LayerLayout, get_codec  # noqa: E402
 from kvpack.ops.rope import LlamaRotary, RotaryTable  # noqa: E402
 
@@ -89,24 +89,9 @@ def _build(method: str, cfg: dict, kv_heads: int, group: int, d: int, seq: int, 
 
 
 def _store_output(store, qg, scaling, backend: str):
+    """Normalised attention of ``qg`` over everything the store holds, through ``backend``."""
     store.config.attention_backend = backend
-    states = store.stored_partials(qg, scaling) if hasattr(store, "stored_partials") else None
-    if states is None:  # AnchorKV: segments + tail
-        from kvpack.attention.anchor import anchor_tile_partials
-        from kvpack.attention.softmax_merge import dense_partial, merge_partials
-
-        if backend == "triton":
-            from kvpack.attention.triton.anchor_op import anchor_partials
-
-            parts = anchor_partials(store, qg, scaling)
-        else:
-            parts = anchor_tile_partials(store, qg, scaling)
-        if store.tail_k.shape[1]:
-            parts.append(dense_partial(qg, store.tail_k, store.tail_v, scaling))
-        return finalize(merge_partials(parts))
-    from kvpack.attention.softmax_merge import merge_partials
-
-    return finalize(merge_partials(states))
+    return finalize(merge_partials(store.stored_partials(qg, scaling)))
 
 
 CONFIGS = [

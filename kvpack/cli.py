@@ -192,10 +192,7 @@ def cmd_continue(args) -> int:
         raise ValueError("empty prompt: give the new text (--blob) or the whole conversation (--store)")
     model, tokenizer, calib = _model_and_calibration(args)
     if args.blob:
-        from .kvtc.coder import blob_token_ids, read_blob
-
-        blob = Path(args.blob).read_bytes()
-        blob_token_ids(read_blob(blob, calib, model))  # verify before loading work
+        blob = Path(args.blob).read_bytes()  # verified by continue_from_blob
         new = tokenizer(text, add_special_tokens=False).input_ids
     else:
         from .hf.fingerprint import model_fingerprint

@@ -415,6 +415,14 @@ class AnchorStore(LayerStore):
         if self.seq_len == 0:
             return prefill_attention(q, k, v, scaling)
         qg = group_queries(q, lay.kv_heads)
+        out, merged = attend_history_and_chunk(self.stored_partials(qg, scaling), qg, k, v, scaling, lay.q_heads)
+        # log-sum-exp of each query row over everything it saw (kept for re-compression scoring).
+        self._last_lse = ungroup_output((merged.m + merged.l.log()).unsqueeze(-1), lay.q_heads).squeeze(-1)
+        return out.to(q.dtype)
+
+    def stored_partials(self, qg: torch.Tensor, scaling: float) -> list:
+        """Partial states of grouped queries over everything stored: the compressed segments (Triton
+        kernel or PyTorch tiles, per ``attention_backend``) and the dense tail."""
         if use_triton(self.config.attention_backend, qg.device):
             from ..attention.triton.anchor_op import anchor_partials
 
@@ -423,10 +431,7 @@ class AnchorStore(LayerStore):
             states = anchor_tile_partials(self, qg, scaling)
         if self.tail_k.shape[1]:
             states.append(dense_partial(qg, self.tail_k, self.tail_v, scaling))
-        out, merged = attend_history_and_chunk(states, qg, k, v, scaling, lay.q_heads)
-        # log-sum-exp of each query row over everything it saw (kept for re-compression scoring).
-        self._last_lse = ungroup_output((merged.m + merged.l.log()).unsqueeze(-1), lay.q_heads).squeeze(-1)
-        return out.to(q.dtype)
+        return states
 
     def reconstruct_tile(self, segment: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (post-RoPE) and values ``[H, hi − lo, D]`` fp32 of tokens ``[lo, hi)`` of a segment.

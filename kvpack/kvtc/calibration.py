@@ -292,19 +292,15 @@ def _calibration_chunks(tokenizer, settings: CalibrationSettings, documents: lis
 def collect_features(model, chunks: list[torch.Tensor], layers: list[int], head_dim: int, sinks: int,
                      window: int, progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Key and value features ``[positions, p]`` of every chunk's eligible positions (fp32)."""
-    from transformers.cache_utils import DynamicCache
     from tqdm import tqdm
 
-    from ..hf.cache import cache_kwargs
+    from .session import prefill
 
     rotaries = layer_rotaries(model, layers, head_dim)
     keys, values = [], []
     for chunk in tqdm(chunks, desc="[kvpack] calibration prefill", unit="chunk", disable=not progress):
-        ids = chunk[None].to(model.device)
-        cache = DynamicCache(config=model.config)
-        model(ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1,
-              **cache_kwargs(model, cache))
-        stop = ids.shape[1] - window
+        cache = prefill(model, chunk.tolist())
+        stop = chunk.numel() - window
         positions = torch.arange(sinks, stop)
         ks = [cache.layers[i].keys[0, :, sinks:stop] for i in layers]
         vs = [cache.layers[i].values[0, :, sinks:stop] for i in layers]

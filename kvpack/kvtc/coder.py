@@ -38,12 +38,8 @@ def tokens_digest(token_ids: list[int]) -> str:
     return hashlib.sha256(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes()).hexdigest()
 
 
-def _cache_layers(cache) -> list:
-    return list(cache.layers)
-
-
 def _check_cache(cache, calibration: Calibration, n_tokens: int) -> None:
-    layers = _cache_layers(cache)
+    layers = cache.layers
     for i in calibration.layers:
         if i >= len(layers) or getattr(layers[i], "keys", None) is None:
             raise ValueError(f"cache layer {i} is missing or empty; kvtc compresses a filled cache")
@@ -136,7 +132,7 @@ def compress_cache(cache, calibration: Calibration, ratio: float, token_ids: lis
     s = min(sinks, n_tokens)
     n_mid = max(0, n_tokens - sinks - window)
     w_start = s + n_mid
-    layers = _cache_layers(cache)
+    layers = cache.layers
     ks = [layers[i].keys[0] for i in calibration.layers]
     vs = [layers[i].values[0] for i in calibration.layers]
     cache_dtype = ks[0].dtype

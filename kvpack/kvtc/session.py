@@ -70,28 +70,21 @@ def continue_from_blob(model, tokenizer, calibration: Calibration, blob: bytes, 
     """
     if not new_token_ids:
         raise ValueError("empty prompt: continuing from a stored cache needs at least one new token")
-    start = time.perf_counter()
+    from ..generate import _ProgressStreamer
+
+    # Created first, so that its prefill time (to the first generated token) includes decompression.
+    streamer = _ProgressStreamer(len(new_token_ids), max_new_tokens, enabled=False)
+    start = streamer.start
     parsed = read_blob(blob, calibration, model)
     cache, prefix = decompress_cache(parsed, calibration, model)
     decompress_s = time.perf_counter() - start
     ids = torch.tensor([prefix + list(new_token_ids)], device=model.device)
-    stamps: list[float] = []
-
-    from transformers.generation.streamers import BaseStreamer
-
-    class _Stamp(BaseStreamer):
-        def put(self, value):
-            stamps.append(time.perf_counter())
-
-        def end(self):
-            pass
-
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         min_new_tokens=min_new_tokens, do_sample=False, streamer=_Stamp(),
+                         min_new_tokens=min_new_tokens, do_sample=False, streamer=streamer,
                          pad_token_id=tokenizer.pad_token_id, **cache_kwargs(model, cache))
     end = time.perf_counter()
     new = out[0, ids.shape[1]:].tolist()
-    first = (stamps[1] if len(stamps) > 1 else end) - start
+    first = streamer.prefill_s if streamer.prefill_s is not None else end - start
     return Continuation(text=tokenizer.decode(new, skip_special_tokens=True), token_ids=new,
                         prefix_tokens=len(prefix), prefilled_tokens=len(new_token_ids), blob_bytes=len(blob),
                         dense_bf16_bytes=int(parsed.meta["dense_bf16_bytes"]), decompress_s=decompress_s,
