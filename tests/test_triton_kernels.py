@@ -177,6 +177,14 @@ def test_anchor_kernel_every_token_with_residual_and_bf16_storage():
     _check_anchor(store, n_q=2, atol=2e-2)
 
 
+def test_anchor_kernel_naive_codec_and_uint8_indices():
+    # The naive ablation codec (identity rotation, evenly spaced levels) and uint8 anchor indices.
+    store = _anchor_store(2, 3, 32, 140, budget=0.5, storage_dtype="float32", residual_codec="naive",
+                          narrow_index=True)
+    assert store.segments[0]["index_k"].dtype == torch.uint8 and store.n_residuals[0] > 0
+    _check_anchor(store, blocks_per_split=2)
+
+
 def test_anchor_kernel_no_residuals():
     store = _anchor_store(1, 4, 32, 130, budget=0.252, storage_dtype="float32")  # just above the fixed cost
     assert store.n_residuals == (0, 0)

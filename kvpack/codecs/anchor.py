@@ -46,16 +46,15 @@ from ..attention.softmax_merge import (
     prefill_attention,
     ungroup_output,
 )
-from ..ops import lloyd_max
 from ..ops.bitpack import pack_bits, unpack_bits
-from ..ops.hadamard import RandomizedHadamard
+from ..ops.residual_codec import RESIDUAL_CODECS, ResidualCodec, make_residual_codec
 from ..ops.rope import apply_rope, invert_rope
 from .base import DENSE_REFERENCE_BYTES_PER_ELEMENT, Codec, CodecConfig, LayerLayout, LayerStore, register_codec, \
     require_int
 
 PREFIX_BLOCK = 32  # tokens per prefix count
-RESIDUAL_BITS = 2
-SCALE_BYTES = 4  # fp32 per-token residual scale
+RANKINGS = ("utility", "attention", "residual_norm", "cosine", "random")
+RESIDUAL_SPLITS = ("pooled", "per_head")
 
 
 @dataclass
@@ -77,6 +76,26 @@ class AnchorConfig(CodecConfig):
         attention_backend: attention over the compressed segments: ``auto`` (the Triton kernel for
             CUDA tensors when Triton is installed, else PyTorch), ``triton`` (always; CPU only under
             ``TRITON_INTERPRET=1``) or ``torch``.
+
+    Ablation switches (paper Fig. 5; the defaults are the paper's method):
+        ranking: what ranks the residual candidates: ``utility`` (Eq. 6), ``attention`` (mean
+            attention weight of the observation queries), ``residual_norm`` (``‖r‖²``), ``cosine``
+            (worst-aligned first: ``1 − cos²`` to the token's anchor) or ``random`` (seeded).
+        random_anchors: False = every non-window anchor chosen by score (as ρ = 1).
+        residual_split: ``pooled`` (top residuals across all heads of the layer) or ``per_head``
+            (an equal share per head).
+        residuals: False = no residuals; the budget buys as many anchors as it fits instead
+            (``anchors`` must then be left unset).
+        residual_codec: ``hadamard_lloyd_max`` or ``naive`` (no rotation, absmax scale, evenly
+            spaced levels; same bytes).
+
+    Beyond the paper (off by default; measured in docs/anchorkv.md):
+        residual_pooling: odd window of a max-pool over each head's ranking scores along the
+            sequence before the top-N choice (1 = off), so the neighbours of a token the
+            observation queries use — the digits after a needle's key, which later decode steps
+            copy — compete with its score.
+        narrow_index: store the per-token anchor indices as uint8 when ``k ≤ 256`` (int16
+            otherwise); the byte saved per token and side buys residuals.
     """
 
     budget: float | None = 0.1
@@ -88,6 +107,13 @@ class AnchorConfig(CodecConfig):
     tile: int = 1024
     recompress_every: int | None = None
     attention_backend: str = "auto"
+    ranking: str = "utility"
+    random_anchors: bool = True
+    residual_split: str = "pooled"
+    residuals: bool = True
+    residual_codec: str = "hadamard_lloyd_max"
+    residual_pooling: int = 1
+    narrow_index: bool = False
 
     def validate(self) -> None:
         super().validate()
@@ -114,33 +140,77 @@ class AnchorConfig(CodecConfig):
             raise ValueError(f"tile must be a multiple of {PREFIX_BLOCK}, got {self.tile}")
         if self.recompress_every is not None:
             require_int(self, "recompress_every", minimum=PREFIX_BLOCK)
+        for name, choices in (("ranking", RANKINGS), ("residual_split", RESIDUAL_SPLITS),
+                              ("residual_codec", RESIDUAL_CODECS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        for name in ("random_anchors", "residuals", "narrow_index"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        require_int(self, "residual_pooling", minimum=1)
+        if self.residual_pooling % 2 == 0:
+            raise ValueError(f"residual_pooling must be odd, got {self.residual_pooling}")
+        if not self.residuals and self.anchors is not None:
+            raise ValueError("anchors must be unset when residuals=false: the budget decides how many anchors it buys")
 
 
 def residual_bytes(head_dim: int) -> int:
     """``b_res``: packed 2-bit codes of one residual plus its scale."""
-    return head_dim * RESIDUAL_BITS // 8 + SCALE_BYTES
+    return ResidualCodec.bytes_per_residual(head_dim)
 
 
-def base_bytes(seq_len: int, kv_heads: int, head_dim: int, n_anchors: int, anchor_bytes: int = 2) -> int:
+def index_bytes_for(n_anchors: int, narrow: bool) -> int:
+    """Bytes of one stored anchor index: 2 (int16, the paper's accounting), or 1 (uint8) when
+    ``narrow`` and ``k ≤ 256``."""
+    return 1 if narrow and n_anchors <= 256 else 2
+
+
+def base_bytes(seq_len: int, kv_heads: int, head_dim: int, n_anchors: int, anchor_bytes: int = 2,
+               index_bytes: int = 2) -> int:
     """``M_base``: every byte besides the residual codes and scales (see module doc)."""
     per_side = (kv_heads * n_anchors * head_dim * anchor_bytes  # anchor vectors
-                + kv_heads * seq_len * (2 + 2)  # int16 anchor index + fp16 coefficient
+                + kv_heads * seq_len * (index_bytes + 2)  # anchor index + fp16 coefficient
                 + kv_heads * math.ceil(seq_len / 8)  # residual bitmask
                 + kv_heads * math.ceil(seq_len / PREFIX_BLOCK) * 4)  # int32 prefix counts
     return 2 * per_side
 
 
+def _dense_bytes(seq_len: int, kv_heads: int, head_dim: int) -> int:
+    return seq_len * kv_heads * head_dim * 2 * DENSE_REFERENCE_BYTES_PER_ELEMENT
+
+
+def _below_fixed_cost(theta: float, seq_len: int, m_base: int, m_full: int, n_anchors: int) -> ValueError:
+    return ValueError(
+        f"anchor: budget θ = {theta} is below AnchorKV's fixed cost at {seq_len} tokens: anchors and metadata "
+        f"need {m_base / m_full:.4f} of the dense bytes (k = {n_anchors} anchors per head)"
+    )
+
+
 def residual_slots(theta: float, seq_len: int, kv_heads: int, head_dim: int, n_anchors: int,
-                   anchor_bytes: int = 2) -> int:
+                   anchor_bytes: int = 2, index_bytes: int = 2) -> int:
     """Eq. 9: residuals the budget buys (raises below the fixed cost)."""
-    m_full = seq_len * kv_heads * head_dim * 2 * DENSE_REFERENCE_BYTES_PER_ELEMENT
-    m_base = base_bytes(seq_len, kv_heads, head_dim, n_anchors, anchor_bytes)
+    m_full = _dense_bytes(seq_len, kv_heads, head_dim)
+    m_base = base_bytes(seq_len, kv_heads, head_dim, n_anchors, anchor_bytes, index_bytes)
     if theta * m_full < m_base:
-        raise ValueError(
-            f"anchor: budget θ = {theta} is below AnchorKV's fixed cost at {seq_len} tokens: anchors and metadata "
-            f"need {m_base / m_full:.4f} of the dense bytes (k = {n_anchors} anchors per head)"
-        )
+        raise _below_fixed_cost(theta, seq_len, m_base, m_full, n_anchors)
     return max(0, math.floor((theta * m_full - m_base) / residual_bytes(head_dim)))
+
+
+def anchors_for_budget(theta: float, seq_len: int, kv_heads: int, head_dim: int, window: int,
+                       anchor_bytes: int = 2, narrow_index: bool = False) -> tuple[int, int]:
+    """The "no residuals" ablation: ``(k, index bytes)`` with the most anchors per head whose
+    ``M_base`` fits ``θ M_full`` (at most ``seq_len``; raises when not even the window fits)."""
+    m_full = _dense_bytes(seq_len, kv_heads, head_dim)
+    per_anchor = 2 * kv_heads * head_dim * anchor_bytes
+    for index_bytes in ((1, 2) if narrow_index else (2,)):
+        fixed = base_bytes(seq_len, kv_heads, head_dim, 0, anchor_bytes, index_bytes)
+        k = min(seq_len, math.floor((theta * m_full - fixed) / per_anchor))
+        if index_bytes_for(k, narrow_index) == index_bytes:
+            break
+    if k < window:
+        raise _below_fixed_cost(theta, seq_len, base_bytes(seq_len, kv_heads, head_dim, window, anchor_bytes,
+                                                            index_bytes), m_full, window)
+    return k, index_bytes
 
 
 def select_anchors(votes: torch.Tensor, seq_len: int, n_anchors: int, window: int, rho: float,
@@ -193,16 +263,13 @@ def assign_and_project(x: torch.Tensor, anchor_pos: torch.Tensor) -> tuple[torch
     return anchors, index, gamma, residual
 
 
-def utilities(q_obs: torch.Tensor, y_obs: torch.Tensor, k_post: torch.Tensor, v: torch.Tensor, key_residual_post,
-              value_residual, scaling: float, obs_positions: torch.Tensor, key_positions: torch.Tensor | None = None,
-              lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 6: ``(u_K, u_V)`` ``[H, S]``.
+def observation_weights(q_obs: torch.Tensor, k_post: torch.Tensor, scaling: float, obs_positions: torch.Tensor,
+                        key_positions: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention weights ``α [H, m, S]`` of the observation queries on the keys.
 
     Args:
-        q_obs: ``[H, m, D]`` observation queries grouped per KV head; y_obs: their exact outputs.
-        k_post: ``[H, S, D]`` post-RoPE keys; v: ``[H, S, D]`` values.
-        key_residual_post: ``[H, S, D]`` key residuals rotated to their positions (R_t r_K).
-        value_residual: ``[H, S, D]``.
+        q_obs: ``[H, m, D]`` observation queries grouped per KV head.
+        k_post: ``[H, S, D]`` post-RoPE keys.
         obs_positions: ``[m]`` position of each observation row (causal visibility).
         key_positions: ``[S]`` positions of the keys (default ``0..S-1``).
         lse: ``[H, m]`` log-sum-exp of each observation row's logits over *all* keys it attended;
@@ -213,7 +280,24 @@ def utilities(q_obs: torch.Tensor, y_obs: torch.Tensor, k_post: torch.Tensor, v:
     pos = torch.arange(S, device=k_post.device) if key_positions is None else key_positions
     s = torch.einsum("hmd,hsd->hms", q_obs, k_post) * scaling
     s = s.masked_fill(pos[None, None, :] > obs_positions[None, :, None], float("-inf"))
-    alpha = torch.softmax(s, dim=-1) if lse is None else torch.exp(s - lse[..., None])
+    return torch.softmax(s, dim=-1) if lse is None else torch.exp(s - lse[..., None])
+
+
+def utilities(q_obs: torch.Tensor, y_obs: torch.Tensor, k_post: torch.Tensor, v: torch.Tensor, key_residual_post,
+              value_residual, scaling: float, obs_positions: torch.Tensor, key_positions: torch.Tensor | None = None,
+              lse: torch.Tensor | None = None, alpha: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 6: ``(u_K, u_V)`` ``[H, S]``.
+
+    Args:
+        q_obs, k_post, obs_positions, key_positions, lse: as :func:`observation_weights`.
+        y_obs: ``[H, m, D]`` the observation queries' exact outputs.
+        v: ``[H, S, D]`` values.
+        key_residual_post: ``[H, S, D]`` key residuals rotated to their positions (R_t r_K).
+        value_residual: ``[H, S, D]``.
+        alpha: the weights, when the caller already has them.
+    """
+    if alpha is None:
+        alpha = observation_weights(q_obs, k_post, scaling, obs_positions, key_positions, lse)
     alpha2 = alpha.square()  # [H, m, S]
     ds = torch.einsum("hmd,hsd->hms", q_obs, key_residual_post) * scaling
     dist = (v.square().sum(-1)[:, None, :] - 2 * torch.einsum("hmd,hsd->hms", y_obs, v)
@@ -221,6 +305,17 @@ def utilities(q_obs: torch.Tensor, y_obs: torch.Tensor, k_post: torch.Tensor, v:
     u_k = (alpha2 * ds.square() * dist).mean(dim=1)
     u_v = alpha2.mean(dim=1) * value_residual.square().sum(-1)
     return u_k, u_v
+
+
+def pool_neighbourhood(u: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Max of ``u [H, S]`` over a window of ``kernel`` positions (stride 1, same length); ``-inf``
+    entries (anchors) stay ``-inf`` and lend nothing to their neighbours."""
+    if kernel == 1:
+        return u
+    finite = torch.isfinite(u)
+    x = torch.where(finite, u, torch.zeros_like(u))  # utilities are >= 0: 0 is a neutral floor
+    pooled = F.max_pool1d(x[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
+    return pooled.masked_fill(~finite, float("-inf"))
 
 
 def top_pooled(u: torch.Tensor, n: int) -> torch.Tensor:
@@ -231,6 +326,13 @@ def top_pooled(u: torch.Tensor, n: int) -> torch.Tensor:
     if n > 0:
         chosen[torch.topk(flat, n).indices] = True
     return chosen.reshape(u.shape)
+
+
+def top_per_head(u: torch.Tensor, n: int) -> torch.Tensor:
+    """Bool ``[H, S]``: an equal share of ``n`` per head (the first ``n mod H`` heads one more), each
+    head's largest finite utilities (the "per-head residuals" ablation)."""
+    H = u.shape[0]
+    return torch.stack([top_pooled(u[h:h + 1], n // H + (h < n % H))[0] for h in range(H)])
 
 
 class AnchorStore(LayerStore):
@@ -250,7 +352,8 @@ class AnchorStore(LayerStore):
         if layout.rope is None:
             raise ValueError("anchor: AnchorKV works on pre-RoPE keys and needs the model's rotary embedding")
         d = layout.head_dim
-        self.hadamard = RandomizedHadamard(d, seed=config.seed * 1_000_003 + layout.layer_idx)
+        self.residual_codec = make_residual_codec(config.residual_codec, d,
+                                                  seed=config.seed * 1_000_003 + layout.layer_idx)
         empty = torch.empty(layout.kv_heads, 0, d, dtype=self.storage_dtype)
         self.tail_k, self.tail_v = empty, empty.clone()
         self.anchors: dict[str, torch.Tensor] = {}
@@ -259,6 +362,7 @@ class AnchorStore(LayerStore):
         self.obs: dict[str, torch.Tensor] = {}
         self.n_prompt = 0
         self.n_anchors: int | None = None
+        self.index_bytes = 2
         self.n_residuals = (0, 0)
         self._last_lse: torch.Tensor | None = None
 
@@ -280,33 +384,55 @@ class AnchorStore(LayerStore):
 
     # -- residual codec ---------------------------------------------------------------------
 
-    def _encode_residuals(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[n, D]`` residuals -> packed 2-bit codes ``[n, D/4]`` and fp32 scales ``[n]``."""
-        y = self.hadamard.forward(r)
-        scale = y.norm(dim=-1) / math.sqrt(r.shape[-1])
-        codes = lloyd_max.encode(y / scale.clamp_min(1e-30)[:, None])
-        return pack_bits(codes, RESIDUAL_BITS), scale
-
     def decode_residuals(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        y = lloyd_max.decode_packed(codes, self.layout.head_dim) * scale[:, None]
-        return self.hadamard.inverse(y)
+        """Packed codes ``[n, D/4]`` and scales ``[n]`` -> residuals ``[n, D]`` fp32."""
+        return self.residual_codec.decode(codes, scale)
 
     # -- compression ------------------------------------------------------------------------
 
+    def _ranking_scores(self, sides, k_pre, k_post, v, cos, sin, q_obs, y_obs, obs_pos, scaling,
+                        key_positions=None, lse=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores ``[H, n]`` per side by which residual candidates are ranked (``config.ranking``).
+
+        ``sides`` = ((index, gamma, residual) for keys, same for values); ``k_pre``/``k_post`` the
+        keys before/after RoPE, ``v`` the values ``[H, n, D]``; the observation arguments as
+        :func:`utilities`.
+        """
+        ranking = self.config.ranking
+        r_k, r_v = sides[0][2], sides[1][2]
+        if ranking == "residual_norm":
+            return r_k.square().sum(-1), r_v.square().sum(-1)
+        if ranking == "cosine":  # worst-aligned first: 1 − cos² = ‖r‖² / ‖x‖² for the projection γ a
+            return tuple(r.square().sum(-1) / x.square().sum(-1).clamp_min(1e-30) for r, x in ((r_k, k_pre), (r_v, v)))
+        if ranking == "random":
+            gen = torch.Generator().manual_seed(self.config.seed * 104_729 + self.layout.layer_idx * 1_009
+                                                + len(self.segments))
+            return tuple(torch.rand(r_k.shape[:2], generator=gen).to(r_k.device) for _ in range(2))
+        alpha = observation_weights(q_obs, k_post, scaling, obs_pos, key_positions, lse)
+        if ranking == "attention":
+            usage = alpha.mean(dim=1)
+            return usage, usage.clone()
+        return utilities(q_obs, y_obs, k_post, v, apply_rope(r_k, cos, sin), r_v, scaling, obs_pos, alpha=alpha)
+
     def _segment(self, sides, u_k, u_v, n_res) -> dict[str, torch.Tensor]:
-        """Store one segment: ``sides`` = ((index, gamma, residual) for keys, same for values)."""
+        """Store one segment: ``sides`` = ((index, gamma, residual) for keys, same for values);
+        ``u_k``/``u_v`` ``[H, n]`` rank the residual candidates (``-inf``: never a residual)."""
+        cfg = self.config
         H, n = u_k.shape
         n_k = n_res // 2
-        masks = (top_pooled(u_k, n_k), top_pooled(u_v, n_res - n_k))
+        choose = top_pooled if cfg.residual_split == "pooled" else top_per_head
+        masks = (choose(pool_neighbourhood(u_k, cfg.residual_pooling), n_k),
+                 choose(pool_neighbourhood(u_v, cfg.residual_pooling), n_res - n_k))
+        index_dtype = torch.uint8 if self.index_bytes == 1 else torch.int16
         seg = {}
         for name, (idx, gamma, r), mask in zip(("k", "v"), sides, masks):
-            seg[f"index_{name}"] = idx.to(torch.int16)
+            seg[f"index_{name}"] = idx.to(index_dtype)
             seg[f"coef_{name}"] = gamma.to(torch.float16)
             seg[f"mask_{name}"] = pack_bits(mask.to(torch.uint8), 1)
             counts = F.pad(mask, (0, (-n) % PREFIX_BLOCK)).reshape(H, -1, PREFIX_BLOCK).sum(-1)
             # Slot of a head's first residual in block b: all residuals of earlier heads and blocks.
             seg[f"prefix_{name}"] = (counts.flatten().cumsum(0) - counts.flatten()).reshape(H, -1).to(torch.int32)
-            seg[f"res_{name}"], seg[f"scale_{name}"] = self._encode_residuals(r[mask])  # head-major slots
+            seg[f"res_{name}"], seg[f"scale_{name}"] = self.residual_codec.encode(r[mask])  # head-major slots
         self.n_residuals = (self.n_residuals[0] + int(masks[0].sum()), self.n_residuals[1] + int(masks[1].sum()))
         return seg
 
@@ -322,10 +448,16 @@ class AnchorStore(LayerStore):
         W = cfg.window
         if W >= S:
             raise ValueError(f"anchor: window W = {W} must be shorter than the prompt ({S} tokens)")
-        n_anchors = cfg.anchors if cfg.anchors is not None else max(math.floor(S * cfg.anchor_fraction), W)
-        if n_anchors > S:
-            raise ValueError(f"anchor: k = {n_anchors} anchors exceed the prompt's {S} tokens")
-        n_res = residual_slots(cfg.budget, S, H, D, n_anchors, self.storage_dtype.itemsize)
+        itemsize = self.storage_dtype.itemsize
+        if cfg.residuals:
+            n_anchors = cfg.anchors if cfg.anchors is not None else max(math.floor(S * cfg.anchor_fraction), W)
+            if n_anchors > S:
+                raise ValueError(f"anchor: k = {n_anchors} anchors exceed the prompt's {S} tokens")
+            self.index_bytes = index_bytes_for(n_anchors, cfg.narrow_index)
+            n_res = residual_slots(cfg.budget, S, H, D, n_anchors, itemsize, self.index_bytes)
+        else:  # ablation: the whole budget on anchors
+            n_anchors, self.index_bytes = anchors_for_budget(cfg.budget, S, H, D, W, itemsize, cfg.narrow_index)
+            n_res = 0
         if q.shape[1] < W or out.shape[1] < W:
             raise ValueError(f"anchor: compression needs the last W = {W} queries and outputs")
         k, v, q, out = k.float(), v.float(), q[:, -W:].float(), out[:, -W:].float()
@@ -333,19 +465,20 @@ class AnchorStore(LayerStore):
         k_pre = invert_rope(k, cos, sin)
         votes = observation_scores(q, k, scaling, W, cfg.kernel)
         gen = torch.Generator().manual_seed(cfg.seed * 7919 + lay.layer_idx)
-        anchor_pos = select_anchors(votes, S, n_anchors, W, cfg.rho, gen)
+        anchor_pos = select_anchors(votes, S, n_anchors, W, cfg.rho if cfg.random_anchors else 1.0, gen)
         ak, idx_k, gamma_k, r_k = assign_and_project(k_pre, anchor_pos)
         av, idx_v, gamma_v, r_v = assign_and_project(v, anchor_pos)
+        sides = ((idx_k, gamma_k, r_k), (idx_v, gamma_v, r_v))
         group = lay.group
         obs_pos = torch.arange(S - W, S, device=k.device).repeat(group)
-        u_k, u_v = utilities(q.reshape(H, group * W, D), out.reshape(H, group * W, D), k, v,
-                             apply_rope(r_k, cos, sin), r_v, scaling, obs_pos)
+        u_k, u_v = self._ranking_scores(sides, k_pre, k, v, cos, sin, q.reshape(H, group * W, D),
+                                        out.reshape(H, group * W, D), obs_pos, scaling)
         is_anchor = torch.zeros(H, S, dtype=torch.bool, device=k.device)
         is_anchor.scatter_(1, anchor_pos, True)
         u_k = u_k.masked_fill(is_anchor, float("-inf"))
         u_v = u_v.masked_fill(is_anchor, float("-inf"))
         self.anchors = {"anchor_k": ak.to(self.storage_dtype), "anchor_v": av.to(self.storage_dtype)}
-        self.segments = [self._segment(((idx_k, gamma_k, r_k), (idx_v, gamma_v, r_v)), u_k, u_v, n_res)]
+        self.segments = [self._segment(sides, u_k, u_v, n_res)]
         self.segment_spans = [(0, S)]
         self.n_prompt, self.n_anchors = S, n_anchors
 
@@ -363,14 +496,14 @@ class AnchorStore(LayerStore):
         k_pre = invert_rope(k, cos, sin)
         sides = (project_onto_anchors(k_pre, self.anchors["anchor_k"].float()),
                  project_onto_anchors(v, self.anchors["anchor_v"].float()))
-        m_full = n * H * D * 2 * DENSE_REFERENCE_BYTES_PER_ELEMENT
-        n_res = max(0, math.floor((cfg.budget * m_full - base_bytes(n, H, D, 0)) / residual_bytes(D)))
+        m_full = _dense_bytes(n, H, D)
+        m_base = base_bytes(n, H, D, 0, index_bytes=self.index_bytes)
+        n_res = max(0, math.floor((cfg.budget * m_full - m_base) / residual_bytes(D))) if cfg.residuals else 0
         o = self.obs
         group, rows = lay.group, o["obs_q"].shape[1]
-        u_k, u_v = utilities(o["obs_q"].float().reshape(H, group * rows, D), o["obs_y"].float().reshape(H, group * rows, D),
-                             k, v, apply_rope(sides[0][2], cos, sin), sides[1][2], scaling,
-                             o["obs_pos"].long().repeat(group), key_positions=pos,
-                             lse=o["obs_lse"].reshape(H, group * rows))
+        u_k, u_v = self._ranking_scores(sides, k_pre, k, v, cos, sin, o["obs_q"].float().reshape(H, group * rows, D),
+                                        o["obs_y"].float().reshape(H, group * rows, D), o["obs_pos"].long().repeat(group),
+                                        scaling, key_positions=pos, lse=o["obs_lse"].reshape(H, group * rows))
         self.segments.append(self._segment(sides, u_k, u_v, n_res))
         self.segment_spans.append((start, n))
         self.tail_k, self.tail_v = self.tail_k[:, n:].clone(), self.tail_v[:, n:].clone()

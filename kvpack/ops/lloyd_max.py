@@ -44,20 +44,3 @@ def encode(x: torch.Tensor, n_levels: int = 4) -> torch.Tensor:
 def decode(codes: torch.Tensor, n_levels: int = 4) -> torch.Tensor:
     levels, _ = lloyd_max_gaussian(n_levels)
     return torch.tensor(levels, device=codes.device)[codes.long()]
-
-
-@functools.lru_cache(maxsize=8)
-def _packed_table(n_levels: int, device_type: str) -> torch.Tensor:
-    """``[256, 8 // bits]`` levels of every byte of packed codes (first code in the lowest bits)."""
-    bits = (n_levels - 1).bit_length()
-    per = 8 // bits
-    levels = torch.tensor(lloyd_max_gaussian(n_levels)[0])
-    byte = torch.arange(256)[:, None]
-    codes = (byte >> (torch.arange(per)[None, :] * bits)) & (n_levels - 1)
-    return levels[codes].to(device_type)
-
-
-def decode_packed(packed: torch.Tensor, n: int, n_levels: int = 4) -> torch.Tensor:
-    """Levels ``[..., n]`` straight from bit-packed codes ``[..., ceil(n * bits / 8)]`` (one table lookup)."""
-    table = _packed_table(n_levels, packed.device.type)
-    return table[packed.long()].flatten(-2)[..., :n]

@@ -68,7 +68,7 @@ def anchor_split_kernel(
     BM: tl.constexpr, BD: tl.constexpr, BDH: tl.constexpr, BT: tl.constexpr,
 ):
     """Layouts: q ``[H, M, D]`` fp32; anchors ``[H, K, D]``; hmat ``[D, D]``, signs ``[D]``; cos/sin
-    ``[n, D]`` at the segment's positions; per side: index ``[H, n]`` int16, coef ``[H, n]``,
+    ``[n, D]`` at the segment's positions; per side: index ``[H, n]`` int16 or uint8, coef ``[H, n]``,
     mask ``[H, ceil(n / 8)]`` packed bits, prefix ``[H, ceil(n / 32)]`` int32 (global slot of the
     block's first residual), res ``[slots, D / 4]`` packed 2-bit codes, scale ``[slots]``.
     Outputs m, l ``[H, n_splits, M]``, o ``[H, n_splits, M, D]``. ``BT`` must be 32 (prefix blocks).

@@ -10,7 +10,6 @@ import math
 
 import torch
 
-from ...ops.lloyd_max import lloyd_max_gaussian
 from ..softmax_merge import PartialAttention
 
 _BLOCK = 32  # prefix-count block of the store's residual slots
@@ -28,7 +27,7 @@ def anchor_segment_attention(
     res_k: torch.Tensor, scale_k: torch.Tensor,
     index_v: torch.Tensor, coef_v: torch.Tensor, mask_v: torch.Tensor, prefix_v: torch.Tensor,
     res_v: torch.Tensor, scale_v: torch.Tensor,
-    scaling: float, blocks_per_split: int,
+    levels: list[float], scaling: float, blocks_per_split: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax state ``(m [H, M], l [H, M], o [H, M, D])`` fp32 of grouped queries ``q [H, M, D]``
     over one AnchorKV segment of ``n = index_k.shape[1]`` tokens (layouts in
@@ -47,7 +46,6 @@ def anchor_segment_attention(
     def arg(t):
         return t.contiguous() if t.numel() else dummy
 
-    levels = lloyd_max_gaussian(4)[0]
     anchor_split_kernel[(H, n_splits)](
         q.float().contiguous(), arg(anchor_k), arg(anchor_v), hmat.float().contiguous(), signs.float().contiguous(),
         cos.float().contiguous(), sin.float().contiguous(),
@@ -64,7 +62,7 @@ def anchor_segment_attention(
 
 @anchor_segment_attention.register_fake
 def _(q, anchor_k, anchor_v, hmat, signs, cos, sin, index_k, coef_k, mask_k, prefix_k, res_k, scale_k,
-      index_v, coef_v, mask_v, prefix_v, res_v, scale_v, scaling, blocks_per_split):
+      index_v, coef_v, mask_v, prefix_v, res_v, scale_v, levels, scaling, blocks_per_split):
     H, M, D = q.shape
     return q.new_empty(H, M, dtype=torch.float32), q.new_empty(H, M, dtype=torch.float32), \
         q.new_empty(H, M, D, dtype=torch.float32)
@@ -77,7 +75,7 @@ def anchor_partials(store, qg: torch.Tensor, scaling: float, blocks_per_split: i
         blocks_per_split: 32-token blocks per program (default: about 32 programs per KV head).
     """
     dev = qg.device
-    hada = store.hadamard
+    codec = store.residual_codec  # levels, rotation matrix and signs of the store's residual codec
     states = []
     for seg, (start, n) in zip(store.segments, store.segment_spans):
         cos, sin = store.layout.rope.cos_sin(torch.arange(start, start + n, device=dev))
@@ -86,7 +84,7 @@ def anchor_partials(store, qg: torch.Tensor, scaling: float, blocks_per_split: i
         for side in ("k", "v"):
             per_side += [seg[f"{name}_{side}"] for name in ("index", "coef", "mask", "prefix", "res", "scale")]
         m, l, o = anchor_segment_attention(
-            qg.float(), store.anchors["anchor_k"], store.anchors["anchor_v"], hada.matrix.to(dev), hada.signs.to(dev),
-            cos, sin, *per_side, float(scaling), bps)
+            qg.float(), store.anchors["anchor_k"], store.anchors["anchor_v"], codec.matrix.to(dev),
+            codec.signs.to(dev), cos, sin, *per_side, [float(x) for x in codec.levels], float(scaling), bps)
         states.append(PartialAttention(m=m, l=l, o=o))
     return states

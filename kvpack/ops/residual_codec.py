@@ -1,0 +1,119 @@
+"""AnchorKV's 2-bit residual codecs: the paper's (randomized Hadamard + Lloyd–Max) and the naive ablation.
+
+Both store, per residual ``r [D]``, ``D/4`` bytes of packed 2-bit codes and one fp32 scale, and
+decode as ``x̂ = (scale · levels[codes]) Hᵀ ⊙ signs`` — the Triton kernel reads ``levels``,
+``matrix`` and ``signs`` and does the same for either codec.
+
+- :class:`HadamardLloydMax` (the paper, §3.4): rotate with a seeded randomized Hadamard transform,
+  scale by the RMS ``‖r‖ / √D`` (the rotated coordinates are then near N(0, 1)), code with the 4-level
+  Lloyd–Max quantizer of N(0, 1).
+- :class:`NaiveTwoBit` (the "naive 2-bit" ablation of Fig. 5): no rotation, per-residual absmax
+  scale, 4 evenly spaced levels ``absmax · {−1, −⅓, ⅓, 1}`` (round to nearest).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from . import lloyd_max
+from .bitpack import pack_bits
+from .hadamard import RandomizedHadamard
+
+BITS = 2
+SCALE_BYTES = 4  # fp32 per-residual scale
+
+
+@functools.lru_cache(maxsize=8)
+def _packed_table(levels: tuple[float, ...], device_type: str) -> torch.Tensor:
+    """``[256, 4]`` levels of every byte of packed 2-bit codes (first code in the lowest bits)."""
+    byte = torch.arange(256)[:, None]
+    codes = (byte >> (torch.arange(8 // BITS)[None, :] * BITS)) & (2 ** BITS - 1)
+    return torch.tensor(levels)[codes].to(device_type)
+
+
+class ResidualCodec:
+    """Shared decode path: levels from packed codes, times the scale, through the inverse rotation."""
+
+    name = ""
+    levels: tuple[float, ...] = ()
+    thresholds: tuple[float, ...] = ()
+
+    def __init__(self, dim: int):
+        self.dim = dim
+
+    @staticmethod
+    def bytes_per_residual(dim: int) -> int:
+        """``b_res``: packed codes plus the scale."""
+        return dim * BITS // 8 + SCALE_BYTES
+
+    # Subclasses: rotation (matrix [D, D], signs [D]) and the scale of a rotated residual.
+    matrix: torch.Tensor
+    signs: torch.Tensor
+    rotates = True
+
+    def _scale(self, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def encode(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``r [n, D]`` -> packed codes ``[n, D/4]`` uint8 and fp32 scales ``[n]``."""
+        y = (r.float() * self.signs.to(r.device)) @ self.matrix.to(r.device) if self.rotates else r.float()
+        scale = self._scale(y)
+        unit = y / scale.clamp_min(1e-30)[:, None]
+        codes = torch.bucketize(unit.contiguous(), torch.tensor(self.thresholds, device=r.device)).to(torch.uint8)
+        return pack_bits(codes, BITS), scale
+
+    def decode(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Packed codes ``[n, D/4]`` and scales ``[n]`` -> residuals ``[n, D]`` fp32."""
+        table = _packed_table(self.levels, codes.device.type)
+        y = table[codes.long()].flatten(-2)[..., : self.dim] * scale.float()[:, None]
+        if not self.rotates:
+            return y
+        # H is symmetric: inverse of x -> H (s ⊙ x) is y -> s ⊙ (H y).
+        return (y @ self.matrix.to(y.device)) * self.signs.to(y.device)
+
+
+class HadamardLloydMax(ResidualCodec):
+    """The paper's codec: randomized Hadamard rotation (seeded signs), RMS scale, Gaussian Lloyd–Max levels."""
+
+    name = "hadamard_lloyd_max"
+
+    def __init__(self, dim: int, seed: int):
+        super().__init__(dim)
+        rot = RandomizedHadamard(dim, seed=seed)
+        self.matrix, self.signs = rot.matrix, rot.signs
+        self.levels, self.thresholds = lloyd_max.lloyd_max_gaussian(2 ** BITS)
+
+    def _scale(self, y):
+        # The RMS puts the rotated coordinates at unit variance, where the N(0, 1) codebook is optimal.
+        return y.norm(dim=-1) / math.sqrt(self.dim)
+
+
+class NaiveTwoBit(ResidualCodec):
+    """The naive ablation: no rotation, absmax scale, 4 evenly spaced levels over ``[−absmax, absmax]``."""
+
+    name = "naive"
+    levels = (-1.0, -1 / 3, 1 / 3, 1.0)
+    thresholds = (-2 / 3, 0.0, 2 / 3)
+    rotates = False
+
+    def __init__(self, dim: int):
+        super().__init__(dim)
+        self.matrix = torch.eye(dim)
+        self.signs = torch.ones(dim)
+
+    def _scale(self, y):
+        return y.abs().amax(dim=-1)
+
+
+RESIDUAL_CODECS = ("hadamard_lloyd_max", "naive")
+
+
+def make_residual_codec(name: str, dim: int, seed: int) -> ResidualCodec:
+    if name == "hadamard_lloyd_max":
+        return HadamardLloydMax(dim, seed)
+    if name == "naive":
+        return NaiveTwoBit(dim)
+    raise ValueError(f"residual codec must be one of {RESIDUAL_CODECS}, got {name!r}")
