@@ -566,38 +566,91 @@ class AnchorStore(LayerStore):
             states.append(dense_partial(qg, self.tail_k, self.tail_v, scaling))
         return states
 
+    def _tile_residuals(self, segment: int, side: str, lo: int, hi: int):
+        """The tile's stored residuals of one side: ``(where, rotated)`` — flat ``head * n + token``
+        positions ``[N]`` (head-major, ascending) and the residuals in the codec's rotated domain
+        ``[N, D]`` — or None when the tile has none. ``lo`` must be a multiple of 32."""
+        H = self.layout.kv_heads
+        seg = self.segments[segment]
+        n = hi - lo
+        # lo is a multiple of 32: the tile's bits start on a byte boundary.
+        mask = unpack_bits(seg[f"mask_{side}"][:, lo // 8: (hi + 7) // 8], 1, n).bool()
+        where = mask.flatten().nonzero().squeeze(-1)
+        if not where.numel():
+            return None
+        # Slot = prefix count of the token's 32-token block + residuals before it in the block.
+        padded = F.pad(mask, (0, (-n) % PREFIX_BLOCK)).reshape(H, -1, PREFIX_BLOCK).int()
+        before = (padded.cumsum(-1) - padded).reshape(H, -1)[:, :n]
+        blocks = seg[f"prefix_{side}"][:, lo // PREFIX_BLOCK: lo // PREFIX_BLOCK + padded.shape[1]]
+        slots = (blocks.repeat_interleave(PREFIX_BLOCK, dim=1)[:, :n] + before).flatten().index_select(0, where).long()
+        return where, self.residual_codec.rotated(seg[f"res_{side}"].index_select(0, slots),
+                                                  seg[f"scale_{side}"].index_select(0, slots))
+
+    def _scaled_anchors(self, segment: int, side: str, lo: int, hi: int, anchors: torch.Tensor) -> torch.Tensor:
+        """``γ_t a_{i_t}`` ``[H, n, D]`` fp32 for the tile; ``anchors`` ``[H, k, D]`` fp32."""
+        H, k, D = anchors.shape
+        seg = self.segments[segment]
+        # One flat row lookup (faster than gather with an expanded index): row h*k + index.
+        rows = (seg[f"index_{side}"][:, lo:hi].long() + torch.arange(H, device=anchors.device)[:, None] * k).flatten()
+        x = anchors.reshape(H * k, D).index_select(0, rows).reshape(H, hi - lo, D)
+        return x.mul_(seg[f"coef_{side}"][:, lo:hi, None].float())
+
+    def _tile_side(self, segment: int, side: str, lo: int, hi: int, anchors: torch.Tensor | None = None):
+        """Reconstructed ``x̂ = γ a + r̃`` ``[H, n, D]`` fp32 of one side (keys still pre-RoPE)."""
+        if anchors is None:
+            anchors = self.anchors[f"anchor_{side}"].float()
+        H, _, D = anchors.shape
+        n = hi - lo
+        x = self._scaled_anchors(segment, side, lo, hi, anchors)
+        res = self._tile_residuals(segment, side, lo, hi)
+        if res is not None:
+            where, rotated = res
+            x = x.reshape(H * n, D).index_add_(0, where, self.residual_codec.unrotate(rotated)).reshape(H, n, D)
+        return x
+
+    def tile_keys(self, segment: int, lo: int, hi: int, anchors: torch.Tensor | None = None) -> torch.Tensor:
+        """Post-RoPE keys ``[H, hi − lo, D]`` fp32 of tokens ``[lo, hi)`` of a segment (``lo`` a
+        multiple of 32); ``anchors``: ``anchor_k`` as fp32, when the caller converted it once."""
+        start = self.segment_spans[segment][0]
+        x = self._tile_side(segment, "k", lo, hi, anchors)
+        cos, sin = self.layout.rope.cos_sin(torch.arange(start + lo, start + hi, device=x.device))
+        return apply_rope(x, cos, sin)
+
+    def tile_value_sum(self, segment: int, lo: int, hi: int, p: torch.Tensor,
+                       anchors: torch.Tensor | None = None) -> torch.Tensor:
+        """``Σ_t p[h, i, t] v̂_t`` ``[H, rows, D]`` for weights ``p [H, rows, hi − lo]``, without
+        reconstructing the values: ``v̂_t = γ_t a_{i_t} + r̃_t`` is linear, so the anchor part is
+        ``(Σ_{t: i_t = j} p_t γ_t) a_j`` (a scatter into k bins, then ``[rows, k] × [k, D]``), and the
+        residual part sums the rotated-domain residuals and unrotates once per row."""
+        if anchors is None:
+            anchors = self.anchors["anchor_v"].float()
+        H, rows, n = p.shape
+        seg = self.segments[segment]
+        weights = p * seg["coef_v"][:, lo:hi].float()[:, None, :]
+        index = seg["index_v"][:, lo:hi].long()[:, None, :].expand(-1, rows, -1)
+        bins = torch.zeros(H, rows, anchors.shape[1], dtype=p.dtype, device=p.device).scatter_add_(2, index, weights)
+        out = torch.bmm(bins, anchors)
+        res = self._tile_residuals(segment, "v", lo, hi)
+        if res is not None:
+            where, rotated = res
+            heads = where // n
+            p_res = p.permute(0, 2, 1).reshape(H * n, rows).index_select(0, where)  # [N, rows]
+            counts = torch.bincount(heads, minlength=H).tolist()
+            summed = torch.zeros(H, rows, anchors.shape[2], dtype=p.dtype, device=p.device)
+            offset = 0
+            for h, c in enumerate(counts):  # where is head-major: each head's residuals are contiguous
+                if c:
+                    summed[h] = p_res[offset: offset + c].T @ rotated[offset: offset + c]
+                    offset += c
+            out += self.residual_codec.unrotate(summed)
+        return out
+
     def reconstruct_tile(self, segment: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (post-RoPE) and values ``[H, hi − lo, D]`` fp32 of tokens ``[lo, hi)`` of a segment.
 
         ``lo`` must be a multiple of 32 (prefix-count blocks). Only this tile is materialised.
         """
-        H, D = self.layout.kv_heads, self.layout.head_dim
-        seg = self.segments[segment]
-        start = self.segment_spans[segment][0]
-        n = hi - lo
-        out = []
-        for side in ("k", "v"):
-            anchors = self.anchors[f"anchor_{side}"]
-            k_anchors = anchors.shape[1]
-            # One flat row lookup (faster than gather with an expanded index): row h*k + index.
-            rows = (seg[f"index_{side}"][:, lo:hi].long()
-                    + torch.arange(H, device=anchors.device)[:, None] * k_anchors).flatten()
-            x = anchors.reshape(H * k_anchors, D).index_select(0, rows).float().reshape(H, n, D)
-            x = x * seg[f"coef_{side}"][:, lo:hi, None].float()
-            # lo is a multiple of 32: the tile's bits start on a byte boundary.
-            mask = unpack_bits(seg[f"mask_{side}"][:, lo // 8: (hi + 7) // 8], 1, n).bool()
-            where = mask.flatten().nonzero().squeeze(-1)  # flat (head, token) of the tile's residuals
-            if where.numel():
-                # Slot = prefix count of the token's 32-token block + residuals before it in the block.
-                padded = F.pad(mask, (0, (-n) % PREFIX_BLOCK)).reshape(H, -1, PREFIX_BLOCK).int()
-                before = (padded.cumsum(-1) - padded).reshape(H, -1)[:, :n]
-                blocks = seg[f"prefix_{side}"][:, lo // PREFIX_BLOCK: lo // PREFIX_BLOCK + padded.shape[1]]
-                slots = (blocks.repeat_interleave(PREFIX_BLOCK, dim=1)[:, :n] + before).flatten()[where].long()
-                res = self.decode_residuals(seg[f"res_{side}"][slots], seg[f"scale_{side}"][slots])
-                x = x.reshape(H * n, D).index_add_(0, where, res).reshape(H, n, D)
-            out.append(x)
-        cos, sin = self.layout.rope.cos_sin(torch.arange(start + lo, start + hi, device=out[0].device))
-        return apply_rope(out[0], cos, sin), out[1]
+        return self.tile_keys(segment, lo, hi), self._tile_side(segment, "v", lo, hi)
 
     def tiles(self):
         """``(segment, lo, hi)`` of every attention tile, in position order."""

@@ -20,8 +20,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [..., T, d]`` by the angles whose cos/sin are ``[T, d]``."""
-    return x * cos + rotate_half(x) * sin
+    """Rotate ``x [..., T, d]`` by the angles whose cos/sin are ``[T, d]``.
+
+    Computes ``x * cos + rotate_half(x) * sin`` half by half (the same products and sums, so the
+    same bits), without materialising ``rotate_half(x)``: several times faster on CPU.
+    """
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    return torch.cat([x1 * cos[..., :h] - x2 * sin[..., :h], x2 * cos[..., h:] + x1 * sin[..., h:]], dim=-1)
 
 
 def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
