@@ -107,11 +107,12 @@ def test_anchor_needle(smollm2, theta):
 
 @pytest.mark.parametrize("theta", [0.1, 0.05])
 def test_anchor_needle_with_pooled_ranking_and_narrow_index(smollm2, theta):
-    """The options beyond the paper (docs/anchorkv.md): ranking by the neighbourhood maximum of Eq. 6
-    and uint8 anchor indices retrieve the needle at the issue's θ, within the budget."""
+    """``anchor_plus``, AnchorKV with the two options beyond the paper (docs/anchorkv.md): ranking by
+    the neighbourhood maximum of Eq. 6 and uint8 anchor indices retrieve the needle at the issue's θ,
+    within the budget."""
     model, tok = smollm2
     prompt, answer = needle_prompt(tok, n_tokens=2048, depth=0.4, seed=31)
-    result = generate(model, tok, prompt, "anchor", dict(budget=theta, residual_pooling=15, narrow_index=True),
-                      max_new_tokens=10)
+    result = generate(model, tok, prompt, "anchor_plus", dict(budget=theta), max_new_tokens=10)
+    assert result.config["residual_pooling"] == 15 and result.config["narrow_index"] is True
     assert result.kv_bytes <= theta * result.dense_kv_bytes + 9 * 30 * 3 * 64 * 2 * 2  # + 9 dense decode tokens
     assert answer in result.text
