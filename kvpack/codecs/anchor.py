@@ -17,12 +17,17 @@ Once, at the end of prefill, per layer and KV head:
    ``σ = ‖r‖ / √D`` (the RMS, which puts the rotated coordinates at unit variance), 4-level
    Lloyd–Max codes for N(0, 1), 2 bits per coordinate, bit-packed.
 
-Attention (``kvpack.attention.anchor``) reconstructs keys and values tile by tile,
-``x̂ = γ a + r̃`` where a residual is stored, rotates keys by RoPE at their positions, and merges the
-tiles, the dense tail of generated tokens and the new chunk by online softmax.
+Attention (``kvpack.attention.anchor``) reconstructs keys tile by tile, ``x̂ = γ a + r̃`` where a
+residual is stored, rotates them by RoPE at their positions, takes each tile's weighted sum of
+values on the stored form, and merges the tiles, the dense tail of generated tokens and the new
+chunk by online softmax.
+
+The ablation switches of the paper's Fig. 5 and two options beyond the paper are fields of
+:class:`AnchorConfig`; ``anchor_plus`` is this codec with the two options on.
 
 What the store holds (and ``M_base`` counts): anchor keys (pre-RoPE) and values ``[H, k, D]`` (bf16),
-per-token anchor indices ``[H, S]`` (int16) and coefficients ``[H, S]`` (fp16) for each side,
+per-token anchor indices ``[H, S]`` (int16; uint8 with ``narrow_index`` and ``k ≤ 256``) and
+coefficients ``[H, S]`` (fp16) for each side,
 residual bitmasks ``[H, ⌈S/8⌉]`` (packed bits) and per-32-token prefix counts ``[H, ⌈S/32⌉]``
 (int32) for each side — the decoder finds a token's residual slot from them in O(1). Each stored
 residual costs ``b_res = D/4`` code bytes + a 4-byte scale.
@@ -381,12 +386,6 @@ class AnchorStore(LayerStore):
     @property
     def n_compressed(self) -> int:
         return sum(n for _, n in self.segment_spans)
-
-    # -- residual codec ---------------------------------------------------------------------
-
-    def decode_residuals(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """Packed codes ``[n, D/4]`` and scales ``[n]`` -> residuals ``[n, D]`` fp32."""
-        return self.residual_codec.decode(codes, scale)
 
     # -- compression ------------------------------------------------------------------------
 
