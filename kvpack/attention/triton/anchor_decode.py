@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import online_softmax_step, store_split_state
+from ._common import dot, online_softmax_step, store_split_state
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def _rebuild_half(anchor_ptr, h, K, D, idx, coef, col0, offs_c, n_cols, tm, y, h
     hm = tl.load(hmat_ptr + offs_dd[:, None] * D + col0 + offs_c[None, :],
                  mask=(offs_dd[:, None] < D) & cm[None, :], other=0.0)
     signs = tl.load(signs_ptr + col0 + offs_c, mask=cm, other=0.0)
-    return a * coef[:, None] + tl.dot(y, hm) * signs[None, :]
+    return a * coef[:, None] + dot(y, hm) * signs[None, :]
 
 
 @triton.jit
@@ -105,13 +105,13 @@ def anchor_split_kernel(
         s2 = tl.load(sin_ptr + tt[:, None] * D + HALF + offs_h[None, :], mask=pm, other=0.0)
         k1r = k1 * c1 - k2 * s1
         k2r = k2 * c2 + k1 * s2
-        scores = (tl.dot(q1, tl.trans(k1r)) + tl.dot(q2, tl.trans(k2r))) * scaling
+        scores = (dot(q1, tl.trans(k1r)) + dot(q2, tl.trans(k2r))) * scaling
         scores = tl.where(mask_m[:, None] & tm[None, :], scores, float("-inf"))
         m_new, l_i, alpha, p = online_softmax_step(m_i, l_i, scores)
         # Values: the same reconstruction, full width, no RoPE.
         idx, coef, y = _block_tokens(idx_v_ptr, coef_v_ptr, mask_v_ptr, prefix_v_ptr, res_v_ptr, scale_v_ptr, h, n,
                                      b, tt, tm, offs_d, D, L0, L1, L2, L3)
         v = _rebuild_half(av_ptr, h, K, D, idx, coef, 0, offs_d, D, tm, y, hmat_ptr, signs_ptr, offs_d)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        acc = acc * alpha[:, None] + dot(p, v)
         m_i = m_new
     store_split_state(m_ptr, l_ptr, o_ptr, h, s, n_splits, M, D, m_i, l_i, acc, offs_m, offs_d)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import online_softmax_step, store_split_state
+from ._common import dot, online_softmax_step, store_split_state
 
 
 @triton.jit
@@ -96,8 +96,8 @@ def puzzle_split_kernel(
                 # The second half starts at column HALF (a whole byte when packed: D is even).
                 rk2 = _load_factor(rk_ptr, page * RK * d_cols + (HALF // 2 if INT4 else HALF), RK, HALF, d_cols,
                                    offs_rk, offs_h, INT4, rks_ptr, page * D + HALF, 0, 1)
-                k1 = tl.dot(lk, rk1)  # [BP, BDH]
-                k2 = tl.dot(lk, rk2)
+                k1 = dot(lk, rk1)  # [BP, BDH]
+                k2 = dot(lk, rk2)
                 pos = n * P + offs_p
                 pm = (offs_p[:, None] < P) & (offs_h[None, :] < HALF)
                 c1 = tl.load(cos_ptr + pos[:, None] * D + offs_h[None, :], mask=pm, other=0.0)
@@ -106,11 +106,11 @@ def puzzle_split_kernel(
                 s2 = tl.load(sin_ptr + pos[:, None] * D + HALF + offs_h[None, :], mask=pm, other=0.0)
                 k1r = k1 * c1 - k2 * s1
                 k2r = k2 * c2 + k1 * s2
-                scores = tl.dot(q1, tl.trans(k1r)) + tl.dot(q2, tl.trans(k2r))
+                scores = dot(q1, tl.trans(k1r)) + dot(q2, tl.trans(k2r))
             else:
                 rk = _load_factor(rk_ptr, page * RK * d_cols, RK, D, d_cols, offs_rk, offs_d, INT4,
                                   rks_ptr, page * D, 0, 1)
-                scores = tl.dot(tl.dot(q, tl.trans(rk)), tl.trans(lk))  # (q R_Kᵀ) L_Kᵀ: [BM, BP]
+                scores = dot(dot(q, tl.trans(rk)), tl.trans(lk))  # (q R_Kᵀ) L_Kᵀ: [BM, BP]
             scores = scores * scaling
             scores = tl.where(mask_m[:, None] & (offs_p[None, :] < P), scores, float("-inf"))
             m_new, l_i, alpha, p = online_softmax_step(m_i, l_i, scores)
@@ -118,7 +118,7 @@ def puzzle_split_kernel(
                               lvs_ptr, page * P, 1, 0)
             rv = _load_factor(rv_ptr, page * RV * d_cols, RV, D, d_cols, offs_rv, offs_d, INT4,
                               rvs_ptr, page * D, 0, 1)
-            acc = acc * alpha[:, None] + tl.dot(tl.dot(p, lv), rv)  # (p L_V) R_V in rank space first
+            acc = acc * alpha[:, None] + dot(dot(p, lv), rv)  # (p L_V) R_V in rank space first
             m_i = m_new
     else:
         offs_t = tl.arange(0, BT)
@@ -130,9 +130,9 @@ def puzzle_split_kernel(
             kv_mask = tm[:, None] & (offs_d[None, :] < D)
             k = tl.load(dk_ptr + h * T * D + tt[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(dv_ptr + h * T * D + tt[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k.to(tl.float32))) * scaling
+            scores = dot(q, tl.trans(k.to(tl.float32))) * scaling
             scores = tl.where(mask_m[:, None] & tm[None, :], scores, float("-inf"))
             m_new, l_i, alpha, p = online_softmax_step(m_i, l_i, scores)
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+            acc = acc * alpha[:, None] + dot(p, v.to(tl.float32))
             m_i = m_new
     store_split_state(m_ptr, l_ptr, o_ptr, h, s, n_splits, M, D, m_i, l_i, acc, offs_m, offs_d)
