@@ -213,3 +213,22 @@ def test_residual_pooling_ranks_by_the_neighbourhood_maximum():
 def test_invalid_ablation_config(fields, match):
     with pytest.raises(ValueError, match=match):
         AnchorConfig(**fields)
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.7, 1.0])
+def test_select_anchors_window_top_votes_and_seeded_random(rho):
+    from kvpack.codecs.anchor import select_anchors
+
+    S_, W, k = 700, 16, 60
+    votes = torch.rand(3, S_ - W, generator=torch.Generator().manual_seed(1))
+    pos = select_anchors(votes, S_, k, W, rho, torch.Generator().manual_seed(2))
+    n_top = round(rho * (k - W))
+    assert pos.shape == (3, k)
+    for h in range(3):
+        assert torch.equal(pos[h], pos[h].unique())  # sorted, no repeats
+        assert set(range(S_ - W, S_)) <= set(pos[h].tolist())  # the window
+        assert set(torch.topk(votes[h], n_top).indices.tolist()) <= set(pos[h].tolist())  # the top votes
+    again = select_anchors(votes, S_, k, W, rho, torch.Generator().manual_seed(2))
+    other = select_anchors(votes, S_, k, W, rho, torch.Generator().manual_seed(3))
+    assert torch.equal(pos, again)
+    assert torch.equal(pos, other) == (n_top == k - W)  # only the random share depends on the seed

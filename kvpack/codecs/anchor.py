@@ -220,19 +220,24 @@ def anchors_for_budget(theta: float, seq_len: int, kv_heads: int, head_dim: int,
 
 def select_anchors(votes: torch.Tensor, seq_len: int, n_anchors: int, window: int, rho: float,
                    generator: torch.Generator) -> torch.Tensor:
-    """Anchor positions ``[H, k]`` (sorted): window + top-``ρ(k−W)`` by ``votes [H, S−W]`` + random rest."""
+    """Anchor positions ``[H, k]`` (sorted): window + top-``ρ(k−W)`` by ``votes [H, S−W]`` + random rest.
+
+    All heads at once on the votes' device; the random part draws one permutation per head from the
+    (CPU) ``generator``, so the choice does not depend on the device.
+    """
     H = votes.shape[0]
+    dev = votes.device
     n_extra = n_anchors - window
     n_top = round(rho * n_extra)
-    out = []
-    for h in range(H):
-        top = torch.topk(votes[h], n_top).indices if n_top else votes.new_zeros(0, dtype=torch.long)
-        rest = torch.ones(seq_len - window, dtype=torch.bool)
-        rest[top] = False
-        pool = rest.nonzero().squeeze(-1)
-        rand = pool[torch.randperm(pool.numel(), generator=generator)[: n_extra - n_top]]
-        out.append(torch.cat([top.cpu(), rand, torch.arange(seq_len - window, seq_len)]).sort().values)
-    return torch.stack(out).to(votes.device)
+    n_prefix = seq_len - window
+    top = torch.topk(votes, n_top, dim=1).indices  # [H, n_top]
+    rest = torch.ones(H, n_prefix, dtype=torch.bool, device=dev)
+    rest.scatter_(1, top, False)
+    pool = rest.nonzero()[:, 1].view(H, n_prefix - n_top)  # each head's remaining positions, ascending
+    perms = torch.stack([torch.randperm(n_prefix - n_top, generator=generator) for _ in range(H)])
+    rand = torch.gather(pool, 1, perms[:, : n_extra - n_top].to(dev))
+    window_pos = torch.arange(n_prefix, seq_len, device=dev).expand(H, -1)
+    return torch.cat([top, rand, window_pos], dim=1).sort(dim=1).values
 
 
 def project_onto_anchors(x: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, ...]:
