@@ -236,3 +236,16 @@ def test_budget_just_above_fixed_cost_stores_no_residuals_and_still_attends():
     k_hat, v_hat = store.reconstruct()
     ref = reference_attention(q, torch.cat([k_hat, kn], 1), torch.cat([v_hat, vn], 1), 0.125)
     torch.testing.assert_close(store.attend(q, kn, vn, 0.125), ref.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_nearest_anchor_is_the_largest_abs_cosine_in_any_block_size(monkeypatch):
+    import kvpack.codecs.anchor as anchor_mod
+
+    g = torch.Generator().manual_seed(0)
+    x, anchors = torch.randn(3, 1000, 32, generator=g), torch.randn(3, 40, 32, generator=g)
+    anchors[0, 5] *= -100.0  # a long anchor pointing the other way: |cos| ignores sign and length
+    cos = torch.einsum("hsd,hkd->hsk", x, anchors) / (x.norm(dim=-1)[..., None] * anchors.norm(dim=-1)[:, None, :])
+    expected = cos.abs().argmax(dim=-1)
+    assert torch.equal(anchor_mod.nearest_anchor(x, anchors), expected)
+    monkeypatch.setattr(anchor_mod, "ASSIGN_BLOCK_ELEMENTS", 3 * 40 * 77)  # 77-token blocks
+    assert torch.equal(anchor_mod.nearest_anchor(x, anchors), expected)

@@ -240,12 +240,27 @@ def select_anchors(votes: torch.Tensor, seq_len: int, n_anchors: int, window: in
     return torch.cat([top, rand, window_pos], dim=1).sort(dim=1).values
 
 
+ASSIGN_BLOCK_ELEMENTS = 1 << 24  # bound on one [H, tokens, k] block of |cos| (64 MiB in fp32)
+
+
+def nearest_anchor(x: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """Eq. 1: index ``[H, n]`` of the anchor with the largest ``|cos|`` to each row of ``x [H, n, D]``.
+
+    ``‖x‖`` is the same for every anchor of a token, so only the anchors are normalised. Tokens go in
+    blocks so that the ``[H, block, k]`` scores stay bounded (unblocked, 128K tokens with k = 1024
+    anchors would take 4 GiB per copy).
+    """
+    H, n, _ = x.shape
+    unit = anchors / anchors.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+    block = max(1, ASSIGN_BLOCK_ELEMENTS // (H * anchors.shape[1]))
+    return torch.cat([torch.einsum("hsd,hkd->hsk", x[:, i: i + block], unit).abs_().argmax(dim=-1)
+                      for i in range(0, n, block)], dim=1)
+
+
 def project_onto_anchors(x: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Eq. 1–2 for ``x [H, n, D]`` onto ``anchors [H, k, D]``: ``(index [H, n], gamma [H, n], residual)``."""
     D = x.shape[-1]
-    dots = torch.einsum("hsd,hkd->hsk", x, anchors)
-    norms = x.norm(dim=-1).clamp_min(1e-30)[..., None] * anchors.norm(dim=-1).clamp_min(1e-30)[:, None, :]
-    index = (dots.abs() / norms).argmax(dim=-1)
+    index = nearest_anchor(x, anchors)
     a = torch.gather(anchors, 1, index[..., None].expand(-1, -1, D))
     gamma = (x * a).sum(-1) / (a * a).sum(-1).clamp_min(1e-30)
     return index, gamma, x - gamma[..., None] * a
@@ -256,19 +271,13 @@ def assign_and_project(x: torch.Tensor, anchor_pos: torch.Tensor) -> tuple[torch
 
     Returns:
         ``(anchors [H, k, D], index [H, S] long, gamma [H, S], residual [H, S, D])``; anchors are
-        their own anchor with γ = 1 and a zero residual.
+        their own anchor with γ = 1 and a zero residual (set exactly, whatever ties or rounding say).
     """
     H, S, D = x.shape
     anchors = torch.gather(x, 1, anchor_pos[..., None].expand(-1, -1, D))
-    dots = torch.einsum("hsd,hkd->hsk", x, anchors)
-    norms = x.norm(dim=-1).clamp_min(1e-30)[..., None] * anchors.norm(dim=-1).clamp_min(1e-30)[:, None, :]
-    index = (dots.abs() / norms).argmax(dim=-1)
-    slot = torch.arange(anchor_pos.shape[1], device=x.device)[None].expand(H, -1)
-    index.scatter_(1, anchor_pos, slot)
-    a = torch.gather(anchors, 1, index[..., None].expand(-1, -1, D))
-    gamma = (x * a).sum(-1) / (a * a).sum(-1).clamp_min(1e-30)
+    index, gamma, residual = project_onto_anchors(x, anchors)
+    index.scatter_(1, anchor_pos, torch.arange(anchor_pos.shape[1], device=x.device)[None].expand(H, -1))
     gamma.scatter_(1, anchor_pos, torch.ones_like(anchor_pos, dtype=gamma.dtype))
-    residual = x - gamma[..., None] * a
     residual.scatter_(1, anchor_pos[..., None].expand(-1, -1, D), torch.zeros_like(anchors))
     return anchors, index, gamma, residual
 
