@@ -69,6 +69,8 @@ def test_low_rank_chunk_matches_reference_over_reconstruction():
     ("full", {}),
     ("puzzle", dict(page_size=8, rank_k=3, rank_v=3)),
     ("puzzle", dict(page_size=8, budget=0.7)),
+    ("anchor", dict(window=8, budget=0.6)),
+    ("anchor_plus", dict(window=8, budget=0.6)),
 ])
 def test_batch_with_left_padding_matches_batch_of_one(method, config):
     model = tiny_llama()
