@@ -9,7 +9,10 @@ applied as one ``[32, D] x [D, D]`` product with the orthonormal Sylvester matri
 signs — exactly the map ``x = s ⊙ (Hᵀ y)`` (H is symmetric), computed as a small dense matmul instead
 of a butterfly (at D <= 256 a tensor-core matmul costs less than D log D shuffles between lanes).
 Keys are then rotated by RoPE at their positions (halves, ``rotate_half`` convention) and meet the
-queries; values are contracted with the probabilities. Nothing reconstructed is written back.
+queries. Values are never rebuilt: ``v̂ = γ a + s ⊙ (Hᵀ y)`` is linear, so the program accumulates
+``p (γ a)`` and, separately, ``p y`` in the rotated domain, and applies the inverse rotation once,
+to the ``[M, D]`` accumulator, when it stores its state — half the Hadamard products of rebuilding
+both sides per block. Nothing reconstructed is written back.
 """
 
 from __future__ import annotations
@@ -21,15 +24,22 @@ from ._common import dot, online_softmax_step, store_split_state
 
 
 @triton.jit
-def _rebuild_half(anchor_ptr, h, K, D, idx, coef, col0, offs_c, n_cols, tm, y, hmat_ptr, signs_ptr, offs_dd):
-    """Columns ``[col0, col0 + n_cols)`` of the rebuilt tile: γ · anchor[idx] + (y Hᵀ)[:, cols] ⊙ s."""
+def _scaled_anchors(anchor_ptr, h, K, D, idx, coef, col0, offs_c, n_cols, tm):
+    """Columns ``[col0, col0 + n_cols)`` of ``γ · anchor[idx]`` for a block of tokens."""
     cm = offs_c < n_cols
     a = tl.load(anchor_ptr + (h * K + idx)[:, None] * D + col0 + offs_c[None, :], mask=tm[:, None] & cm[None, :],
                 other=0.0).to(tl.float32)
+    return a * coef[:, None]
+
+
+@triton.jit
+def _unrotate(y, hmat_ptr, signs_ptr, col0, offs_c, n_cols, offs_dd, D):
+    """Columns ``[col0, col0 + n_cols)`` of ``(y Hᵀ) ⊙ s`` for rotated-domain rows ``y [R, BD]``."""
+    cm = offs_c < n_cols
     hm = tl.load(hmat_ptr + offs_dd[:, None] * D + col0 + offs_c[None, :],
                  mask=(offs_dd[:, None] < D) & cm[None, :], other=0.0)
     signs = tl.load(signs_ptr + col0 + offs_c, mask=cm, other=0.0)
-    return a * coef[:, None] + dot(y, hm) * signs[None, :]
+    return dot(y, hm) * signs[None, :]
 
 
 @triton.jit
@@ -87,6 +97,7 @@ def anchor_split_kernel(
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
+    acc_rot = tl.zeros([BM, BD], tl.float32)
     n_blocks = (n + BT - 1) // BT
     b_lo = s * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, n_blocks)
@@ -96,8 +107,10 @@ def anchor_split_kernel(
         # Keys: anchors, coefficients, residuals, RoPE.
         idx, coef, y = _block_tokens(idx_k_ptr, coef_k_ptr, mask_k_ptr, prefix_k_ptr, res_k_ptr, scale_k_ptr, h, n,
                                      b, tt, tm, offs_d, D, L0, L1, L2, L3)
-        k1 = _rebuild_half(ak_ptr, h, K, D, idx, coef, 0, offs_h, HALF, tm, y, hmat_ptr, signs_ptr, offs_d)
-        k2 = _rebuild_half(ak_ptr, h, K, D, idx, coef, HALF, offs_h, HALF, tm, y, hmat_ptr, signs_ptr, offs_d)
+        k1 = _scaled_anchors(ak_ptr, h, K, D, idx, coef, 0, offs_h, HALF, tm) \
+            + _unrotate(y, hmat_ptr, signs_ptr, 0, offs_h, HALF, offs_d, D)
+        k2 = _scaled_anchors(ak_ptr, h, K, D, idx, coef, HALF, offs_h, HALF, tm) \
+            + _unrotate(y, hmat_ptr, signs_ptr, HALF, offs_h, HALF, offs_d, D)
         pm = tm[:, None] & (offs_h[None, :] < HALF)
         c1 = tl.load(cos_ptr + tt[:, None] * D + offs_h[None, :], mask=pm, other=0.0)
         s1 = tl.load(sin_ptr + tt[:, None] * D + offs_h[None, :], mask=pm, other=0.0)
@@ -108,10 +121,11 @@ def anchor_split_kernel(
         scores = (dot(q1, tl.trans(k1r)) + dot(q2, tl.trans(k2r))) * scaling
         scores = tl.where(mask_m[:, None] & tm[None, :], scores, float("-inf"))
         m_new, l_i, alpha, p = online_softmax_step(m_i, l_i, scores)
-        # Values: the same reconstruction, full width, no RoPE.
+        # Values, not rebuilt: the anchor part, and the residual levels still in the rotated domain.
         idx, coef, y = _block_tokens(idx_v_ptr, coef_v_ptr, mask_v_ptr, prefix_v_ptr, res_v_ptr, scale_v_ptr, h, n,
                                      b, tt, tm, offs_d, D, L0, L1, L2, L3)
-        v = _rebuild_half(av_ptr, h, K, D, idx, coef, 0, offs_d, D, tm, y, hmat_ptr, signs_ptr, offs_d)
-        acc = acc * alpha[:, None] + dot(p, v)
+        acc = acc * alpha[:, None] + dot(p, _scaled_anchors(av_ptr, h, K, D, idx, coef, 0, offs_d, D, tm))
+        acc_rot = acc_rot * alpha[:, None] + dot(p, y)
         m_i = m_new
+    acc += _unrotate(acc_rot, hmat_ptr, signs_ptr, 0, offs_d, D, offs_d, D)  # once per program
     store_split_state(m_ptr, l_ptr, o_ptr, h, s, n_splits, M, D, m_i, l_i, acc, offs_m, offs_d)
