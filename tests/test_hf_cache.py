@@ -6,7 +6,7 @@ import torch
 from kvpack.hf.attention import restore_attention
 from kvpack.hf.cache import KVPackCache, KVPackLayer, cache_kwargs
 
-from .conftest import tiny_llama
+from .conftest import tiny_gemma3, tiny_llama
 
 
 @pytest.mark.parametrize("q_heads,kv_heads", [(6, 2), (4, 4), (8, 2)])
@@ -96,14 +96,9 @@ def test_batch_with_left_padding_matches_batch_of_one(method, config):
 
 
 def test_sliding_window_layers_keep_their_own_cache():
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
-                           max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"] * 2)
-    model = Gemma3ForCausalLM(cfg).eval()
+    model = tiny_gemma3()
     ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(5))
     ref = model.generate(ids, max_new_tokens=15, do_sample=False)
     cache = KVPackCache(model, "full")

@@ -19,7 +19,7 @@ from kvpack.ops.group_quant import dequantize_groups, quantize_groups
 from kvpack.store.format import MAGIC, Blob, BlobError, pack_blob
 from kvpack.store.prefix import CorruptEntryError, PrefixStore
 
-from .conftest import tiny_llama
+from .conftest import tiny_gemma3, tiny_llama
 
 # ------------------------------------------------------------------------------------------------
 # Pure functions
@@ -233,14 +233,9 @@ def test_blob_ratio_counts_every_byte(tiny):
 
 
 def test_sliding_window_model_roundtrip_continues_exactly_at_high_quality():
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
-                           max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"] * 2)
-    model = Gemma3ForCausalLM(cfg).eval()
+    model = tiny_gemma3()
     calib = calibrate(model, None, CalibrationSettings(ratios=(2,), **SETTINGS), chunks=_chunks(), progress=False)
     assert calib.layers == [1, 3]
     ids = _ids(60, seed=5)
@@ -376,11 +371,23 @@ def _entry(tiny, n):
     return ids, compress_tokens(model, calib, ids, 8)
 
 
-def test_store_put_get_longest_prefix(tiny, tmp_path):
+@pytest.fixture(scope="module")
+def prefix_entries(tiny):
+    """Blobs of the first 30 and of the first 45 tokens of one sequence (an entry and its extension)."""
+    return _entry(tiny, 30), _entry(tiny, 45)
+
+
+@pytest.fixture(scope="module")
+def other_blob_30(tiny, prefix_entries):
+    """The same 30 tokens at ratio 16: a different blob for the same store key."""
+    model, calib = tiny
+    return compress_tokens(model, calib, prefix_entries[0][0], 16)
+
+
+def test_store_put_get_longest_prefix(tiny, prefix_entries, tmp_path):
     model, calib = tiny
     store = PrefixStore(tmp_path)
-    ids30, blob30 = _entry(tiny, 30)
-    ids45, blob45 = _entry(tiny, 45)
+    (ids30, blob30), (ids45, blob45) = prefix_entries
     store.put(blob30, ids30)
     store.put(blob45, ids45)
     mh, cid = calib.fingerprint["hash"], calib.calibration_id
@@ -394,11 +401,10 @@ def test_store_put_get_longest_prefix(tiny, tmp_path):
         store.put(blob30, ids45)
 
 
-def test_store_corrupted_entry_reported_never_returned(tiny, tmp_path):
+def test_store_corrupted_entry_reported_never_returned(tiny, prefix_entries, tmp_path):
     model, calib = tiny
     store = PrefixStore(tmp_path)
-    ids30, blob30 = _entry(tiny, 30)
-    ids45, blob45 = _entry(tiny, 45)
+    (ids30, blob30), (ids45, blob45) = prefix_entries
     store.put(blob30, ids30)
     path = store.put(blob45, ids45)
     data = bytearray(path.read_bytes())
@@ -411,12 +417,11 @@ def test_store_corrupted_entry_reported_never_returned(tiny, tmp_path):
         assert store.longest_prefix(mh, cid, _ids(60)) == (30, blob30)
 
 
-def test_store_failed_write_keeps_previous_entry(tiny, tmp_path, monkeypatch):
-    model, calib = tiny
+def test_store_failed_write_keeps_previous_entry(prefix_entries, other_blob_30, tmp_path, monkeypatch):
     store = PrefixStore(tmp_path)
-    ids, blob = _entry(tiny, 30)
+    ids, blob = prefix_entries[0]
     path = store.put(blob, ids)
-    newer = compress_tokens(model, calib, ids, 16)
+    newer = other_blob_30
 
     def crash(fd):
         raise OSError("disk full")
@@ -428,11 +433,11 @@ def test_store_failed_write_keeps_previous_entry(tiny, tmp_path, monkeypatch):
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
 
 
-def test_store_concurrent_readers_see_whole_entries(tiny, tmp_path):
+def test_store_concurrent_readers_see_whole_entries(tiny, prefix_entries, other_blob_30, tmp_path):
     model, calib = tiny
     store = PrefixStore(tmp_path)
-    ids, blob_a = _entry(tiny, 30)
-    blob_b = compress_tokens(model, calib, ids, 16)
+    ids, blob_a = prefix_entries[0]
+    blob_b = other_blob_30
     store.put(blob_a, ids)
     mh, cid = calib.fingerprint["hash"], calib.calibration_id
     seen, errors = set(), []
