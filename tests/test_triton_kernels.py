@@ -44,19 +44,28 @@ def _store(kv_heads, group, d, seq, cfg: PuzzleConfig, seed=0):
     return store
 
 
+def _random_queries(store, n_q):
+    """``(q [Hq, n_q, d], grouped q, scaling)`` for a store's layout."""
+    lay = store.layout
+    q = torch.randn(lay.q_heads, n_q, lay.head_dim)
+    return q, group_queries(q, lay.kv_heads), lay.head_dim ** -0.5
+
+
+def _assert_matches_reference(store, q, state, scaling, atol, n_tokens=None):
+    """The kernel's merged state, normalised, equals fp64 attention over the first ``n_tokens`` (all
+    by default) of what the store holds, to ``atol`` of the output scale."""
+    got = ungroup_output(finalize(state), store.layout.q_heads)
+    k_hat, v_hat = store.reconstruct()
+    ref = reference_attention(q, k_hat[:, :n_tokens], v_hat[:, :n_tokens], scaling)
+    assert (got.double() - ref).abs().max().item() <= atol * max(ref.abs().max().item(), 1.0)
+
+
 def _check(store, n_q=1, atol=2e-4, **split):
     from kvpack.attention.triton.puzzle_op import puzzle_partial
 
-    lay = store.layout
-    q = torch.randn(lay.q_heads, n_q, lay.head_dim)
-    qg = group_queries(q, lay.kv_heads)
-    scaling = lay.head_dim ** -0.5
+    q, qg, scaling = _random_queries(store, n_q)
     state = puzzle_partial(store, qg, scaling, **split)
-    got = ungroup_output(finalize(state), lay.q_heads)
-    k_hat, v_hat = store.reconstruct()
-    ref = reference_attention(q, k_hat, v_hat, scaling)
-    scale = ref.abs().max().item()
-    assert (got.double() - ref).abs().max().item() <= atol * max(scale, 1.0)
+    _assert_matches_reference(store, q, state, scaling, atol)
     return state
 
 
@@ -153,15 +162,9 @@ def _check_anchor(store, n_q=1, atol=2e-4, **split):
     from kvpack.attention.softmax_merge import merge_partials
     from kvpack.attention.triton.anchor_op import anchor_partials
 
-    lay = store.layout
-    q = torch.randn(lay.q_heads, n_q, lay.head_dim)
-    qg = group_queries(q, lay.kv_heads)
-    scaling = lay.head_dim ** -0.5
-    got = ungroup_output(finalize(merge_partials(anchor_partials(store, qg, scaling, **split))), lay.q_heads)
-    k_hat, v_hat = store.reconstruct()
-    n = sum(n for _, n in store.segment_spans)
-    ref = reference_attention(q, k_hat[:, :n], v_hat[:, :n], scaling)
-    assert (got.double() - ref).abs().max().item() <= atol * max(ref.abs().max().item(), 1.0)
+    q, qg, scaling = _random_queries(store, n_q)
+    state = merge_partials(anchor_partials(store, qg, scaling, **split))
+    _assert_matches_reference(store, q, state, scaling, atol, n_tokens=store.n_compressed)
 
 
 @pytest.mark.parametrize("kv_heads,group", [(2, 1), (1, 3), (2, 4)])
