@@ -1,4 +1,4 @@
-"""Pieces both decode kernels share: block products, the online-softmax step and writing a split's state."""
+"""Pieces both decode kernels share: block products, RoPE'd scores, the online-softmax step and writing a split's state."""
 
 from __future__ import annotations
 
@@ -14,6 +14,18 @@ def dot(a, b):
     little further from the fp64 reference than the interpreter tests' tolerances (see
     docs/kernels.md)."""
     return tl.dot(a, b, input_precision="tf32")
+
+
+@triton.jit
+def rotated_scores(q1, q2, k1, k2, cos_ptr, sin_ptr, pos, row_mask, offs_h, HALF, D):
+    """``q · RoPE(k)`` ``[BM, BN]`` for key halves ``k1, k2 [BN, BDH]`` at positions ``pos [BN]``
+    (``rotate_half`` convention; cos/sin ``[*, D]`` rows by position) and query halves ``q1, q2``."""
+    pm = row_mask[:, None] & (offs_h[None, :] < HALF)
+    c1 = tl.load(cos_ptr + pos[:, None] * D + offs_h[None, :], mask=pm, other=0.0)
+    s1 = tl.load(sin_ptr + pos[:, None] * D + offs_h[None, :], mask=pm, other=0.0)
+    c2 = tl.load(cos_ptr + pos[:, None] * D + HALF + offs_h[None, :], mask=pm, other=0.0)
+    s2 = tl.load(sin_ptr + pos[:, None] * D + HALF + offs_h[None, :], mask=pm, other=0.0)
+    return dot(q1, tl.trans(k1 * c1 - k2 * s1)) + dot(q2, tl.trans(k2 * c2 + k1 * s2))
 
 
 @triton.jit

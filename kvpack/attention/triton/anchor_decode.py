@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import dot, online_softmax_step, store_split_state
+from ._common import dot, online_softmax_step, rotated_scores, store_split_state
 
 
 @triton.jit
@@ -111,14 +111,7 @@ def anchor_split_kernel(
             + _unrotate(y, hmat_ptr, signs_ptr, 0, offs_h, HALF, offs_d, D)
         k2 = _scaled_anchors(ak_ptr, h, K, D, idx, coef, HALF, offs_h, HALF, tm) \
             + _unrotate(y, hmat_ptr, signs_ptr, HALF, offs_h, HALF, offs_d, D)
-        pm = tm[:, None] & (offs_h[None, :] < HALF)
-        c1 = tl.load(cos_ptr + tt[:, None] * D + offs_h[None, :], mask=pm, other=0.0)
-        s1 = tl.load(sin_ptr + tt[:, None] * D + offs_h[None, :], mask=pm, other=0.0)
-        c2 = tl.load(cos_ptr + tt[:, None] * D + HALF + offs_h[None, :], mask=pm, other=0.0)
-        s2 = tl.load(sin_ptr + tt[:, None] * D + HALF + offs_h[None, :], mask=pm, other=0.0)
-        k1r = k1 * c1 - k2 * s1
-        k2r = k2 * c2 + k1 * s2
-        scores = (dot(q1, tl.trans(k1r)) + dot(q2, tl.trans(k2r))) * scaling
+        scores = rotated_scores(q1, q2, k1, k2, cos_ptr, sin_ptr, tt, tm, offs_h, HALF, D) * scaling
         scores = tl.where(mask_m[:, None] & tm[None, :], scores, float("-inf"))
         m_new, l_i, alpha, p = online_softmax_step(m_i, l_i, scores)
         # Values, not rebuilt: the anchor part, and the residual levels still in the rotated domain.

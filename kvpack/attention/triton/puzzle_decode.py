@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import dot, online_softmax_step, store_split_state
+from ._common import dot, online_softmax_step, rotated_scores, store_split_state
 
 
 @triton.jit
@@ -98,15 +98,8 @@ def puzzle_split_kernel(
                                    offs_rk, offs_h, INT4, rks_ptr, page * D + HALF, 0, 1)
                 k1 = dot(lk, rk1)  # [BP, BDH]
                 k2 = dot(lk, rk2)
-                pos = n * P + offs_p
-                pm = (offs_p[:, None] < P) & (offs_h[None, :] < HALF)
-                c1 = tl.load(cos_ptr + pos[:, None] * D + offs_h[None, :], mask=pm, other=0.0)
-                s1 = tl.load(sin_ptr + pos[:, None] * D + offs_h[None, :], mask=pm, other=0.0)
-                c2 = tl.load(cos_ptr + pos[:, None] * D + HALF + offs_h[None, :], mask=pm, other=0.0)
-                s2 = tl.load(sin_ptr + pos[:, None] * D + HALF + offs_h[None, :], mask=pm, other=0.0)
-                k1r = k1 * c1 - k2 * s1
-                k2r = k2 * c2 + k1 * s2
-                scores = dot(q1, tl.trans(k1r)) + dot(q2, tl.trans(k2r))
+                scores = rotated_scores(q1, q2, k1, k2, cos_ptr, sin_ptr, n * P + offs_p, offs_p < P, offs_h,
+                                        HALF, D)
             else:
                 rk = _load_factor(rk_ptr, page * RK * d_cols, RK, D, d_cols, offs_rk, offs_d, INT4,
                                   rks_ptr, page * D, 0, 1)
