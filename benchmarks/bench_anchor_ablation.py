@@ -24,7 +24,7 @@ from _util import machine  # noqa: E402
 
 from kvpack.codecs import get_codec  # noqa: E402
 from kvpack.eval.prefill import build_cache, exact_prefill  # noqa: E402
-from kvpack.hf.cache import cache_kwargs  # noqa: E402
+from kvpack.eval.runner import teacher_forced_logprobs  # noqa: E402
 from kvpack.hf.models import load_model  # noqa: E402
 from kvpack.kvtc.corpus import calibration_documents  # noqa: E402
 
@@ -45,13 +45,6 @@ CONFIGS = [
 
 
 @torch.no_grad()
-def _logprobs(model, cache, chunk: list[int], total: int) -> torch.Tensor:
-    ids = torch.tensor([chunk])
-    out = model(ids, attention_mask=torch.ones(1, total, dtype=torch.long), use_cache=True,
-                **cache_kwargs(model, cache))
-    return torch.log_softmax(out.logits[0].float(), dim=-1)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=4096)
@@ -66,7 +59,7 @@ def main() -> None:
     prompt, cont = ids[: args.tokens], ids[args.tokens:]
     total = len(ids)
     prefill = exact_prefill(model, prompt)
-    ref = _logprobs(model, build_cache(model, get_codec("full"), prefill).cache, cont, total)
+    ref = teacher_forced_logprobs(model, build_cache(model, get_codec("full"), prefill).cache, cont, total)
     targets = torch.tensor(cont[1:])
     print(f"# bench_anchor_ablation  ({machine()}), SmolLM2, {args.tokens}-token prompt, "
           f"{len(cont)} teacher-forced tokens; FullKV continuation ppl "
@@ -82,7 +75,7 @@ def main() -> None:
             except ValueError as exc:
                 print(f"{budget:<6} {label:<22} refused: {exc}")
                 continue
-            logp = _logprobs(model, built.cache, cont, total)
+            logp = teacher_forced_logprobs(model, built.cache, cont, total)
             kl = (ref.exp() * (ref - logp)).sum(-1).mean().item()
             top1 = (ref.argmax(-1) == logp.argmax(-1)).float().mean().item()
             ppl = math.exp(-logp[:-1].gather(1, targets[:, None]).mean().item())

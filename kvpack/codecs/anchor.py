@@ -54,8 +54,8 @@ from ..attention.softmax_merge import (
 from ..ops.bitpack import pack_bits, unpack_bits
 from ..ops.residual_codec import RESIDUAL_CODECS, ResidualCodec, make_residual_codec
 from ..ops.rope import apply_rope, invert_rope
-from .base import DENSE_REFERENCE_BYTES_PER_ELEMENT, Codec, CodecConfig, LayerLayout, LayerStore, register_codec, \
-    require_int
+from .base import Codec, CodecConfig, LayerLayout, LayerStore, register_codec, \
+    dense_bf16_bytes, require_int
 
 PREFIX_BLOCK = 32  # tokens per prefix count
 RANKINGS = ("utility", "attention", "residual_norm", "cosine", "random")
@@ -180,10 +180,6 @@ def base_bytes(seq_len: int, kv_heads: int, head_dim: int, n_anchors: int, ancho
     return 2 * per_side
 
 
-def _dense_bytes(seq_len: int, kv_heads: int, head_dim: int) -> int:
-    return seq_len * kv_heads * head_dim * 2 * DENSE_REFERENCE_BYTES_PER_ELEMENT
-
-
 def _below_fixed_cost(theta: float, seq_len: int, m_base: int, m_full: int, n_anchors: int) -> ValueError:
     return ValueError(
         f"anchor: budget θ = {theta} is below AnchorKV's fixed cost at {seq_len} tokens: anchors and metadata "
@@ -194,7 +190,7 @@ def _below_fixed_cost(theta: float, seq_len: int, m_base: int, m_full: int, n_an
 def residual_slots(theta: float, seq_len: int, kv_heads: int, head_dim: int, n_anchors: int,
                    anchor_bytes: int = 2, index_bytes: int = 2) -> int:
     """Eq. 9: residuals the budget buys (raises below the fixed cost)."""
-    m_full = _dense_bytes(seq_len, kv_heads, head_dim)
+    m_full = dense_bf16_bytes(seq_len, kv_heads, head_dim)
     m_base = base_bytes(seq_len, kv_heads, head_dim, n_anchors, anchor_bytes, index_bytes)
     if theta * m_full < m_base:
         raise _below_fixed_cost(theta, seq_len, m_base, m_full, n_anchors)
@@ -205,7 +201,7 @@ def anchors_for_budget(theta: float, seq_len: int, kv_heads: int, head_dim: int,
                        anchor_bytes: int = 2, narrow_index: bool = False) -> tuple[int, int]:
     """The "no residuals" ablation: ``(k, index bytes)`` with the most anchors per head whose
     ``M_base`` fits ``θ M_full`` (at most ``seq_len``; raises when not even the window fits)."""
-    m_full = _dense_bytes(seq_len, kv_heads, head_dim)
+    m_full = dense_bf16_bytes(seq_len, kv_heads, head_dim)
     per_anchor = 2 * kv_heads * head_dim * anchor_bytes
     for index_bytes in ((1, 2) if narrow_index else (2,)):
         fixed = base_bytes(seq_len, kv_heads, head_dim, 0, anchor_bytes, index_bytes)
@@ -509,7 +505,7 @@ class AnchorStore(LayerStore):
         k_pre = invert_rope(k, cos, sin)
         sides = (project_onto_anchors(k_pre, self.anchors["anchor_k"].float()),
                  project_onto_anchors(v, self.anchors["anchor_v"].float()))
-        m_full = _dense_bytes(n, H, D)
+        m_full = dense_bf16_bytes(n, H, D)
         m_base = base_bytes(n, H, D, 0, index_bytes=self.index_bytes)
         n_res = max(0, math.floor((cfg.budget * m_full - m_base) / residual_bytes(D))) if cfg.residuals else 0
         o = self.obs

@@ -26,6 +26,12 @@ import torch
 
 DENSE_REFERENCE_BYTES_PER_ELEMENT = 2  # bf16, as in the papers
 
+
+def dense_bf16_bytes(tokens: int, kv_heads: int, head_dim: int) -> int:
+    """Bytes of ``tokens`` tokens' keys and values in bf16 (the reference every budget is a fraction of)."""
+    return tokens * kv_heads * head_dim * 2 * DENSE_REFERENCE_BYTES_PER_ELEMENT
+
+
 STORAGE_DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -247,8 +253,7 @@ class LayerStore(ABC):
 
     def dense_reference_bytes(self) -> int:
         """Bytes of the same tokens' keys and values in bf16."""
-        lay = self.layout
-        return self.seq_len * lay.kv_heads * lay.head_dim * 2 * DENSE_REFERENCE_BYTES_PER_ELEMENT
+        return dense_bf16_bytes(self.seq_len, self.layout.kv_heads, self.layout.head_dim)
 
     def check_chunk(self, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> None:
         """Refuse malformed input with a message naming the problem."""

@@ -127,7 +127,7 @@ def _resolved_config(codec, cache) -> dict:
     return resolved_config(codec, cache)
 
 
-def _teacher_forced_logprobs(model, cache, chunk: list[int], total: int) -> torch.Tensor:
+def teacher_forced_logprobs(model, cache, chunk: list[int], total: int) -> torch.Tensor:
     """Log-probabilities ``[len(chunk), vocab]`` (fp32) of a chunk appended to a built cache."""
     ids = torch.tensor([chunk], device=model.device)
     mask = torch.ones(1, total, dtype=torch.long, device=model.device)
@@ -178,7 +178,7 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
                 tf_chunk = ids[n_pre:] + ans_ids + cont_ids
                 ans_len = len(ans_ids)
                 ref = build_cache(model, get_codec("full"), prefill)
-                ref_logprobs = _teacher_forced_logprobs(model, ref.cache, tf_chunk, n_pre + len(tf_chunk))
+                ref_logprobs = teacher_forced_logprobs(model, ref.cache, tf_chunk, n_pre + len(tf_chunk))
                 del ref
             for spec in pending:
                 row = {"setting": setting, "task": task, "length": length, "sample": index, "depth": sample.depth,
@@ -195,7 +195,7 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
                                score=score(prediction, sample.answers, sample.metric))
                     if plan.fidelity:
                         again = build_cache(model, codec, prefill)
-                        logp = _teacher_forced_logprobs(model, again.cache, tf_chunk, n_pre + len(tf_chunk))
+                        logp = teacher_forced_logprobs(model, again.cache, tf_chunk, n_pre + len(tf_chunk))
                         a = len(ids) - n_pre  # logits at a-1+j predict answer token j
                         sl = slice(a - 1, a - 1 + ans_len)
                         p_ref = ref_logprobs[sl].exp()
