@@ -71,3 +71,47 @@ def test_rope_inverse_roundtrip():
     cos, sin = emb.cos(), emb.sin()
     x = torch.randn(2, T, d)
     torch.testing.assert_close(invert_rope(apply_rope(x, cos, sin), cos, sin), x, rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_table_keeps_half_rows_and_gives_the_modules_cos_sin():
+    """With equal halves (rotate_half convention) the table holds [size, d/2]; cos_sin still returns
+    exactly the module's full-width rows, and a later position grows the table."""
+    from kvpack.ops.rope import LlamaRotary, RotaryTable
+
+    d = 16
+    module = LlamaRotary(d)
+    table = RotaryTable(module, d)
+    pos = torch.tensor([0, 5, 300, 17])
+    cos, sin = table.cos_sin(pos)
+    ref_cos, ref_sin = module(torch.zeros(1), pos[None])
+    assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
+    c, s = table.table(301, pos.device)
+    assert table.halves_equal and c.shape[1] == d // 2 and c.shape[0] >= 301
+    assert torch.equal(c[pos], ref_cos[0][:, : d // 2]) and torch.equal(s[pos], ref_sin[0][:, : d // 2])
+
+
+def test_rotary_table_keeps_full_rows_when_halves_differ():
+    from kvpack.ops.rope import RotaryTable
+
+    class Interleaved(torch.nn.Module):  # a rotary whose halves differ: the table must keep both
+        def forward(self, x, position_ids):
+            ang = position_ids[..., None].float() * torch.linspace(1.0, 0.01, 8)
+            return ang.cos(), ang.sin()
+
+    table = RotaryTable(Interleaved(), 8)
+    cos, sin = table.cos_sin(torch.arange(10))
+    assert not table.halves_equal and table.table(10, cos.device)[0].shape[1] == 8
+    ref = Interleaved()(torch.zeros(1), torch.arange(10)[None])
+    assert torch.equal(cos, ref[0][0]) and torch.equal(sin, ref[1][0])
+
+
+def test_cache_layers_share_one_rotary_table_per_layer_type():
+    from kvpack.hf.cache import KVPackCache
+
+    from .conftest import tiny_gemma3, tiny_llama
+
+    llama = KVPackCache(tiny_llama(layers=3), "full")
+    tables = {id(layer.layout.rope) for layer in llama.kvpack_layers}
+    assert len(llama.kvpack_layers) == 3 and len(tables) == 1
+    gemma = KVPackCache(tiny_gemma3(), "full")  # full-attention layers 1 and 3 share one type
+    assert len({id(layer.layout.rope) for layer in gemma.kvpack_layers}) == 1

@@ -26,7 +26,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
 from ..codecs.base import DENSE_REFERENCE_BYTES_PER_ELEMENT, Codec, LayerLayout, LayerStore, get_codec
-from ..ops.rope import RotaryTable
+from ..ops.rope import shared_rotary_tables
 from .attention import use_kvpack_attention
 
 
@@ -231,13 +231,14 @@ class KVPackCache(Cache):
         rotary = _find_rotary(model)
         layer_types = getattr(text, "layer_types", None)
         layers = DynamicCache(config=model.config).layers
+        # One RoPE table per layer type, shared by its layers (not one per layer).
+        tables = shared_rotary_tables(rotary, head_dim, [layer_types[i] if layer_types else None
+                                                         for i in range(len(layers))])
         for i, layer in enumerate(layers):
             if type(layer) is DynamicLayer:  # plain full attention: compress it
-                layer_type = layer_types[i] if layer_types else None
                 layout = LayerLayout(
                     layer_idx=i, kv_heads=kv_heads, q_heads=text.num_attention_heads, head_dim=head_dim,
-                    model_dtype=model.dtype,
-                    rope=RotaryTable(rotary, head_dim, layer_type) if rotary is not None else None,
+                    model_dtype=model.dtype, rope=tables[i],
                 )
                 layers[i] = KVPackLayer(codec, layout)
         if not any(isinstance(layer, KVPackLayer) for layer in layers):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.rope import RotaryTable, apply_rope, invert_rope
+from ..ops.rope import RotaryTable, apply_rope, invert_rope, shared_rotary_tables
 
 
 def layer_rotaries(model: torch.nn.Module, layers: list[int], head_dim: int) -> dict[int, RotaryTable | None]:
@@ -21,10 +21,8 @@ def layer_rotaries(model: torch.nn.Module, layers: list[int], head_dim: int) -> 
     rotary = _find_rotary(model)
     text = model.config.get_text_config(decoder=True)
     layer_types = getattr(text, "layer_types", None)
-    return {
-        i: RotaryTable(rotary, head_dim, layer_types[i] if layer_types else None) if rotary is not None else None
-        for i in layers
-    }
+    tables = shared_rotary_tables(rotary, head_dim, [layer_types[i] if layer_types else None for i in layers])
+    return dict(zip(layers, tables))
 
 
 def to_features(per_layer: list[torch.Tensor], rotaries: list[RotaryTable | None] | None,

@@ -37,7 +37,15 @@ def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 class RotaryTable:
-    """cos/sin of a model's rotary embedding at integer positions, for one layer.
+    """cos/sin of a model's rotary embedding at integer positions, computed once and shared.
+
+    The model's module is called once for a range of positions (grown by doubling when a later
+    position needs it); the result is kept in fp32. In the ``rotate_half`` convention the two halves
+    of each row are equal (``emb = cat(freqs, freqs)``) for every rotary type transformers ships;
+    when the module's output has equal halves only the first half is kept (half the memory), which
+    kernels read directly by position (:meth:`table`). One table serves every layer that uses the
+    same module and layer type (:func:`shared_rotary_tables`): one per layer would hold the same
+    ``positions x head_dim x 8`` bytes again in every layer.
 
     Args:
         rotary_module: the model's rotary embedding (``model.model.rotary_emb``); called as
@@ -52,28 +60,63 @@ class RotaryTable:
         self.head_dim = head_dim
         self.layer_type = layer_type
         self._takes_layer_type = "layer_type" in inspect.signature(rotary_module.forward).parameters
-        self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cos: torch.Tensor | None = None  # [size, head_dim / 2] if halves_equal else [size, head_dim]
+        self._sin: torch.Tensor | None = None
+        self.halves_equal = False
+
+    def _ensure(self, need: int, device: torch.device) -> None:
+        """Make the cached table cover positions ``[0, need)``."""
+        have = self._cos.shape[0] if self._cos is not None else 0
+        if have >= need:
+            return
+        size = max(need, 2 * have, 256)
+        pos = torch.arange(size, device=device)[None]
+        probe = torch.zeros(1, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            if self._takes_layer_type:
+                cos, sin = self.module(probe, pos, self.layer_type)
+            else:
+                cos, sin = self.module(probe, pos)
+        if cos.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"pre-RoPE keys need full-width rotary embeddings: the model's rotary width is "
+                f"{cos.shape[-1]}, head_dim is {self.head_dim}"
+            )
+        cos, sin = cos[0].float(), sin[0].float()
+        h = self.head_dim // 2
+        self.halves_equal = bool(torch.equal(cos[:, :h], cos[:, h:]) and torch.equal(sin[:, :h], sin[:, h:]))
+        if self.halves_equal:
+            cos, sin = cos[:, :h].contiguous(), sin[:, :h].contiguous()
+        self._cos, self._sin = cos, sin
+
+    def table(self, need: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached fp32 tables ``cos, sin [size >= need, W]``, row = position, no copy: ``W`` is
+        ``head_dim / 2`` when :attr:`halves_equal` (the second half of each row is the first),
+        ``head_dim`` otherwise."""
+        self._ensure(need, device)
+        return self._cos, self._sin
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[len(positions), head_dim]`` fp32 for 1-D integer ``positions``."""
         need = int(positions.max().item()) + 1 if positions.numel() else 0
-        if self._cache is None or self._cache[0].shape[0] < need:
-            size = max(need, 2 * (self._cache[0].shape[0] if self._cache else 0), 256)
-            pos = torch.arange(size, device=positions.device)[None]
-            probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
-            with torch.no_grad():
-                if self._takes_layer_type:
-                    cos, sin = self.module(probe, pos, self.layer_type)
-                else:
-                    cos, sin = self.module(probe, pos)
-            if cos.shape[-1] != self.head_dim:
-                raise ValueError(
-                    f"pre-RoPE keys need full-width rotary embeddings: the model's rotary width is "
-                    f"{cos.shape[-1]}, head_dim is {self.head_dim}"
-                )
-            self._cache = (cos[0].float(), sin[0].float())
-        cos, sin = self._cache
-        return cos[positions], sin[positions]
+        self._ensure(need, positions.device)
+        cos, sin = self._cos[positions], self._sin[positions]
+        if self.halves_equal:
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+        return cos, sin
+
+
+def shared_rotary_tables(rotary_module: torch.nn.Module | None, head_dim: int,
+                         layer_types: list[str | None]) -> list[RotaryTable | None]:
+    """One :class:`RotaryTable` per distinct layer type, shared by the layers of that type (all
+    None when the model has no rotary module)."""
+    tables: dict[str | None, RotaryTable] = {}
+    if rotary_module is None:
+        return [None] * len(layer_types)
+    for t in layer_types:
+        if t not in tables:
+            tables[t] = RotaryTable(rotary_module, head_dim, t)
+    return [tables[t] for t in layer_types]
 
 
 class LlamaRotary(torch.nn.Module):
