@@ -9,6 +9,7 @@ the slack covers tf32 on GPUs).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -89,6 +90,33 @@ def test_puzzle_kernel_pre_rope_keys():
     _check(_store(2, 2, 32, 83, cfg), pages_per_split=3)
 
 
+class _UnequalHalvesRotary(torch.nn.Module):
+    """A rotary whose two halves differ (no transformers model does this): the RoPE table then keeps
+    full-width rows and the kernels read both halves (``W = D``)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.inner = LlamaRotary(d)
+
+    def forward(self, x, position_ids):
+        cos, sin = self.inner(x, position_ids)
+        h = cos.shape[-1] // 2
+        return torch.cat([cos[..., :h], cos[..., h:] * 0.9], -1), torch.cat([sin[..., :h], sin[..., h:] * 1.1], -1)
+
+
+def test_kernels_read_full_width_rope_tables():
+    cfg = PuzzleConfig(page_size=16, rank_k=6, rank_v=6, storage_dtype="float32", key_rope="pre",
+                       attention_backend="triton")
+    store = _store(2, 2, 32, 83, cfg)
+    # The factors stay; only the rotation the kernel and the reference apply changes.
+    store.layout = dataclasses.replace(store.layout, rope=RotaryTable(_UnequalHalvesRotary(32), 32))
+    _check(store, pages_per_split=3)
+    assert not store.layout.rope.halves_equal
+    anchor = _anchor_store(2, 2, 32, 97, budget=0.5, storage_dtype="float32")
+    anchor.layout = dataclasses.replace(anchor.layout, rope=RotaryTable(_UnequalHalvesRotary(32), 32))
+    _check_anchor(anchor, blocks_per_split=1)
+
+
 def test_puzzle_kernel_int4_factors():
     cfg = PuzzleConfig(page_size=16, rank_k=7, rank_v=5, storage_dtype="float32", int4=True, attention_backend="triton")
     _check(_store(2, 3, 32, 70, cfg), pages_per_split=2)
@@ -130,8 +158,9 @@ def test_custom_op_traces_with_fake_tensors():
         q = torch.empty(2, 3, 32)
         e = torch.empty(0)
         m, l, o = puzzle_attention(q, torch.empty(2, 4, 16, 5), torch.empty(2, 4, 5, 32), torch.empty(2, 4, 16, 5),
-                                   torch.empty(2, 4, 5, 32), e, e, e, e, e, e, torch.empty(2, 20, 32),
-                                   torch.empty(2, 20, 32), 16, 5, 5, 0.2, False, False, 2, 16)
+                                   torch.empty(2, 4, 5, 32), e, e, e, e, e, e, torch.empty(2, 8, 32),
+                                   torch.empty(2, 8, 32), torch.empty(2, 12, 32), torch.empty(2, 12, 32),
+                                   16, 5, 5, 0.2, False, False, 8, 2, 16)
         assert m.shape == (2, 3) and l.shape == (2, 3) and o.shape == (2, 3, 32)
 
 
@@ -212,3 +241,59 @@ def test_anchor_store_dispatch_and_recompressed_segments_agree_with_torch():
         outs.append(out)
         assert len(store.segments) == 2
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# What a decode step allocates around the kernels
+# ------------------------------------------------------------------------------------------------
+
+
+class _RecordOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the bytes of every tensor an aten op creates, and host syncs (``.item()``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes, self.syncs = [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.syncs += 1
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.bytes.append(t.numel() * t.element_size())
+        return out
+
+
+def _step_allocations(store, monkeypatch, kernel_module, kernel_name):
+    """(largest tensor bytes, host syncs) of one decode step's ``stored_partials`` with the Triton
+    launch itself replaced by a no-op (the kernel's own work is not a PyTorch allocation)."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module(kernel_module), kernel_name,
+                        type("NoLaunch", (), {"__getitem__": lambda self, grid: lambda *a, **k: None})())
+    _, qg, scaling = _random_queries(store, 1)
+    store.stored_partials(qg, scaling)  # first call may grow the shared RoPE table (once per model)
+    with _RecordOps() as rec:
+        store.stored_partials(qg, scaling)
+    return max(rec.bytes), rec.syncs
+
+
+@pytest.mark.parametrize("method", ["puzzle_pre_rope", "anchor"])
+def test_decode_step_allocates_nothing_that_grows_with_the_context(method, monkeypatch):
+    """Around the kernel a decode step allocates only split states and merge results: no gathered
+    RoPE rows, no concatenated copies of the store's tensors, no host syncs (CUDA-graph capturable)."""
+    largest = []
+    for seq in (1200, 4800):
+        if method == "anchor":
+            store = _anchor_store(2, 2, 32, seq, budget=0.3, storage_dtype="float32", anchors=None)
+            kernel = ("kvpack.attention.triton.anchor_decode", "anchor_split_kernel")
+        else:
+            cfg = PuzzleConfig(page_size=16, rank_k=4, rank_v=4, storage_dtype="float32", key_rope="pre",
+                               attention_backend="triton")
+            store = _store(2, 2, 32, seq, cfg)
+            kernel = ("kvpack.attention.triton.puzzle_decode", "puzzle_split_kernel")
+        big, syncs = _step_allocations(store, monkeypatch, *kernel)
+        assert syncs == 0
+        largest.append(big)
+    assert largest[1] == largest[0]  # same split count (about 32 per head) at 4x the context

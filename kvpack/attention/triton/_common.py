@@ -17,14 +17,21 @@ def dot(a, b):
 
 
 @triton.jit
-def rotated_scores(q1, q2, k1, k2, cos_ptr, sin_ptr, pos, row_mask, offs_h, HALF, D):
+def rotated_scores(q1, q2, k1, k2, cos_ptr, sin_ptr, pos, row_mask, offs_h, HALF, W,
+                   SAME_HALVES: tl.constexpr):
     """``q · RoPE(k)`` ``[BM, BN]`` for key halves ``k1, k2 [BN, BDH]`` at positions ``pos [BN]``
-    (``rotate_half`` convention; cos/sin ``[*, D]`` rows by position) and query halves ``q1, q2``."""
+    (``rotate_half`` convention) and query halves ``q1, q2``. cos/sin are the shared fp32 tables
+    ``[positions, W]`` read by position: ``W = HALF`` and ``SAME_HALVES`` when both halves of a row
+    are equal (the table keeps one), ``W = D`` otherwise."""
     pm = row_mask[:, None] & (offs_h[None, :] < HALF)
-    c1 = tl.load(cos_ptr + pos[:, None] * D + offs_h[None, :], mask=pm, other=0.0)
-    s1 = tl.load(sin_ptr + pos[:, None] * D + offs_h[None, :], mask=pm, other=0.0)
-    c2 = tl.load(cos_ptr + pos[:, None] * D + HALF + offs_h[None, :], mask=pm, other=0.0)
-    s2 = tl.load(sin_ptr + pos[:, None] * D + HALF + offs_h[None, :], mask=pm, other=0.0)
+    c1 = tl.load(cos_ptr + pos[:, None] * W + offs_h[None, :], mask=pm, other=0.0)
+    s1 = tl.load(sin_ptr + pos[:, None] * W + offs_h[None, :], mask=pm, other=0.0)
+    if SAME_HALVES:
+        c2 = c1
+        s2 = s1
+    else:
+        c2 = tl.load(cos_ptr + pos[:, None] * W + HALF + offs_h[None, :], mask=pm, other=0.0)
+        s2 = tl.load(sin_ptr + pos[:, None] * W + HALF + offs_h[None, :], mask=pm, other=0.0)
     return dot(q1, tl.trans(k1 * c1 - k2 * s1)) + dot(q2, tl.trans(k2 * c2 + k1 * s2))
 
 

@@ -74,11 +74,11 @@ def anchor_split_kernel(
     idx_k_ptr, coef_k_ptr, mask_k_ptr, prefix_k_ptr, res_k_ptr, scale_k_ptr,
     idx_v_ptr, coef_v_ptr, mask_v_ptr, prefix_v_ptr, res_v_ptr, scale_v_ptr,
     m_ptr, l_ptr, o_ptr,
-    M, K, D, n, scaling, blocks_per_split, n_splits, L0, L1, L2, L3,
-    BM: tl.constexpr, BD: tl.constexpr, BDH: tl.constexpr, BT: tl.constexpr,
+    M, K, D, n, scaling, pos0, W, blocks_per_split, n_splits, L0, L1, L2, L3,
+    SAME_HALVES: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BDH: tl.constexpr, BT: tl.constexpr,
 ):
-    """Layouts: q ``[H, M, D]`` fp32; anchors ``[H, K, D]``; hmat ``[D, D]``, signs ``[D]``; cos/sin
-    ``[n, D]`` at the segment's positions; per side: index ``[H, n]`` int16 or uint8, coef ``[H, n]``,
+    """Layouts: q ``[H, M, D]`` fp32; anchors ``[H, K, D]``; hmat ``[D, D]``, signs ``[D]``; cos/sin:
+    the shared RoPE tables ``[positions, W]`` (the segment's token ``t`` is at ``pos0 + t``); per side: index ``[H, n]`` int16 or uint8, coef ``[H, n]``,
     mask ``[H, ceil(n / 8)]`` packed bits, prefix ``[H, ceil(n / 32)]`` int32 (global slot of the
     block's first residual), res ``[slots, D / 4]`` packed 2-bit codes, scale ``[slots]``.
     Outputs m, l ``[H, n_splits, M]``, o ``[H, n_splits, M, D]``. ``BT`` must be 32 (prefix blocks).
@@ -111,7 +111,8 @@ def anchor_split_kernel(
             + _unrotate(y, hmat_ptr, signs_ptr, 0, offs_h, HALF, offs_d, D)
         k2 = _scaled_anchors(ak_ptr, h, K, D, idx, coef, HALF, offs_h, HALF, tm) \
             + _unrotate(y, hmat_ptr, signs_ptr, HALF, offs_h, HALF, offs_d, D)
-        scores = rotated_scores(q1, q2, k1, k2, cos_ptr, sin_ptr, tt, tm, offs_h, HALF, D) * scaling
+        scores = rotated_scores(q1, q2, k1, k2, cos_ptr, sin_ptr, pos0 + tt, tm, offs_h, HALF, W,
+                                SAME_HALVES) * scaling
         scores = tl.where(mask_m[:, None] & tm[None, :], scores, float("-inf"))
         m_new, l_i, alpha, p = online_softmax_step(m_i, l_i, scores)
         # Values, not rebuilt: the anchor part, and the residual levels still in the rotated domain.

@@ -38,12 +38,25 @@ def _load_factor(ptr, base, rows, cols, row_stride, offs_r, offs_c, INT4: tl.con
 
 
 @triton.jit
+def _load_dense(sink_ptr, tail_ptr, h, tt, tm, TS, T, D, offs_d):
+    """fp32 rows ``tt`` of the dense tokens: the sink ``[H, TS, D]`` followed by the tail
+    ``[H, T - TS, D]``, each read where it lives (no concatenated copy)."""
+    col = offs_d[None, :] < D
+    in_sink = tm & (tt < TS)
+    in_tail = tm & (tt >= TS)
+    a = tl.load(sink_ptr + (h * TS + tt)[:, None] * D + offs_d[None, :], mask=in_sink[:, None] & col, other=0.0)
+    b = tl.load(tail_ptr + (h * (T - TS) + tt - TS)[:, None] * D + offs_d[None, :], mask=in_tail[:, None] & col,
+                other=0.0)
+    return a.to(tl.float32) + b.to(tl.float32)
+
+
+@triton.jit
 def puzzle_split_kernel(
     q_ptr, lk_ptr, rk_ptr, lv_ptr, rv_ptr, lks_ptr, rks_ptr, lvs_ptr, rvs_ptr, cos_ptr, sin_ptr,
-    dk_ptr, dv_ptr, m_ptr, l_ptr, o_ptr,
-    M, N, P, RK, RV, D, T, scaling,
+    sk_ptr, sv_ptr, tk_ptr, tv_ptr, m_ptr, l_ptr, o_ptr,
+    M, N, P, RK, RV, D, TS, T, scaling, pos0, W,
     pages_per_split, tokens_per_split, n_page_splits, n_splits,
-    INT4: tl.constexpr, PRE_ROPE: tl.constexpr,
+    INT4: tl.constexpr, PRE_ROPE: tl.constexpr, SAME_HALVES: tl.constexpr,
     BM: tl.constexpr, BP: tl.constexpr, BRK: tl.constexpr, BRV: tl.constexpr, BD: tl.constexpr,
     BDH: tl.constexpr, BT: tl.constexpr,
 ):
@@ -52,8 +65,9 @@ def puzzle_split_kernel(
     q ``[H, M, D]`` fp32; float factors lk ``[H, N, P, RK]``, rk ``[H, N, RK, D]``, lv ``[H, N, P, RV]``,
     rv ``[H, N, RV, D]`` — or INT4 packed along the last axis (``ceil(cols / 2)`` bytes) with scales
     lks ``[H, N, 1, RK]``, rks ``[H, N, 1, D]``, lvs ``[H, N, P, 1]``, rvs ``[H, N, 1, D]``;
-    cos/sin ``[N * P, D]`` at the pages' positions (PRE_ROPE); dense keys/values ``[H, T, D]``;
-    outputs m, l ``[H, n_splits, M]``, o ``[H, n_splits, M, D]`` fp32.
+    cos/sin: the shared RoPE tables ``[positions, W]`` (PRE_ROPE; page ``n`` starts at position
+    ``pos0 + n * P``); dense tokens: sink keys/values ``[H, TS, D]`` then tail ``[H, T - TS, D]``,
+    read in place; outputs m, l ``[H, n_splits, M]``, o ``[H, n_splits, M, D]`` fp32.
     """
     h = tl.program_id(0)
     s = tl.program_id(1)
@@ -98,8 +112,8 @@ def puzzle_split_kernel(
                                    offs_rk, offs_h, INT4, rks_ptr, page * D + HALF, 0, 1)
                 k1 = dot(lk, rk1)  # [BP, BDH]
                 k2 = dot(lk, rk2)
-                scores = rotated_scores(q1, q2, k1, k2, cos_ptr, sin_ptr, n * P + offs_p, offs_p < P, offs_h,
-                                        HALF, D)
+                scores = rotated_scores(q1, q2, k1, k2, cos_ptr, sin_ptr, pos0 + n * P + offs_p, offs_p < P,
+                                        offs_h, HALF, W, SAME_HALVES)
             else:
                 rk = _load_factor(rk_ptr, page * RK * d_cols, RK, D, d_cols, offs_rk, offs_d, INT4,
                                   rks_ptr, page * D, 0, 1)
@@ -120,12 +134,11 @@ def puzzle_split_kernel(
         for t0 in range(t_lo, t_hi, BT):
             tt = t0 + offs_t
             tm = tt < t_hi
-            kv_mask = tm[:, None] & (offs_d[None, :] < D)
-            k = tl.load(dk_ptr + h * T * D + tt[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(dv_ptr + h * T * D + tt[:, None] * D + offs_d[None, :], mask=kv_mask, other=0.0)
-            scores = dot(q, tl.trans(k.to(tl.float32))) * scaling
+            k = _load_dense(sk_ptr, tk_ptr, h, tt, tm, TS, T, D, offs_d)
+            v = _load_dense(sv_ptr, tv_ptr, h, tt, tm, TS, T, D, offs_d)
+            scores = dot(q, tl.trans(k)) * scaling
             scores = tl.where(mask_m[:, None] & tm[None, :], scores, float("-inf"))
             m_new, l_i, alpha, p = online_softmax_step(m_i, l_i, scores)
-            acc = acc * alpha[:, None] + dot(p, v.to(tl.float32))
+            acc = acc * alpha[:, None] + dot(p, v)
             m_i = m_new
     store_split_state(m_ptr, l_ptr, o_ptr, h, s, n_splits, M, D, m_i, l_i, acc, offs_m, offs_d)

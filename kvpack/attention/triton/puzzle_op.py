@@ -12,27 +12,28 @@ import math
 import torch
 
 from ..softmax_merge import PartialAttention
-
-def _pow2(n: int, floor: int = 16) -> int:
-    return max(floor, 1 << max(0, math.ceil(math.log2(max(1, n)))))
+from ._launch import kernel_arg, merge_splits, pow2
 
 
 @torch.library.custom_op("kvpack::puzzle_attention", mutates_args=())
 def puzzle_attention(
     q: torch.Tensor, lk: torch.Tensor, rk: torch.Tensor, lv: torch.Tensor, rv: torch.Tensor,
     lks: torch.Tensor, rks: torch.Tensor, lvs: torch.Tensor, rvs: torch.Tensor,
-    cos: torch.Tensor, sin: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tensor,
-    page_size: int, rank_k: int, rank_v: int, scaling: float, int4: bool, pre_rope: bool,
+    cos: torch.Tensor, sin: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor,
+    tail_k: torch.Tensor, tail_v: torch.Tensor,
+    page_size: int, rank_k: int, rank_v: int, scaling: float, int4: bool, pre_rope: bool, first_position: int,
     pages_per_split: int, tokens_per_split: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax state ``(m [H, M], l [H, M], o [H, M, D])`` fp32 of grouped queries ``q [H, M, D]``
     over ``N`` factorized pages (``lk`` etc., layouts in ``puzzle_decode.puzzle_split_kernel``) and
-    ``T`` dense tokens ``dense_k/v [H, T, D]``."""
+    the dense sink ``[H, TS, D]`` and tail tokens. ``cos``/``sin`` are the shared RoPE tables
+    (``RotaryTable.table``: half-width rows when both halves are equal) and ``first_position`` the
+    position of the first page's first token (pre-RoPE keys; the tables are unused otherwise)."""
     from .puzzle_decode import puzzle_split_kernel
 
     H, M, D = q.shape
     N = lk.shape[1] if lk.numel() else 0
-    T = dense_k.shape[1]
+    TS, T = sink_k.shape[1], sink_k.shape[1] + tail_k.shape[1]
     n_page_splits = math.ceil(N / pages_per_split) if N else 0
     n_splits = n_page_splits + (math.ceil(T / tokens_per_split) if T else 0)
     dev = q.device
@@ -42,30 +43,22 @@ def puzzle_attention(
     m = torch.empty(H, n_splits, M, device=dev)
     l = torch.empty(H, n_splits, M, device=dev)
     o = torch.empty(H, n_splits, M, D, device=dev)
-    dummy = torch.zeros(1, device=dev)
-
-    def arg(t: torch.Tensor) -> torch.Tensor:
-        return t.contiguous() if t.numel() else dummy
-
+    W = cos.shape[1] if cos.numel() else D
     puzzle_split_kernel[(H, n_splits)](
-        q.float().contiguous(), arg(lk), arg(rk), arg(lv), arg(rv), arg(lks), arg(rks), arg(lvs), arg(rvs),
-        arg(cos.float()), arg(sin.float()), arg(dense_k), arg(dense_v), m, l, o,
-        M, N, page_size, rank_k, rank_v, D, T, scaling,
+        q.float().contiguous(), *(kernel_arg(t) for t in (lk, rk, lv, rv, lks, rks, lvs, rvs, cos, sin)),
+        *(kernel_arg(t) for t in (sink_k, sink_v, tail_k, tail_v)), m, l, o,
+        M, N, page_size, rank_k, rank_v, D, TS, T, scaling, first_position, W,
         pages_per_split, tokens_per_split, n_page_splits, n_splits,
-        INT4=int4, PRE_ROPE=pre_rope,
-        BM=_pow2(M), BP=_pow2(page_size), BRK=_pow2(rank_k), BRV=_pow2(rank_v), BD=_pow2(D),
-        BDH=_pow2(D // 2), BT=32,
+        INT4=int4, PRE_ROPE=pre_rope, SAME_HALVES=W != D,
+        BM=pow2(M), BP=pow2(page_size), BRK=pow2(rank_k), BRV=pow2(rank_v), BD=pow2(D),
+        BDH=pow2(D // 2), BT=32,
     )
-    # Log-sum-exp merge of the splits.
-    m_all = m.amax(dim=1)
-    m_safe = torch.where(torch.isfinite(m_all), m_all, torch.zeros_like(m_all))
-    w = torch.exp(m - m_safe[:, None])
-    return m_all, (l * w).sum(1), (o * w[..., None]).sum(1)
+    return merge_splits(m, l, o)
 
 
 @puzzle_attention.register_fake
-def _(q, lk, rk, lv, rv, lks, rks, lvs, rvs, cos, sin, dense_k, dense_v, page_size, rank_k, rank_v, scaling,
-      int4, pre_rope, pages_per_split, tokens_per_split):
+def _(q, lk, rk, lv, rv, lks, rks, lvs, rvs, cos, sin, sink_k, sink_v, tail_k, tail_v, page_size, rank_k, rank_v,
+      scaling, int4, pre_rope, first_position, pages_per_split, tokens_per_split):
     H, M, D = q.shape
     return q.new_empty(H, M, dtype=torch.float32), q.new_empty(H, M, dtype=torch.float32), \
         q.new_empty(H, M, D, dtype=torch.float32)
@@ -73,7 +66,8 @@ def _(q, lk, rk, lv, rv, lks, rks, lvs, rvs, cos, sin, dense_k, dense_v, page_si
 
 def puzzle_partial(store, qg: torch.Tensor, scaling: float, pages_per_split: int | None = None,
                    tokens_per_split: int = 256) -> PartialAttention:
-    """Merged state of ``qg [kv_heads, rows, d]`` over everything a ``PuzzleStore`` holds.
+    """Merged state of ``qg [kv_heads, rows, d]`` over everything a ``PuzzleStore`` holds, read in
+    place: no per-step copy of the store's tensors or of RoPE rows.
 
     Args:
         pages_per_split: factorized pages per program (default: about 32 programs per KV head).
@@ -92,15 +86,13 @@ def puzzle_partial(store, qg: torch.Tensor, scaling: float, pages_per_split: int
         mats = [f[n] for n in names] + ([] if cfg.int4 else [empty] * 4)
     else:
         mats = [empty] * 8
+    first = store.sink_k.shape[1]
     cos = sin = empty
     if N and cfg.key_rope == "pre":
-        first = store.sink_k.shape[1]
-        cos, sin = store.layout.rope.cos_sin(torch.arange(first, first + N * P, device=qg.device))
-    dense_k = torch.cat([store.sink_k, store.tail_k], dim=1)
-    dense_v = torch.cat([store.sink_v, store.tail_v], dim=1)
+        cos, sin = store.layout.rope.table(first + N * P, qg.device)
     rank_k, rank_v = store.ranks if store.ranks else (1, 1)
     pps = pages_per_split or max(1, math.ceil(N / 32))
-    m, l, o = puzzle_attention(qg.float(), *mats, cos.to(qg.device), sin.to(qg.device), dense_k, dense_v, P,
-                               rank_k, rank_v, float(scaling), bool(cfg.int4), cfg.key_rope == "pre", pps,
+    m, l, o = puzzle_attention(qg.float(), *mats, cos, sin, store.sink_k, store.sink_v, store.tail_k, store.tail_v,
+                               P, rank_k, rank_v, float(scaling), bool(cfg.int4), cfg.key_rope == "pre", first, pps,
                                tokens_per_split)
     return PartialAttention(m=m, l=l, o=o)

@@ -1,0 +1,33 @@
+"""Launcher helpers both custom ops share (PyTorch only; importing this never imports Triton)."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+
+def pow2(n: int, floor: int = 16) -> int:
+    """The smallest power of two >= ``n`` and >= ``floor`` (``tl.dot`` needs tiles of at least 16)."""
+    return max(floor, 1 << max(0, math.ceil(math.log2(max(1, n)))))
+
+
+@functools.lru_cache(maxsize=None)
+def _placeholder(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, device=device)
+
+
+def kernel_arg(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a kernel pointer argument: contiguous (a no-op for the stores' own tensors), or one
+    cached placeholder element when ``t`` is empty (the kernel never reads it)."""
+    return t.contiguous() if t.numel() else _placeholder(t.device)
+
+
+def merge_splits(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor):
+    """Log-sum-exp merge of split states ``m, l [H, S, M]``, ``o [H, S, M, D]`` over the split axis:
+    ``(m [H, M], l [H, M], o [H, M, D])``. Splits that saw no key (``m = -inf``) weigh zero."""
+    m_all = m.amax(dim=1)
+    m_safe = torch.where(torch.isfinite(m_all), m_all, torch.zeros_like(m_all))
+    w = torch.exp(m - m_safe[:, None])
+    return m_all, (l * w).sum(1), (o * w[..., None]).sum(1)
