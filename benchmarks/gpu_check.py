@@ -64,7 +64,7 @@ def _copy_bandwidth(device) -> float:
     return 2 * n / _timer(lambda: dst.copy_(src), device, repeats=10)
 
 
-def _build(method: str, cfg: dict, kv_heads: int, group: int, d: int, seq: int, device, seed: int = 0):
+def build_store(method: str, cfg: dict, kv_heads: int, group: int, d: int, seq: int, device, seed: int = 0):
     """A store filled with ``seq`` synthetic tokens (clustered keys with a decaying spectrum)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     layout = LayerLayout(layer_idx=0, kv_heads=kv_heads, q_heads=kv_heads * group, head_dim=d,
@@ -79,7 +79,7 @@ def _build(method: str, cfg: dict, kv_heads: int, group: int, d: int, seq: int, 
     q = torch.randn(kv_heads * group, seq, d, generator=g).to(device, torch.bfloat16)
     store.scaling = d ** -0.5
     out = torch.zeros_like(q)
-    if method == "anchor":  # exact outputs of the observation window (what compression scores with)
+    if method.startswith("anchor"):  # exact outputs of the observation window (what compression scores with)
         w = cfg.get("window", 32)
         ref = torch.nn.functional.scaled_dot_product_attention(
             q[None, :, -w:].float(), k[None].float(), v[None].float(), scale=d ** -0.5, enable_gqa=True)[0]
@@ -125,7 +125,7 @@ def main() -> int:
 
     print("\n## correctness: Triton vs PyTorch path on the same store (decode step, bf16 storage)")
     for method, cfg, label in CONFIGS:
-        store, _, _ = _build(method, {**cfg, "attention_backend": "torch"}, H, G, d, check_len, device)
+        store, _, _ = build_store(method, {**cfg, "attention_backend": "torch"}, H, G, d, check_len, device)
         qg = group_queries(torch.randn(H * G, 1, d, device=device), H)
         ref = _store_output(store, qg, scaling, "torch")
         got = _store_output(store, qg, scaling, "triton")
@@ -137,7 +137,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for method, cfg, label in CONFIGS:
         for seq in contexts:
-            store, k, v = _build(method, {**cfg, "attention_backend": "triton"}, H, G, d, seq, device)
+            store, k, v = build_store(method, {**cfg, "attention_backend": "triton"}, H, G, d, seq, device)
             kv_bytes = store.nbytes()
             dense_bytes = 2 * k.numel() * 2
             for batch in batches:

@@ -149,12 +149,14 @@ def test_residual_codecs():
         mse[codec.name] = ((codec.decode(codes, scale) - r).square().sum() / r.square().sum()).item()
     assert mse["hadamard_lloyd_max"] == pytest.approx(0.1175, abs=0.01)  # the Gaussian Lloyd–Max distortion
     assert mse["naive"] > 1.3 * mse["hadamard_lloyd_max"], mse
-    # The naive grid: values on absmax · {−1, −⅓, ⅓, 1} come back exactly; others round to nearest.
-    grid = torch.tensor([[3.0, -1.0, 1.0, -3.0] * (D // 4), [0.9, 2.1, -2.2, -0.1] + [0.0] * (D - 4)])
+    # The naive grid: absmax · {−1, −⅓, ⅓, 1} (⅓ as its fp16 value, 0.33325); values round to the nearest.
     naive = NaiveTwoBit(D)
+    third = naive.levels[2]
+    assert naive.levels == (-1.0, -third, third, 1.0) and abs(third - 1 / 3) < 1e-4
+    grid = torch.tensor([[3.0, -1.0, 1.0, -3.0] * (D // 4), [0.9, 2.1, -2.2, -0.1] + [0.0] * (D - 4)])
     back = naive.decode(*naive.encode(grid))
-    torch.testing.assert_close(back[0], grid[0])
-    torch.testing.assert_close(back[1, :4], torch.tensor([2.2 / 3, 2.2, -2.2, -2.2 / 3]))
+    torch.testing.assert_close(back[0], torch.tensor([3.0, -3 * third, 3 * third, -3.0] * (D // 4)))
+    torch.testing.assert_close(back[1, :4], torch.tensor([2.2 * third, 2.2, -2.2, -2.2 * third]))
 
 
 def test_naive_codec_store_attends_over_what_it_holds():

@@ -48,11 +48,12 @@ def online_softmax_step(m_i, l_i, scores):
 
 
 @triton.jit
-def store_split_state(m_ptr, l_ptr, o_ptr, h, s, n_splits, M, D, m_i, l_i, acc, offs_m, offs_d):
-    """Write one program's ``(m, l, o)`` to ``m, l [H, n_splits, M]``, ``o [H, n_splits, M, D]``."""
+def store_split_state(m_ptr, l_ptr, o_ptr, h, s, n_splits, M, D, m_i, l_i, acc, offs_m, offs_c, col0, n_cols):
+    """Write one program's ``(m, l, o)`` to ``m, l [H, n_splits, M]``, ``o [H, n_splits, M, D]``; ``acc``
+    holds the output columns ``[col0, col0 + n_cols)`` (``offs_c`` spans them)."""
     mask_m = offs_m < M
     out = (h * n_splits + s) * M
     tl.store(m_ptr + out + offs_m, m_i, mask=mask_m)
     tl.store(l_ptr + out + offs_m, l_i, mask=mask_m)
-    tl.store(o_ptr + out * D + offs_m[:, None] * D + offs_d[None, :], acc,
-             mask=mask_m[:, None] & (offs_d[None, :] < D))
+    tl.store(o_ptr + out * D + offs_m[:, None] * D + col0 + offs_c[None, :], acc,
+             mask=mask_m[:, None] & (offs_c[None, :] < n_cols))

@@ -31,3 +31,31 @@ def merge_splits(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor):
     m_safe = torch.where(torch.isfinite(m_all), m_all, torch.zeros_like(m_all))
     w = torch.exp(m - m_safe[:, None])
     return m_all, (l * w).sum(1), (o * w[..., None]).sum(1)
+
+
+# Software-pipelining depth that fits each (kernel, device, tile configuration), learned on first
+# launch. Triton's default of 3 stages multi-buffers the loop's loads in shared memory; PuzzleKV with
+# 64-token INT4 pages needs 164 KiB at 3 stages (measured by benchmarks/kernel_resources.py), over an
+# A100's 163 KiB per block and an L40S's 99 KiB, and 68 KiB at 1 stage.
+_STAGES = (3, 2, 1)
+_fitting_stages: dict[tuple, int] = {}
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **constexprs) -> None:
+    """``kernel[grid](*args, **constexprs)`` with the deepest pipelining (3, 2, then 1 stages) whose
+    shared memory the device grants; the depth that fits is remembered per device and tile
+    configuration. Other launch errors propagate."""
+    from triton.runtime.errors import OutOfResources
+
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    key = (getattr(kernel, "__name__", repr(kernel)), str(device), tuple(sorted(constexprs.items())))
+    stages = _STAGES[_STAGES.index(_fitting_stages.get(key, _STAGES[0])):]
+    for i, n in enumerate(stages):
+        try:
+            kernel[grid](*args, num_stages=n, **constexprs)
+        except OutOfResources:
+            if i == len(stages) - 1:
+                raise
+            continue
+        _fitting_stages[key] = n
+        return

@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..softmax_merge import PartialAttention
-from ._launch import kernel_arg, merge_splits, pow2
+from ._launch import kernel_arg, launch, merge_splits, pow2
 
 _BLOCK = 32  # prefix-count block of the store's residual slots
 
@@ -24,12 +24,14 @@ def anchor_segment_attention(
     res_k: torch.Tensor, scale_k: torch.Tensor,
     index_v: torch.Tensor, coef_v: torch.Tensor, mask_v: torch.Tensor, prefix_v: torch.Tensor,
     res_v: torch.Tensor, scale_v: torch.Tensor,
-    levels: list[float], scaling: float, first_position: int, blocks_per_split: int,
+    levels: list[float], hfactor: float, scaling: float, first_position: int, blocks_per_split: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax state ``(m [H, M], l [H, M], o [H, M, D])`` fp32 of grouped queries ``q [H, M, D]``
     over one AnchorKV segment of ``n = index_k.shape[1]`` tokens from position ``first_position``
     (layouts in ``anchor_decode.anchor_split_kernel``; ``cos``/``sin`` are the shared RoPE tables of
-    ``RotaryTable.table``, half-width rows when both halves are equal)."""
+    ``RotaryTable.table``, half-width rows when both halves are equal). The residual codec enters as
+    its fp16 ``levels``, its rotation ``hfactor · hmat`` with ``hmat`` fp16 and exactly 0/±1
+    (``ResidualCodec.kernel_matrix``), and its ``signs``."""
     from .anchor_decode import anchor_split_kernel
 
     H, M, D = q.shape
@@ -40,12 +42,11 @@ def anchor_segment_attention(
     l = torch.empty(H, n_splits, M, device=dev)
     o = torch.empty(H, n_splits, M, D, device=dev)
     W = cos.shape[1]
-    anchor_split_kernel[(H, n_splits)](
-        q.float().contiguous(), kernel_arg(anchor_k), kernel_arg(anchor_v), hmat.float().contiguous(),
-        signs.float().contiguous(), cos, sin,
+    launch(anchor_split_kernel, (H, n_splits),
+        q.float().contiguous(), kernel_arg(anchor_k), kernel_arg(anchor_v), hmat, signs.float().contiguous(), cos, sin,
         *(kernel_arg(t) for t in (index_k, coef_k, mask_k, prefix_k, res_k, scale_k)),
         *(kernel_arg(t) for t in (index_v, coef_v, mask_v, prefix_v, res_v, scale_v)),
-        m, l, o, M, anchor_k.shape[1], D, n, scaling, first_position, W, blocks_per_split, n_splits, *levels,
+        m, l, o, M, anchor_k.shape[1], D, n, scaling, hfactor, first_position, W, blocks_per_split, n_splits, *levels,
         SAME_HALVES=W != D, BM=pow2(M), BD=pow2(D), BDH=pow2(D // 2), BT=_BLOCK,
     )
     return merge_splits(m, l, o)
@@ -53,7 +54,7 @@ def anchor_segment_attention(
 
 @anchor_segment_attention.register_fake
 def _(q, anchor_k, anchor_v, hmat, signs, cos, sin, index_k, coef_k, mask_k, prefix_k, res_k, scale_k,
-      index_v, coef_v, mask_v, prefix_v, res_v, scale_v, levels, scaling, first_position, blocks_per_split):
+      index_v, coef_v, mask_v, prefix_v, res_v, scale_v, levels, hfactor, scaling, first_position, blocks_per_split):
     H, M, D = q.shape
     return q.new_empty(H, M, dtype=torch.float32), q.new_empty(H, M, dtype=torch.float32), \
         q.new_empty(H, M, D, dtype=torch.float32)
@@ -67,6 +68,7 @@ def anchor_partials(store, qg: torch.Tensor, scaling: float, blocks_per_split: i
     """
     dev = qg.device
     codec = store.residual_codec  # levels, rotation matrix and signs of the store's residual codec
+    hmat, hfactor = codec.kernel_matrix
     states = []
     spans = store.segment_spans
     cos, sin = store.layout.rope.table(max(start + n for start, n in spans), dev) if spans else (None, None)
@@ -76,7 +78,7 @@ def anchor_partials(store, qg: torch.Tensor, scaling: float, blocks_per_split: i
         for side in ("k", "v"):
             per_side += [seg[f"{name}_{side}"] for name in ("index", "coef", "mask", "prefix", "res", "scale")]
         m, l, o = anchor_segment_attention(
-            qg.float(), store.anchors["anchor_k"], store.anchors["anchor_v"], codec.matrix.to(dev),
-            codec.signs.to(dev), cos, sin, *per_side, [float(x) for x in codec.levels], float(scaling), start, bps)
+            qg.float(), store.anchors["anchor_k"], store.anchors["anchor_v"], hmat.to(dev), codec.signs.to(dev),
+            cos, sin, *per_side, [float(x) for x in codec.levels], hfactor, float(scaling), start, bps)
         states.append(PartialAttention(m=m, l=l, o=o))
     return states

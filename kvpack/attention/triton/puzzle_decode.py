@@ -141,4 +141,4 @@ def puzzle_split_kernel(
             m_new, l_i, alpha, p = online_softmax_step(m_i, l_i, scores)
             acc = acc * alpha[:, None] + dot(p, v)
             m_i = m_new
-    store_split_state(m_ptr, l_ptr, o_ptr, h, s, n_splits, M, D, m_i, l_i, acc, offs_m, offs_d)
+    store_split_state(m_ptr, l_ptr, o_ptr, h, s, n_splits, M, D, m_i, l_i, acc, offs_m, offs_d, 0, D)

@@ -12,7 +12,7 @@ import math
 import torch
 
 from ..softmax_merge import PartialAttention
-from ._launch import kernel_arg, merge_splits, pow2
+from ._launch import kernel_arg, launch, merge_splits, pow2
 
 
 @torch.library.custom_op("kvpack::puzzle_attention", mutates_args=())
@@ -44,7 +44,7 @@ def puzzle_attention(
     l = torch.empty(H, n_splits, M, device=dev)
     o = torch.empty(H, n_splits, M, D, device=dev)
     W = cos.shape[1] if cos.numel() else D
-    puzzle_split_kernel[(H, n_splits)](
+    launch(puzzle_split_kernel, (H, n_splits),
         q.float().contiguous(), *(kernel_arg(t) for t in (lk, rk, lv, rv, lks, rks, lvs, rvs, cos, sin)),
         *(kernel_arg(t) for t in (sink_k, sink_v, tail_k, tail_v)), m, l, o,
         M, N, page_size, rank_k, rank_v, D, TS, T, scaling, first_position, W,

@@ -1,0 +1,69 @@
+"""Registers, spills and shared memory of kvpack's Triton kernels for CUDA GPUs, on any machine.
+
+Compiles each kernel the way its launcher would launch it for the Llama-8B head shape (d = 128,
+GQA group 4; page size and ranks as in ``gpu_check.py``) for each requested architecture, with a
+stand-in CUDA driver (``kvpack.attention.triton.cross_compile``): no GPU is needed, and nothing runs.
+Resources do not depend on the context length, so the stores are small.
+
+Usage: python benchmarks/kernel_resources.py [--arch 80,90] [--json]
+(without TRITON_INTERPRET; exits 1 if a kernel fails to compile)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import torch
+
+from gpu_check import CONFIGS, build_store
+
+from kvpack.attention.softmax_merge import group_queries
+from kvpack.attention.triton.anchor_op import anchor_partials
+from kvpack.attention.triton.cross_compile import compile_only
+from kvpack.attention.triton.puzzle_op import puzzle_partial
+
+VARIANTS = CONFIGS + [
+    ("anchor", {"budget": 0.1, "residual_codec": "naive"}, "anchor naive 2-bit 0.1"),
+    ("anchor_plus", {"budget": 0.1}, "anchor_plus 0.1 (uint8 index)"),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--arch", default="80,90", help="compute capabilities, e.g. 80 (A100), 90 (H100/H200)")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    H, G, d = 2, 4, 128  # registers and shared memory depend on d, the group and the tiles, not on H
+    rows, failed = [], False
+    stores = [(label, method, build_store(method, {**cfg, "attention_backend": "torch"}, H, G, d, args.tokens,
+                                          torch.device("cpu")))
+              for method, cfg, label in VARIANTS]
+    qg = group_queries(torch.randn(H * G, 1, d), H)
+    for arch in (int(a) for a in args.arch.split(",")):
+        for label, method, (store, _, _) in stores:
+            launch = puzzle_partial if method == "puzzle" else anchor_partials
+            try:
+                with compile_only(arch) as builds:
+                    launch(store, qg, d ** -0.5)
+            except Exception as e:  # report every configuration, then fail
+                failed = True
+                print(f"sm_{arch} {label}: compile FAILED: {type(e).__name__}: {e}", file=sys.stderr)
+                continue
+            rows += [{"config": label, **dataclasses.asdict(b)} for b in builds]
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        print("| arch | config | kernel | registers | spilled bytes | shared KiB | warps | stages |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| sm_{r['arch']} | {r['config']} | {r['name']} | {r['registers']} | {r['spill_bytes']} "
+                  f"| {r['shared_bytes'] / 1024:.1f} | {r['num_warps']} | {r['num_stages']} |")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
