@@ -4,15 +4,19 @@ On one CUDA device (Llama-8B head shape: 8 KV heads, 32 query heads, d = 128):
 
 1. Correctness: for PuzzleKV (post-RoPE, pre-RoPE, INT4) and AnchorKV stores of 8K tokens, the
    Triton path's decode output vs the PyTorch path's on the same store (max abs error, bf16 scale).
-2. Decode: one decode step's attention over a layer at contexts 16K, 32K, 64K, 128K and batch 1 and
+2. Kernel resources: registers, spills and shared memory of each kernel as compiled for the device.
+3. Decode: one decode step's attention over a layer at contexts 16K, 32K, 64K, 128K and batch 1 and
    8 — the Triton kernel over each row's PuzzleKV / AnchorKV store vs SDPA (FlashAttention backend
-   where available) over the dense bf16 cache — printed as one table: time ratio (kvpack ÷ dense,
-   medians of CUDA-event timings), bytes ratio (bytes the stores hold ÷ dense bytes), achieved
-   GB/s (bytes read ÷ time) and the fraction of the device's copy bandwidth measured in the same run.
+   where available) over the dense bf16 cache, every row with its own tensors (copies) — printed as
+   one table: time ratios (kvpack ÷ dense, medians of CUDA-event timings) launched eagerly and
+   replayed from a CUDA graph, bytes ratio (bytes the stores hold ÷ dense bytes), achieved GB/s
+   (bytes read, RoPE table rows included, ÷ time) and the fraction of the device's copy bandwidth
+   measured in the same run.
 
-Budget: about 5 minutes on an H200 (stores are built once per context and reused for both batch
-sizes). ``--cpu-smoke`` runs the same code on CPU through the Triton interpreter at tiny sizes, to
-check the script itself where there is no GPU (its timings mean nothing).
+Prints the elapsed time after each configuration. Budget: under 8 minutes on an H200 — an estimate,
+the script has never run on a GPU (stores are built once per context; batch rows copy that store).
+``--cpu-smoke`` runs the same code on CPU through the Triton interpreter at tiny sizes, to check the
+script itself where there is no GPU (its timings mean nothing).
 
 Usage: python benchmarks/gpu_check.py [--contexts 16384,32768,65536,131072] [--cpu-smoke]
 """
@@ -20,6 +24,7 @@ Usage: python benchmarks/gpu_check.py [--contexts 16384,32768,65536,131072] [--c
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -94,6 +99,61 @@ def _store_output(store, qg, scaling, backend: str):
     return finalize(merge_partials(store.stored_partials(qg, scaling)))
 
 
+def _graph_timer(fn, device, repeats=20) -> float | None:
+    """Median seconds of replaying ``fn``'s launches from one CUDA graph (None on CPU or when the
+    capture fails: then only the eager time is reported)."""
+    if device.type != "cuda":
+        return None
+    try:
+        fn()  # compile and pick pipelining depths outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as e:  # report, do not invent a figure
+        print(f"  (CUDA graph capture failed: {type(e).__name__}: {str(e)[:120]})")
+        return None
+    return _timer(graph.replay, device, repeats=repeats)
+
+
+def _ms(t: float | None) -> str:
+    return "n/a" if t is None else f"{t * 1e3:.3f}"
+
+
+def _bytes_read(store) -> int:
+    """Bytes one decode step reads from memory: the store's tensors, plus the RoPE table rows of the
+    positions whose keys are rotated in-kernel (pre-RoPE PuzzleKV pages, AnchorKV segments)."""
+    rope_rows = 0
+    if getattr(store, "segment_spans", None):
+        rope_rows = store.n_compressed
+    elif getattr(store.config, "key_rope", "post") == "pre":
+        rope_rows = store.n_pages * store.config.page_size
+    table_width = store.layout.head_dim // 2 if store.layout.rope is not None and store.layout.rope.halves_equal \
+        else store.layout.head_dim
+    return store.nbytes() + rope_rows * table_width * 4 * 2  # fp32 cos and sin
+
+
+def _print_resources(H: int, G: int, d: int, device) -> None:
+    """Registers, spills and shared memory of each kernel as compiled for this device."""
+    from kvpack.attention.triton import _launch
+    from kvpack.attention.triton.anchor_op import anchor_partials
+    from kvpack.attention.triton.puzzle_op import puzzle_partial
+
+    seen = set()
+    for method, cfg, label in CONFIGS:
+        store, _, _ = build_store(method, {**cfg, "attention_backend": "triton"}, H, G, d, 2048, device)
+        qg = group_queries(torch.randn(H * G, 1, d, device=device), H)
+        (puzzle_partial if method == "puzzle" else anchor_partials)(store, qg, d ** -0.5)
+        torch.cuda.synchronize()
+        for key, (stages, kernel) in _launch.compiled_kernels().items():
+            if key in seen:
+                continue
+            seen.add(key)
+            regs, spills = getattr(kernel, "n_regs", "?"), getattr(kernel, "n_spills", "?")
+            shared = getattr(getattr(kernel, "metadata", None), "shared", "?")
+            print(f"  {label:<26} {key[0]}: {stages} stages, {regs} registers, {spills} spills, {shared} B shared")
+
+
 CONFIGS = [
     ("puzzle", {"budget": 0.6}, "puzzle P=32 budget 0.6"),
     ("puzzle", {"budget": 0.6, "key_rope": "pre"}, "puzzle pre-RoPE 0.6"),
@@ -119,6 +179,7 @@ def main() -> int:
         contexts, check_len = [int(c) for c in args.contexts.split(",")], 8192
     batches = [int(b) for b in args.batches.split(",")]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter)"
+    t_start = time.perf_counter()
     bw = _copy_bandwidth(device)
     print(f"# gpu_check on {name}, torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s")
     scaling = d ** -0.5
@@ -132,17 +193,24 @@ def main() -> int:
         err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
         print(f"  {label:<26} max |err| / max |ref| = {err:.2e}  {'ok' if err < 2e-2 else 'MISMATCH'}")
 
+    print("\n## kernel resources (compiled for this device; registers and spills per thread)")
+    if device.type == "cuda":
+        _print_resources(H, G, d, device)
     print("\n## decode attention, one layer (kvpack Triton vs SDPA over the dense bf16 cache)")
-    print("| config | context | batch | dense ms | kvpack ms | time ratio | bytes ratio | kvpack GB/s | % of copy BW |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("Every batch row holds its own tensors (dense: distinct K/V copies; kvpack: a copy of the store).")
+    print("eager = each call launched from Python; graph = the same calls replayed from one CUDA graph "
+          "(launch overhead removed; n/a if capture failed).")
+    print("| config | context | batch | dense ms eager | kvpack ms eager | ratio eager | dense ms graph "
+          "| kvpack ms graph | ratio graph | bytes ratio | kvpack GB/s | % of copy BW |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for method, cfg, label in CONFIGS:
         for seq in contexts:
             store, k, v = build_store(method, {**cfg, "attention_backend": "triton"}, H, G, d, seq, device)
-            kv_bytes = store.nbytes()
-            dense_bytes = 2 * k.numel() * 2
+            dense_bytes = 2 * k.numel() * k.element_size()
             for batch in batches:
-                kd = k[None].expand(batch, -1, -1, -1)
-                vd = v[None].expand(batch, -1, -1, -1)
+                rows = [store] + [copy.deepcopy(store) for _ in range(batch - 1)]
+                kd = torch.stack([k] + [k.clone() for _ in range(batch - 1)])
+                vd = torch.stack([v] + [v.clone() for _ in range(batch - 1)])
                 q = torch.randn(batch, H * G, 1, d, device=device, dtype=torch.bfloat16)
                 qgs = [group_queries(q[b].float(), H) for b in range(batch)]
 
@@ -150,17 +218,21 @@ def main() -> int:
                     return torch.nn.functional.scaled_dot_product_attention(q, kd, vd, scale=scaling, enable_gqa=True)
 
                 def packed():
-                    # Each batch row has its own store in kvpack; the benchmark reuses one store's
-                    # tensors for every row (same bytes moved as distinct rows).
-                    return [_store_output(store, qg, scaling, "triton") for qg in qgs]
+                    return [_store_output(r, qg, scaling, "triton") for r, qg in zip(rows, qgs)]
 
-                t_dense = _timer(dense, device)
-                t_kv = _timer(packed, device)
-                moved = kv_bytes * batch
-                print(f"| {label} | {seq} | {batch} | {t_dense * 1e3:.3f} | {t_kv * 1e3:.3f} | {t_kv / t_dense:.3f} "
-                      f"| {kv_bytes / dense_bytes:.3f} | {moved / t_kv / 1e9:.0f} | {100 * moved / t_kv / bw:.0f}% |")
+                eager_d, eager_k = _timer(dense, device), _timer(packed, device)
+                graph_d, graph_k = _graph_timer(dense, device), _graph_timer(packed, device)
+                moved = batch * _bytes_read(store)
+                ratio_g = f"{graph_k / graph_d:.3f}" if graph_d and graph_k else "n/a"
+                t_best = graph_k or eager_k
+                print(f"| {label} | {seq} | {batch} | {eager_d * 1e3:.3f} | {eager_k * 1e3:.3f} | "
+                      f"{eager_k / eager_d:.3f} | {_ms(graph_d)} | {_ms(graph_k)} | {ratio_g} "
+                      f"| {store.nbytes() / dense_bytes:.3f} | {moved / t_best / 1e9:.0f} "
+                      f"| {100 * moved / t_best / bw:.0f}% |")
+                del rows, kd, vd
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        print(f"  ({label}: done at {time.perf_counter() - t_start:.0f} s)")
     return 0
 
 

@@ -39,6 +39,13 @@ def merge_splits(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor):
 # A100's 163 KiB per block and an L40S's 99 KiB, and 68 KiB at 1 stage.
 _STAGES = (3, 2, 1)
 _fitting_stages: dict[tuple, int] = {}
+_compiled: dict[tuple, object] = {}  # what the last launch of each key returned (Triton's CompiledKernel)
+
+
+def compiled_kernels() -> dict[tuple, tuple[int, object]]:
+    """``{(kernel name, device, constexprs): (stages, compiled kernel)}`` of the launches so far (the
+    compiled kernel is None under the interpreter); ``gpu_check.py`` prints their registers and spills."""
+    return {key: (_fitting_stages[key], _compiled.get(key)) for key in _fitting_stages}
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **constexprs) -> None:
@@ -52,7 +59,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **constexprs) -> None:
     stages = _STAGES[_STAGES.index(_fitting_stages.get(key, _STAGES[0])):]
     for i, n in enumerate(stages):
         try:
-            kernel[grid](*args, num_stages=n, **constexprs)
+            _compiled[key] = kernel[grid](*args, num_stages=n, **constexprs)
         except OutOfResources:
             if i == len(stages) - 1:
                 raise
