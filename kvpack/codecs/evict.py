@@ -26,7 +26,7 @@ import torch
 
 from ..attention.scores import accumulated_attention, observation_scores
 from ..attention.softmax_merge import attend_history_and_chunk, dense_partial, group_queries, prefill_attention
-from .base import DENSE_REFERENCE_BYTES_PER_ELEMENT, Codec, CodecConfig, LayerLayout, LayerStore, register_codec, \
+from .base import Codec, CodecConfig, LayerLayout, LayerStore, dense_bf16_bytes, register_codec, \
     require_int
 
 
@@ -69,7 +69,7 @@ class EvictionStore(LayerStore):
         return {} if self.n_keep is None else {"kept_tokens": self.n_keep}
 
     def token_budget(self, seq_len: int) -> int:
-        ref = 2 * self.layout.head_dim * DENSE_REFERENCE_BYTES_PER_ELEMENT
+        ref = dense_bf16_bytes(1, 1, self.layout.head_dim)
         return math.floor(self.config.budget * seq_len * ref / self.bytes_per_token())
 
     # -- attention: dense over what is kept -----------------------------------------------------

@@ -28,7 +28,7 @@ from ..attention.pages import factorized_pages_partial
 from ..ops.int4 import dequantize_int4, quantize_int4
 from ..ops.lowrank import gram_eigh_factors
 from ..ops.rope import apply_rope, invert_rope
-from .base import DENSE_REFERENCE_BYTES_PER_ELEMENT, Codec, CodecConfig, LayerLayout, register_codec, require_int
+from .base import Codec, CodecConfig, LayerLayout, dense_bf16_bytes, register_codec, require_int
 from .segmented import SegmentedStore
 
 DEFAULT_PAGE_RATIO = 0.6  # target factorized-page ratio of the default ranks (paper: ≈ 0.586)
@@ -156,7 +156,7 @@ def ranks_for_budget(seq_len: int, cfg: PuzzleConfig, head_dim: int, elem_bytes:
 def _ranks_for_budget(seq_len: int, cfg_json: str, head_dim: int, elem_bytes: int) -> tuple[int, int]:
     cfg = PuzzleConfig.from_dict(json.loads(cfg_json))
     cap = min(cfg.page_size, head_dim)
-    dense_per_token = 2 * head_dim * DENSE_REFERENCE_BYTES_PER_ELEMENT
+    dense_per_token = dense_bf16_bytes(1, 1, head_dim)
     for total in range(2 * cap, 1, -1):
         rk, rv = split_total_rank(total, cap)
         if all(

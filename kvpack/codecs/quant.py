@@ -21,7 +21,7 @@ import torch
 
 from ..attention.softmax_merge import dense_partial
 from ..ops.bitpack import pack_bits, unpack_bits
-from .base import DENSE_REFERENCE_BYTES_PER_ELEMENT, Codec, CodecConfig, LayerLayout, register_codec, require_int
+from .base import Codec, CodecConfig, LayerLayout, dense_bf16_bytes, register_codec, require_int
 from .segmented import SegmentedStore
 
 CANDIDATES = [(4, 32), (4, 64), (4, 128), (2, 32), (2, 64), (2, 128)]  # (bits, group), best quality first
@@ -97,7 +97,7 @@ def kivi_params_for_budget(seq_len: int, cfg: KIVIConfig, head_dim: int, elem_by
 
 @functools.lru_cache(maxsize=256)  # every layer and row of one prompt asks the same question
 def _params_for_budget(seq_len, budget, fixed_bits, fixed_group, fixed_residual, head_dim, elem_bytes):
-    ref = lambda s: budget * s * 2 * head_dim * DENSE_REFERENCE_BYTES_PER_ELEMENT  # noqa: E731
+    ref = lambda s: budget * dense_bf16_bytes(s, 1, head_dim)  # noqa: E731
 
     def fits(bits, group, residual):
         return all(kivi_bytes_per_head(s, bits, group, residual, head_dim, elem_bytes) <= ref(s)

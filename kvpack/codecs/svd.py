@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.pages import factorized_pages_partial
-from .base import DENSE_REFERENCE_BYTES_PER_ELEMENT, Codec, CodecConfig, LayerLayout, register_codec, require_int
+from .base import Codec, CodecConfig, LayerLayout, dense_bf16_bytes, register_codec, require_int
 from .segmented import SegmentedStore
 
 
@@ -41,7 +41,7 @@ class SVDConfig(CodecConfig):
 
 def svd_rank_for_budget(seq_len: int, compressed: int, head_dim: int, budget: float, elem_bytes: int) -> int:
     """Largest rank whose factors + dense regions fit ``budget`` × dense bf16 bytes (0 if none)."""
-    ref = budget * seq_len * 2 * head_dim * DENSE_REFERENCE_BYTES_PER_ELEMENT
+    ref = budget * dense_bf16_bytes(seq_len, 1, head_dim)
     dense = (seq_len - compressed) * 2 * head_dim * elem_bytes
     rank = math.floor((ref - dense) / (2 * (compressed + head_dim) * elem_bytes))
     return max(0, min(rank, compressed, head_dim))
