@@ -115,3 +115,24 @@ def test_cache_layers_share_one_rotary_table_per_layer_type():
     assert len(llama.kvpack_layers) == 3 and len(tables) == 1
     gemma = KVPackCache(tiny_gemma3(), "full")  # full-attention layers 1 and 3 share one type
     assert len({id(layer.layout.rope) for layer in gemma.kvpack_layers}) == 1
+
+
+def test_rotary_table_follows_the_callers_device():
+    """A table built on one device is moved (once) when asked for on another, never handed out on
+    the wrong one (a kernel would get a pointer it cannot read)."""
+    from kvpack.ops.rope import LlamaRotary, RotaryTable
+
+    table = RotaryTable(LlamaRotary(8), 8)
+    table.cos_sin(torch.arange(5))
+    cos, sin = table.table(5, torch.device("meta"))
+    assert cos.device.type == "meta" and sin.device.type == "meta"
+
+
+def test_residual_codec_keeps_its_tensors_per_device():
+    from kvpack.ops.residual_codec import HadamardLloydMax
+
+    codec = HadamardLloydMax(16, seed=0)
+    first = codec.on(torch.device("cpu"))
+    assert all(a is b for a, b in zip(first, codec.on("cpu")))  # copied once, then reused
+    m16, factor = codec.kernel_matrix
+    assert torch.equal(first[2], m16) and torch.equal(m16.float() * factor, codec.matrix)

@@ -58,6 +58,7 @@ class ResidualCodec:
 
     def __init__(self, dim: int):
         self.dim = dim
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
     def bytes_per_residual(dim: int) -> int:
@@ -74,7 +75,8 @@ class ResidualCodec:
 
     def encode(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``r [n, D]`` -> packed codes ``[n, D/4]`` uint8 and fp32 scales ``[n]``."""
-        y = (r.float() * self.signs.to(r.device)) @ self.matrix.to(r.device) if self.rotates else r.float()
+        matrix, signs, _ = self.on(r.device)
+        y = (r.float() * signs) @ matrix if self.rotates else r.float()
         scale = self._scale(y)
         unit = y / scale.clamp_min(1e-30)[:, None]
         codes = torch.bucketize(unit.contiguous(), torch.tensor(self.thresholds, device=r.device)).to(torch.uint8)
@@ -93,11 +95,22 @@ class ResidualCodec:
         if not self.rotates:
             return y
         # H is symmetric: inverse of x -> H (s ⊙ x) is y -> s ⊙ (H y).
-        return (y @ self.matrix.to(y.device)) * self.signs.to(y.device)
+        matrix, signs, _ = self.on(y.device)
+        return (y @ matrix) * signs
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Packed codes ``[n, D/4]`` and scales ``[n]`` -> residuals ``[n, D]`` fp32."""
         return self.unrotate(self.rotated(codes, scale))
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(matrix, signs, kernel matrix M16)`` on ``device``, copied there once and kept: a decode
+        step then moves nothing from the host (a per-step host-to-device copy would also stall the
+        GPU and break CUDA-graph capture)."""
+        device = torch.device(device)
+        if device not in self._on_device:
+            self._on_device[device] = (self.matrix.to(device), self.signs.to(device),
+                                       self.kernel_matrix[0].to(device))
+        return self._on_device[device]
 
     @functools.cached_property
     def kernel_matrix(self) -> tuple[torch.Tensor, float]:

@@ -68,6 +68,8 @@ class RotaryTable:
         """Make the cached table cover positions ``[0, need)``."""
         have = self._cos.shape[0] if self._cos is not None else 0
         if have >= need:
+            if self._cos.device != torch.device(device):  # built on another device: follow the caller
+                self._cos, self._sin = self._cos.to(device), self._sin.to(device)
             return
         size = max(need, 2 * have, 256)
         pos = torch.arange(size, device=device)[None]

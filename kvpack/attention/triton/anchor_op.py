@@ -68,7 +68,8 @@ def anchor_partials(store, qg: torch.Tensor, scaling: float, blocks_per_split: i
     """
     dev = qg.device
     codec = store.residual_codec  # levels, rotation matrix and signs of the store's residual codec
-    hmat, hfactor = codec.kernel_matrix
+    _, signs, hmat = codec.on(dev)
+    hfactor = codec.kernel_matrix[1]
     states = []
     spans = store.segment_spans
     cos, sin = store.layout.rope.table(max(start + n for start, n in spans), dev) if spans else (None, None)
@@ -78,7 +79,7 @@ def anchor_partials(store, qg: torch.Tensor, scaling: float, blocks_per_split: i
         for side in ("k", "v"):
             per_side += [seg[f"{name}_{side}"] for name in ("index", "coef", "mask", "prefix", "res", "scale")]
         m, l, o = anchor_segment_attention(
-            qg.float(), store.anchors["anchor_k"], store.anchors["anchor_v"], hmat.to(dev), codec.signs.to(dev),
+            qg.float(), store.anchors["anchor_k"], store.anchors["anchor_v"], hmat, signs,
             cos, sin, *per_side, [float(x) for x in codec.levels], hfactor, float(scaling), start, bps)
         states.append(PartialAttention(m=m, l=l, o=o))
     return states
