@@ -136,7 +136,7 @@ def test_incremental_decode_factorizes_each_page_once():
     steps = torch.tensor(seen).diff()
     assert steps.max() <= 1  # at most one page per step per layer (and head)
     assert store.factorizations == store.n_pages == (200 - 8) // P - 1  # every page exactly once
-    assert store.factors["lk"].shape == (H, store.n_pages, P, 4)
+    assert store.all_factors()["lk"].shape == (H, store.n_pages, P, 4)
 
 
 @pytest.mark.parametrize("int4", [False, True])
@@ -201,3 +201,26 @@ def test_int4_factors_quality():
     assert 20 * math.log10(v_ref.norm() / (v_ref - v_q).norm()) > 15
     factor_bytes = lambda s: sum(t.numel() * t.element_size() for t in s.history_tensors().values())  # noqa: E731
     assert factor_bytes(q_store) < factor_bytes(ref_store) / 5  # 4-bit codes + fp16 scales vs fp32 factors
+
+
+def test_decode_pages_go_to_a_small_recent_set_folded_every_sqrt_n_pages():
+    """Each page factorized while decoding is appended to the recent set, which is folded into the
+    main set once it holds max(8, √n_pages) pages: main is rebuilt rarely, recent stays small, and
+    every page is still held exactly once."""
+    H, d, P = 1, 16, 4
+    store = get_codec("puzzle", page_size=P, rank_k=2, rank_v=2, storage_dtype="float32").new_store(
+        _layout(H, 1, d))
+    k, v = _kv(H, 1400, d)
+    store.append(k[:, :40], v[:, :40])
+    main, rebuilds = store.factors.get("lk"), 0
+    for t in range(40, 1400):
+        store.append(k[:, t:t + 1], v[:, t:t + 1])
+        recent = store.n_pages - store.n_main
+        assert recent < max(8, math.isqrt(store.n_pages))
+        if store.factors["lk"] is not main:
+            rebuilds, main = rebuilds + 1, store.factors["lk"]
+    # About 2√N folds (28 here); one concatenation per page would be n_pages (348) rebuilds.
+    assert store.n_pages > 300 and rebuilds <= 2 * math.isqrt(store.n_pages)
+    assert store.all_factors()["lk"].shape[1] == store.n_pages
+    held = sum(t.numel() * t.element_size() for t in store.tensors().values())
+    assert store.nbytes() == held == expected_bytes(1400, store.config, H, d, 2, 2, 4)

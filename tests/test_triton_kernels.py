@@ -127,6 +127,20 @@ def test_puzzle_kernel_int4_pre_rope_bf16_page_not_power_of_two():
     _check(_store(1, 4, 32, 101, cfg), atol=2e-2)
 
 
+@pytest.mark.parametrize("pre_rope,int4", [(False, False), (True, False), (True, True)])
+def test_puzzle_kernel_reads_main_and_recent_pages(pre_rope, int4):
+    """Pages factorized while decoding sit in the store's recent set until folded; one launch reads
+    both sets (the recent pages' positions follow the main ones for pre-RoPE keys)."""
+    cfg = PuzzleConfig(page_size=16, rank_k=6, rank_v=5, storage_dtype="float32", int4=int4,
+                       key_rope="pre" if pre_rope else "post", attention_backend="triton")
+    store = _store(2, 3, 32, 150, cfg)
+    torch.manual_seed(4)
+    for _ in range(70):  # about 4 more pages, fewer than a fold needs
+        store.append(torch.randn(2, 1, 32), torch.randn(2, 1, 32))
+    assert store.n_main > 0 and 0 < store.n_pages - store.n_main < 8
+    _check(store, pages_per_split=3)
+
+
 def test_puzzle_kernel_several_query_rows():
     cfg = PuzzleConfig(page_size=16, rank_k=5, rank_v=5, storage_dtype="float32", attention_backend="triton")
     _check(_store(2, 3, 16, 60, cfg), n_q=3)
@@ -158,7 +172,8 @@ def test_custom_op_traces_with_fake_tensors():
         q = torch.empty(2, 3, 32)
         e = torch.empty(0)
         m, l, o = puzzle_attention(q, torch.empty(2, 4, 16, 5), torch.empty(2, 4, 5, 32), torch.empty(2, 4, 16, 5),
-                                   torch.empty(2, 4, 5, 32), e, e, e, e, e, e, torch.empty(2, 8, 32),
+                                   torch.empty(2, 4, 5, 32), e, e, e, e, e, e, e, e, e, e, e, e, e, e,
+                                   torch.empty(2, 8, 32),
                                    torch.empty(2, 8, 32), torch.empty(2, 12, 32), torch.empty(2, 12, 32),
                                    16, 5, 5, 0.2, False, False, 8, 2, 16)
         assert m.shape == (2, 3) and l.shape == (2, 3) and o.shape == (2, 3, 32)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 
 import torch
@@ -179,6 +180,14 @@ class PuzzleStore(SegmentedStore):
     ``lk [H, N, P, r_K]``, ``rk [H, N, r_K, d]``, ``lv [H, N, P, r_V]``, ``rv [H, N, r_V, d]``.
     INT4 form: the same matrices as packed nibbles (``*_q``, last axis halved) plus fp16 scales
     (``*_s``): column-wise for ``lk``, ``rk`` and ``rv``, row-wise for ``lv``.
+
+    Pages live in two sets of those tensors: :attr:`factors` (pages ``[0, n_main)``) and
+    :attr:`recent` (the pages factorized since, while decoding). A page factorized during decoding
+    is concatenated onto ``recent`` only, which is folded into ``factors`` once it holds
+    ``max(8, √n_pages)`` pages: each page then costs about ``1.5 √n_pages`` page copies instead of
+    ``n_pages`` (one concatenation of every factor per page, which at P = 32 would read and write
+    about 6% of what attention reads per decode step). No slack is allocated: the bytes held are
+    exactly the pages' factors. Attention (both paths) reads the two sets in place.
     """
 
     def __init__(self, layout: LayerLayout, config: PuzzleConfig):
@@ -195,7 +204,8 @@ class PuzzleStore(SegmentedStore):
         if config.budget is None:
             self.ranks = (config.rank_k, config.rank_v) if config.rank_k else default_ranks(config.page_size,
                                                                                             layout.head_dim)
-        self.factors: dict[str, torch.Tensor] = {}
+        self.factors: dict[str, torch.Tensor] = {}  # pages [0, n_main)
+        self.recent: dict[str, torch.Tensor] = {}  # pages [n_main, n_pages), folded into factors
         self.n_pages = 0
         self.factorizations = 0  # pages factorized so far (each exactly once)
 
@@ -206,7 +216,21 @@ class PuzzleStore(SegmentedStore):
         return self.config.sink_pages * self.config.page_size
 
     def history_tensors(self) -> dict[str, torch.Tensor]:
-        return dict(self.factors)
+        return {**self.factors, **{f"{name}_recent": t for name, t in self.recent.items()}}
+
+    @property
+    def n_main(self) -> int:
+        """Pages held in :attr:`factors` (the rest are in :attr:`recent`)."""
+        return next(iter(self.factors.values())).shape[1] if self.factors else 0
+
+    def all_factors(self) -> dict[str, torch.Tensor]:
+        """Every page's factors as one tensor per name (a copy when some pages are recent; for
+        inspection and tests — attention reads the two sets in place)."""
+        if not self.recent:
+            return dict(self.factors)
+        if not self.factors:
+            return dict(self.recent)
+        return {name: torch.cat([t, self.recent[name]], dim=1) for name, t in self.factors.items()}
 
     def resolved_params(self):
         return {} if self.ranks is None else {"rank_k": self.ranks[0], "rank_v": self.ranks[1]}
@@ -231,11 +255,13 @@ class PuzzleStore(SegmentedStore):
             cos, sin = self.layout.rope.cos_sin(torch.arange(start, start + n_new * P, device=k.device))
             k = invert_rope(k, cos.reshape(n_new, P, d), sin.reshape(n_new, P, d))
         new = self._factorize(k, v)
-        for name, t in new.items():
-            old = self.factors.get(name)
-            self.factors[name] = t if old is None else torch.cat([old, t], dim=1)
+        self.recent = new if not self.recent else {name: torch.cat([self.recent[name], t], dim=1)
+                                                   for name, t in new.items()}
         self.n_pages += n_new
         self.factorizations += n_new
+        if self.n_pages - self.n_main >= max(8, math.isqrt(self.n_pages)):  # fold (a prefill folds at once)
+            self.factors = self.all_factors()
+            self.recent = {}
 
     def _factorize(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         """Factor ``[H, n, P, d]`` key and value pages into the stored form."""
@@ -279,18 +305,28 @@ class PuzzleStore(SegmentedStore):
 
     # -- attention --------------------------------------------------------------------------
 
+    def _pages(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Factor ``name`` of pages ``[lo, hi)``: a view of one set, or (a tile across the two sets)
+        the two slices joined."""
+        n_main = self.n_main
+        if hi <= n_main:
+            return self.factors[name][:, lo:hi]
+        if lo >= n_main:
+            return self.recent[name][:, lo - n_main:hi - n_main]
+        return torch.cat([self.factors[name][:, lo:], self.recent[name][:, :hi - n_main]], dim=1)
+
     def _tile_factors(self, lo: int, hi: int) -> tuple[torch.Tensor, ...]:
         """Float factors of pages ``[lo, hi)`` (dequantized per tile in INT4 mode)."""
-        f = self.factors
+        f = {name: self._pages(name, lo, hi) for name in (self.factors or self.recent)}
         if not self.config.int4:
-            return f["lk"][:, lo:hi], f["rk"][:, lo:hi], f["lv"][:, lo:hi], f["rv"][:, lo:hi]
+            return f["lk"], f["rk"], f["lv"], f["rv"]
         rank_k, rank_v = self.ranks
         d = self.layout.head_dim
         return (
-            dequantize_int4(f["lk_q"][:, lo:hi], f["lk_s"][:, lo:hi], rank_k),
-            dequantize_int4(f["rk_q"][:, lo:hi], f["rk_s"][:, lo:hi], d),
-            dequantize_int4(f["lv_q"][:, lo:hi], f["lv_s"][:, lo:hi], rank_v),
-            dequantize_int4(f["rv_q"][:, lo:hi], f["rv_s"][:, lo:hi], d),
+            dequantize_int4(f["lk_q"], f["lk_s"], rank_k),
+            dequantize_int4(f["rk_q"], f["rk_s"], d),
+            dequantize_int4(f["lv_q"], f["lv_s"], rank_v),
+            dequantize_int4(f["rv_q"], f["rv_s"], d),
         )
 
     def stored_partials(self, qg, scaling):

@@ -1,9 +1,10 @@
 """Triton split-K attention over one PuzzleKV layer: dense sink/tail tokens and factorized pages.
 
 One launch per layer covers every KV head (grid axis 0) and splits the sequence (grid axis 1) into
-chunks of factorized pages and chunks of dense tokens (flash-decoding). Each program keeps an
-online-softmax state for all query rows of its KV head's GQA group and writes ``(m, l, o)``; the
-caller merges the splits by log-sum-exp (:func:`puzzle_partial_triton` returns the merged state).
+chunks of factorized pages — of the store's main and recent page sets, each read in place — and
+chunks of dense tokens (flash-decoding). Each program keeps an online-softmax state for all query
+rows of its KV head's GQA group and writes ``(m, l, o)``; the launcher merges the splits by
+log-sum-exp (``puzzle_op.puzzle_partial`` returns the merged state).
 
 A factorized page's logits are ``(q R_Kᵀ) L_Kᵀ`` and its output is accumulated as ``(p L_V) R_V``:
 the dense ``K̂``/``V̂`` of a page never exist in global memory. With pre-RoPE keys the page's keys
@@ -51,20 +52,70 @@ def _load_dense(sink_ptr, tail_ptr, h, tt, tm, TS, T, D, offs_d):
 
 
 @triton.jit
+def _factor_pages(q, q1, q2, m_i, l_i, acc, h, NS, n_lo, n_hi, pos_first,
+                  lk_ptr, rk_ptr, lv_ptr, rv_ptr, lks_ptr, rks_ptr, lvs_ptr, rvs_ptr, cos_ptr, sin_ptr,
+                  P, RK, RV, D, W, scaling, mask_m, offs_p, offs_rk, offs_rv, offs_d, offs_h,
+                  INT4: tl.constexpr, PRE_ROPE: tl.constexpr, SAME_HALVES: tl.constexpr):
+    """Fold pages ``[n_lo, n_hi)`` of one factor set (``NS`` pages per head; its page ``n`` starts at
+    position ``pos_first + n * P``) into the online-softmax state ``(m_i, l_i, acc)``."""
+    HALF = D // 2
+    if INT4:
+        rk_cols = (RK + 1) // 2
+        rv_cols = (RV + 1) // 2
+        d_cols = (D + 1) // 2
+    else:
+        rk_cols = RK
+        rv_cols = RV
+        d_cols = D
+    for n in range(n_lo, n_hi):
+        page = h * NS + n
+        lk = _load_factor(lk_ptr, page * P * rk_cols, P, RK, rk_cols, offs_p, offs_rk, INT4,
+                          lks_ptr, page * RK, 0, 1)
+        if PRE_ROPE:
+            rk1 = _load_factor(rk_ptr, page * RK * d_cols, RK, HALF, d_cols, offs_rk, offs_h, INT4,
+                               rks_ptr, page * D, 0, 1)
+            # The second half starts at column HALF (a whole byte when packed: D is even).
+            rk2 = _load_factor(rk_ptr, page * RK * d_cols + (HALF // 2 if INT4 else HALF), RK, HALF, d_cols,
+                               offs_rk, offs_h, INT4, rks_ptr, page * D + HALF, 0, 1)
+            k1 = dot(lk, rk1)  # [BP, BDH]
+            k2 = dot(lk, rk2)
+            scores = rotated_scores(q1, q2, k1, k2, cos_ptr, sin_ptr, pos_first + n * P + offs_p, offs_p < P,
+                                    offs_h, HALF, W, SAME_HALVES)
+        else:
+            rk = _load_factor(rk_ptr, page * RK * d_cols, RK, D, d_cols, offs_rk, offs_d, INT4,
+                              rks_ptr, page * D, 0, 1)
+            scores = dot(dot(q, tl.trans(rk)), tl.trans(lk))  # (q R_Kᵀ) L_Kᵀ: [BM, BP]
+        scores = scores * scaling
+        scores = tl.where(mask_m[:, None] & (offs_p[None, :] < P), scores, float("-inf"))
+        m_new, l_i, alpha, p = online_softmax_step(m_i, l_i, scores)
+        lv = _load_factor(lv_ptr, page * P * rv_cols, P, RV, rv_cols, offs_p, offs_rv, INT4,
+                          lvs_ptr, page * P, 1, 0)
+        rv = _load_factor(rv_ptr, page * RV * d_cols, RV, D, d_cols, offs_rv, offs_d, INT4,
+                          rvs_ptr, page * D, 0, 1)
+        acc = acc * alpha[:, None] + dot(dot(p, lv), rv)  # (p L_V) R_V in rank space first
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def puzzle_split_kernel(
-    q_ptr, lk_ptr, rk_ptr, lv_ptr, rv_ptr, lks_ptr, rks_ptr, lvs_ptr, rvs_ptr, cos_ptr, sin_ptr,
+    q_ptr, lk_ptr, rk_ptr, lv_ptr, rv_ptr, lks_ptr, rks_ptr, lvs_ptr, rvs_ptr,
+    lk2_ptr, rk2_ptr, lv2_ptr, rv2_ptr, lks2_ptr, rks2_ptr, lvs2_ptr, rvs2_ptr, cos_ptr, sin_ptr,
     sk_ptr, sv_ptr, tk_ptr, tv_ptr, m_ptr, l_ptr, o_ptr,
-    M, N, P, RK, RV, D, TS, T, scaling, pos0, W,
-    pages_per_split, tokens_per_split, n_page_splits, n_splits,
+    M, N, N2, P, RK, RV, D, TS, T, scaling, pos0, W,
+    pages_per_split, tokens_per_split, n_main_splits, n_page_splits, n_splits,
     INT4: tl.constexpr, PRE_ROPE: tl.constexpr, SAME_HALVES: tl.constexpr,
     BM: tl.constexpr, BP: tl.constexpr, BRK: tl.constexpr, BRV: tl.constexpr, BD: tl.constexpr,
     BDH: tl.constexpr, BT: tl.constexpr,
 ):
-    """Grid ``(kv_heads, n_splits)``. Layouts (contiguous):
+    """Grid ``(kv_heads, n_splits)``: splits of the main pages, then of the recent pages, then of the
+    dense tokens. Layouts (contiguous):
 
-    q ``[H, M, D]`` fp32; float factors lk ``[H, N, P, RK]``, rk ``[H, N, RK, D]``, lv ``[H, N, P, RV]``,
-    rv ``[H, N, RV, D]`` — or INT4 packed along the last axis (``ceil(cols / 2)`` bytes) with scales
-    lks ``[H, N, 1, RK]``, rks ``[H, N, 1, D]``, lvs ``[H, N, P, 1]``, rvs ``[H, N, 1, D]``;
+    q ``[H, M, D]`` fp32; main factor set, float: lk ``[H, N, P, RK]``, rk ``[H, N, RK, D]``, lv
+    ``[H, N, P, RV]``, rv ``[H, N, RV, D]`` — or INT4 packed along the last axis (``ceil(cols / 2)``
+    bytes) with scales lks ``[H, N, 1, RK]``, rks ``[H, N, 1, D]``, lvs ``[H, N, P, 1]``, rvs
+    ``[H, N, 1, D]``; the recent set (``*2``) the same with ``N2`` pages, which follow the main ones
+    (an empty set is passed as the other set's tensors, so both sets' pointers have one type);
     cos/sin: the shared RoPE tables ``[positions, W]`` (PRE_ROPE; page ``n`` starts at position
     ``pos0 + n * P``); dense tokens: sink keys/values ``[H, TS, D]`` then tail ``[H, T - TS, D]``,
     read in place; outputs m, l ``[H, n_splits, M]``, o ``[H, n_splits, M, D]`` fp32.
@@ -82,51 +133,29 @@ def puzzle_split_kernel(
     offs_p = tl.arange(0, BP)
     offs_rk = tl.arange(0, BRK)
     offs_rv = tl.arange(0, BRV)
+    offs_h = tl.arange(0, BDH)
+    HALF = D // 2
+    # Query halves for pre-RoPE keys (unused otherwise).
+    q1 = tl.load(q_ptr + h * M * D + offs_m[:, None] * D + offs_h[None, :],
+                 mask=mask_m[:, None] & (offs_h[None, :] < HALF), other=0.0).to(tl.float32)
+    q2 = tl.load(q_ptr + h * M * D + offs_m[:, None] * D + HALF + offs_h[None, :],
+                 mask=mask_m[:, None] & (offs_h[None, :] < HALF), other=0.0).to(tl.float32)
+    # A split reads one page set; choose its pointers once (one page loop for both sets, so the
+    # software pipeline's shared-memory buffers exist once).
+    if s < n_main_splits:
+        n_set, n_lo, pos_first = N, s * pages_per_split, pos0
+        f_lk, f_rk, f_lv, f_rv = lk_ptr, rk_ptr, lv_ptr, rv_ptr
+        f_lks, f_rks, f_lvs, f_rvs = lks_ptr, rks_ptr, lvs_ptr, rvs_ptr
+    else:
+        n_set, n_lo, pos_first = N2, (s - n_main_splits) * pages_per_split, pos0 + N * P
+        f_lk, f_rk, f_lv, f_rv = lk2_ptr, rk2_ptr, lv2_ptr, rv2_ptr
+        f_lks, f_rks, f_lvs, f_rvs = lks2_ptr, rks2_ptr, lvs2_ptr, rvs2_ptr
     if s < n_page_splits:
-        HALF = D // 2
-        offs_h = tl.arange(0, BDH)
-        if PRE_ROPE:
-            q1 = tl.load(q_ptr + h * M * D + offs_m[:, None] * D + offs_h[None, :],
-                         mask=mask_m[:, None] & (offs_h[None, :] < HALF), other=0.0).to(tl.float32)
-            q2 = tl.load(q_ptr + h * M * D + offs_m[:, None] * D + HALF + offs_h[None, :],
-                         mask=mask_m[:, None] & (offs_h[None, :] < HALF), other=0.0).to(tl.float32)
-        if INT4:
-            rk_cols = (RK + 1) // 2
-            rv_cols = (RV + 1) // 2
-            d_cols = (D + 1) // 2
-        else:
-            rk_cols = RK
-            rv_cols = RV
-            d_cols = D
-        n_lo = s * pages_per_split
-        n_hi = tl.minimum(n_lo + pages_per_split, N)
-        for n in range(n_lo, n_hi):
-            page = h * N + n
-            lk = _load_factor(lk_ptr, page * P * rk_cols, P, RK, rk_cols, offs_p, offs_rk, INT4,
-                              lks_ptr, page * RK, 0, 1)
-            if PRE_ROPE:
-                rk1 = _load_factor(rk_ptr, page * RK * d_cols, RK, HALF, d_cols, offs_rk, offs_h, INT4,
-                                   rks_ptr, page * D, 0, 1)
-                # The second half starts at column HALF (a whole byte when packed: D is even).
-                rk2 = _load_factor(rk_ptr, page * RK * d_cols + (HALF // 2 if INT4 else HALF), RK, HALF, d_cols,
-                                   offs_rk, offs_h, INT4, rks_ptr, page * D + HALF, 0, 1)
-                k1 = dot(lk, rk1)  # [BP, BDH]
-                k2 = dot(lk, rk2)
-                scores = rotated_scores(q1, q2, k1, k2, cos_ptr, sin_ptr, pos0 + n * P + offs_p, offs_p < P,
-                                        offs_h, HALF, W, SAME_HALVES)
-            else:
-                rk = _load_factor(rk_ptr, page * RK * d_cols, RK, D, d_cols, offs_rk, offs_d, INT4,
-                                  rks_ptr, page * D, 0, 1)
-                scores = dot(dot(q, tl.trans(rk)), tl.trans(lk))  # (q R_Kᵀ) L_Kᵀ: [BM, BP]
-            scores = scores * scaling
-            scores = tl.where(mask_m[:, None] & (offs_p[None, :] < P), scores, float("-inf"))
-            m_new, l_i, alpha, p = online_softmax_step(m_i, l_i, scores)
-            lv = _load_factor(lv_ptr, page * P * rv_cols, P, RV, rv_cols, offs_p, offs_rv, INT4,
-                              lvs_ptr, page * P, 1, 0)
-            rv = _load_factor(rv_ptr, page * RV * d_cols, RV, D, d_cols, offs_rv, offs_d, INT4,
-                              rvs_ptr, page * D, 0, 1)
-            acc = acc * alpha[:, None] + dot(dot(p, lv), rv)  # (p L_V) R_V in rank space first
-            m_i = m_new
+        m_i, l_i, acc = _factor_pages(q, q1, q2, m_i, l_i, acc, h, n_set, n_lo,
+                                      tl.minimum(n_lo + pages_per_split, n_set), pos_first,
+                                      f_lk, f_rk, f_lv, f_rv, f_lks, f_rks, f_lvs, f_rvs, cos_ptr, sin_ptr,
+                                      P, RK, RV, D, W, scaling, mask_m, offs_p, offs_rk, offs_rv, offs_d, offs_h,
+                                      INT4, PRE_ROPE, SAME_HALVES)
     else:
         offs_t = tl.arange(0, BT)
         t_lo = (s - n_page_splits) * tokens_per_split

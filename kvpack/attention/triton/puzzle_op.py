@@ -19,24 +19,36 @@ from ._launch import kernel_arg, launch, merge_splits, pow2
 def puzzle_attention(
     q: torch.Tensor, lk: torch.Tensor, rk: torch.Tensor, lv: torch.Tensor, rv: torch.Tensor,
     lks: torch.Tensor, rks: torch.Tensor, lvs: torch.Tensor, rvs: torch.Tensor,
+    lk2: torch.Tensor, rk2: torch.Tensor, lv2: torch.Tensor, rv2: torch.Tensor,
+    lks2: torch.Tensor, rks2: torch.Tensor, lvs2: torch.Tensor, rvs2: torch.Tensor,
     cos: torch.Tensor, sin: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor,
     tail_k: torch.Tensor, tail_v: torch.Tensor,
     page_size: int, rank_k: int, rank_v: int, scaling: float, int4: bool, pre_rope: bool, first_position: int,
     pages_per_split: int, tokens_per_split: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax state ``(m [H, M], l [H, M], o [H, M, D])`` fp32 of grouped queries ``q [H, M, D]``
-    over ``N`` factorized pages (``lk`` etc., layouts in ``puzzle_decode.puzzle_split_kernel``) and
-    the dense sink ``[H, TS, D]`` and tail tokens. ``cos``/``sin`` are the shared RoPE tables
+    over ``N`` factorized pages (``lk`` etc., layouts in ``puzzle_decode.puzzle_split_kernel``), the
+    ``N2`` pages that follow them (``lk2`` etc., the store's recent set; empty when there is none)
+    and the dense sink ``[H, TS, D]`` and tail tokens. ``cos``/``sin`` are the shared RoPE tables
     (``RotaryTable.table``: half-width rows when both halves are equal) and ``first_position`` the
     position of the first page's first token (pre-RoPE keys; the tables are unused otherwise)."""
     from .puzzle_decode import puzzle_split_kernel
 
     H, M, D = q.shape
     N = lk.shape[1] if lk.numel() else 0
+    N2 = lk2.shape[1] if lk2.numel() else 0
     TS, T = sink_k.shape[1], sink_k.shape[1] + tail_k.shape[1]
-    n_page_splits = math.ceil(N / pages_per_split) if N else 0
+    n_main_splits = math.ceil(N / pages_per_split)
+    n_page_splits = n_main_splits + math.ceil(N2 / pages_per_split)
     n_splits = n_page_splits + (math.ceil(T / tokens_per_split) if T else 0)
     dev = q.device
+    # The kernel picks one set's pointers per split: an empty set stands in as the other set's
+    # tensors (same dtypes; never read, it has no pages).
+    first, second = [lk, rk, lv, rv, lks, rks, lvs, rvs], [lk2, rk2, lv2, rv2, lks2, rks2, lvs2, rvs2]
+    if not N:
+        first = second
+    elif not N2:
+        second = first
     if n_splits == 0:
         return (torch.full((H, M), float("-inf"), device=dev), torch.zeros(H, M, device=dev),
                 torch.zeros(H, M, D, device=dev))
@@ -45,10 +57,11 @@ def puzzle_attention(
     o = torch.empty(H, n_splits, M, D, device=dev)
     W = cos.shape[1] if cos.numel() else D
     launch(puzzle_split_kernel, (H, n_splits),
-        q.float().contiguous(), *(kernel_arg(t) for t in (lk, rk, lv, rv, lks, rks, lvs, rvs, cos, sin)),
+        q.float().contiguous(), *(kernel_arg(t) for t in first), *(kernel_arg(t) for t in second),
+        kernel_arg(cos), kernel_arg(sin),
         *(kernel_arg(t) for t in (sink_k, sink_v, tail_k, tail_v)), m, l, o,
-        M, N, page_size, rank_k, rank_v, D, TS, T, scaling, first_position, W,
-        pages_per_split, tokens_per_split, n_page_splits, n_splits,
+        M, N, N2, page_size, rank_k, rank_v, D, TS, T, scaling, first_position, W,
+        pages_per_split, tokens_per_split, n_main_splits, n_page_splits, n_splits,
         INT4=int4, PRE_ROPE=pre_rope, SAME_HALVES=W != D,
         BM=pow2(M), BP=pow2(page_size), BRK=pow2(rank_k), BRV=pow2(rank_v), BD=pow2(D),
         BDH=pow2(D // 2), BT=32,
@@ -57,8 +70,9 @@ def puzzle_attention(
 
 
 @puzzle_attention.register_fake
-def _(q, lk, rk, lv, rv, lks, rks, lvs, rvs, cos, sin, sink_k, sink_v, tail_k, tail_v, page_size, rank_k, rank_v,
-      scaling, int4, pre_rope, first_position, pages_per_split, tokens_per_split):
+def _(q, lk, rk, lv, rv, lks, rks, lvs, rvs, lk2, rk2, lv2, rv2, lks2, rks2, lvs2, rvs2, cos, sin, sink_k, sink_v,
+      tail_k, tail_v, page_size, rank_k, rank_v, scaling, int4, pre_rope, first_position, pages_per_split,
+      tokens_per_split):
     H, M, D = q.shape
     return q.new_empty(H, M, dtype=torch.float32), q.new_empty(H, M, dtype=torch.float32), \
         q.new_empty(H, M, D, dtype=torch.float32)
@@ -78,20 +92,21 @@ def puzzle_partial(store, qg: torch.Tensor, scaling: float, pages_per_split: int
     N, P = store.n_pages, cfg.page_size
     if cfg.key_rope == "pre" and d % 4:
         raise ValueError(f"the Triton PuzzleKV kernel needs head_dim % 4 == 0 for pre-RoPE keys, got {d}")
-    f = store.factors
     empty = qg.new_empty(0)
-    if N:
-        names = ("lk_q", "rk_q", "lv_q", "rv_q", "lk_s", "rk_s", "lv_s", "rv_s") if cfg.int4 else \
-            ("lk", "rk", "lv", "rv")
-        mats = [f[n] for n in names] + ([] if cfg.int4 else [empty] * 4)
-    else:
-        mats = [empty] * 8
+    names = ("lk_q", "rk_q", "lv_q", "rv_q", "lk_s", "rk_s", "lv_s", "rv_s") if cfg.int4 else ("lk", "rk", "lv", "rv")
+
+    def page_set(f: dict) -> list[torch.Tensor]:  # the kernel's 8 factor arguments of one page set
+        if not f:
+            return [empty] * 8
+        return [f[n] for n in names] + ([] if cfg.int4 else [empty] * 4)
+
+    mats = page_set(store.factors) + page_set(store.recent)
     first = store.sink_k.shape[1]
     cos = sin = empty
     if N and cfg.key_rope == "pre":
         cos, sin = store.layout.rope.table(first + N * P, qg.device)
     rank_k, rank_v = store.ranks if store.ranks else (1, 1)
-    pps = pages_per_split or max(1, math.ceil(N / 32))
+    pps = pages_per_split or max(1, math.ceil(N / 32))  # the recent set (<= max(8, √N) pages) adds a few
     m, l, o = puzzle_attention(qg.float(), *mats, cos, sin, store.sink_k, store.sink_v, store.tail_k, store.tail_v,
                                P, rank_k, rank_v, float(scaling), bool(cfg.int4), cfg.key_rope == "pre", first, pps,
                                tokens_per_split)
