@@ -173,6 +173,11 @@ def _ranks_for_budget(seq_len: int, cfg_json: str, head_dim: int, elem_bytes: in
     )
 
 
+def fold_threshold(n_pages: int) -> int:
+    """Recent pages at which :class:`PuzzleStore` folds its recent factor set into the main one."""
+    return max(8, math.isqrt(n_pages))
+
+
 class PuzzleStore(SegmentedStore):
     """One sequence, one layer: dense sink + factorized pages + dense window (see module doc).
 
@@ -259,7 +264,7 @@ class PuzzleStore(SegmentedStore):
                                                    for name, t in new.items()}
         self.n_pages += n_new
         self.factorizations += n_new
-        if self.n_pages - self.n_main >= max(8, math.isqrt(self.n_pages)):  # fold (a prefill folds at once)
+        if self.n_pages - self.n_main >= fold_threshold(self.n_pages):  # fold (a prefill folds at once)
             self.factors = self.all_factors()
             self.recent = {}
 
