@@ -35,6 +35,9 @@ def anchor_segment_attention(
     from .anchor_decode import anchor_split_kernel
 
     H, M, D = q.shape
+    if hmat.dtype != torch.float16 or hmat.shape != (D, D):
+        raise ValueError(f"hmat must be the codec's [{D}, {D}] fp16 0/±1 kernel matrix "
+                         f"(ResidualCodec.kernel_matrix), got {tuple(hmat.shape)} {hmat.dtype}")
     n = index_k.shape[1]
     n_splits = math.ceil(math.ceil(n / _BLOCK) / blocks_per_split)
     dev = q.device
