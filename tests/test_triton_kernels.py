@@ -141,6 +141,20 @@ def test_puzzle_kernel_reads_main_and_recent_pages(pre_rope, int4):
     _check(store, pages_per_split=3)
 
 
+def test_puzzle_kernel_with_only_recent_pages():
+    """A prompt shorter than sink + window: every page is factorized while decoding, so the main set
+    is empty and the recent set holds them all."""
+    cfg = PuzzleConfig(page_size=16, rank_k=6, rank_v=5, storage_dtype="float32", key_rope="pre",
+                       attention_backend="triton")
+    store = _store(2, 2, 32, 30, cfg)
+    assert store.n_pages == 0
+    torch.manual_seed(6)
+    for _ in range(60):
+        store.append(torch.randn(2, 1, 32), torch.randn(2, 1, 32))
+    assert store.n_main == 0 and store.n_pages > 0
+    _check(store, pages_per_split=1)
+
+
 def test_puzzle_kernel_several_query_rows():
     cfg = PuzzleConfig(page_size=16, rank_k=5, rank_v=5, storage_dtype="float32", attention_backend="triton")
     _check(_store(2, 3, 16, 60, cfg), n_q=3)
