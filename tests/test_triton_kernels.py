@@ -326,3 +326,24 @@ def test_decode_step_allocates_nothing_that_grows_with_the_context(method, monke
         assert syncs == 0
         largest.append(big)
     assert largest[1] == largest[0]  # same split count (about 32 per head) at 4x the context
+
+
+@pytest.mark.parametrize("method", ["puzzle", "anchor"])
+def test_decode_step_traces_as_one_graph_around_the_kernel(method):
+    """torch.compile sees a whole decode step (launcher, custom op, split merge, normalisation) as
+    one graph with no break, so it can fuse the PyTorch ops around the kernel."""
+    if method == "anchor":
+        store = _anchor_store(2, 2, 32, 300, budget=0.3, storage_dtype="float32", anchors=None)
+    else:
+        store = _store(2, 2, 32, 300, PuzzleConfig(page_size=16, rank_k=4, rank_v=4, storage_dtype="float32",
+                                                   attention_backend="triton"))
+    _, qg, scaling = _random_queries(store, 1)
+
+    def step(qg):
+        from kvpack.attention.softmax_merge import merge_partials
+
+        return finalize(merge_partials(store.stored_partials(qg, scaling)))
+
+    explained = torch._dynamo.explain(step)(qg)
+    torch._dynamo.reset()
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons

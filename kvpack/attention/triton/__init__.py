@@ -8,7 +8,6 @@ installed, PyTorch otherwise), ``triton`` (always; on CPU only under the interpr
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -17,9 +16,11 @@ import torch
 KERNEL_CHOICES = ("auto", "triton", "torch")
 
 
-@functools.lru_cache(maxsize=1)
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # looked up once, without importing it
+
+
 def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_INSTALLED
 
 
 def interpreter_on() -> bool:
