@@ -218,7 +218,8 @@ def main() -> int:
             store, k, v = build_store(method, {**cfg, "attention_backend": "triton"}, H, G, d, seq, device)
             dense_bytes = 2 * k.numel() * k.element_size()
             for batch in batches:
-                rows = [store] + [copy.deepcopy(store) for _ in range(batch - 1)]
+                # Copies own their tensors; they share the layout (one RoPE table per model, as in serving).
+                rows = [store] + [copy.deepcopy(store, {id(store.layout): store.layout}) for _ in range(batch - 1)]
                 kd = torch.stack([k] + [k.clone() for _ in range(batch - 1)])
                 vd = torch.stack([v] + [v.clone() for _ in range(batch - 1)])
                 q = torch.randn(batch, H * G, 1, d, device=device, dtype=torch.bfloat16)
