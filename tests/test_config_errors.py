@@ -26,6 +26,7 @@ from kvpack.hf.models import load_model
     (dict(budget=0.5, rank_k=4, rank_v=4), "either budget or rank_k"),
     (dict(key_rope="middle"), "key_rope must be 'post' or 'pre'"),
     (dict(storage_dtype="int8"), "storage_dtype must be one of"),
+    (dict(check_finite="no"), "check_finite must be true or false"),
 ])
 def test_invalid_puzzle_config(fields, match):
     with pytest.raises(ValueError, match=match):

@@ -347,3 +347,30 @@ def test_decode_step_traces_as_one_graph_around_the_kernel(method):
     explained = torch._dynamo.explain(step)(qg)
     torch._dynamo.reset()
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+
+
+@pytest.mark.parametrize("method", ["puzzle", "anchor"])
+def test_full_decode_step_without_host_sync_when_finite_check_is_off(method, monkeypatch):
+    """attend() + append() of a decode token: the NaN/Inf check is the only host synchronisation
+    (two per tensor pair: attend and append each check keys and values); with check_finite=false
+    there is none, so a whole decode step can be captured in a CUDA graph."""
+    import importlib
+
+    syncs = {}
+    for check in (True, False):
+        if method == "anchor":
+            store = _anchor_store(2, 2, 32, 300, budget=0.3, storage_dtype="float32", anchors=None,
+                                  check_finite=check)
+            kernel = ("kvpack.attention.triton.anchor_decode", "anchor_split_kernel")
+        else:
+            store = _store(2, 2, 32, 300, PuzzleConfig(page_size=16, rank_k=4, rank_v=4, storage_dtype="float32",
+                                                       attention_backend="triton", check_finite=check))
+            kernel = ("kvpack.attention.triton.puzzle_decode", "puzzle_split_kernel")
+        monkeypatch.setattr(importlib.import_module(kernel[0]), kernel[1],
+                            type("NoLaunch", (), {"__getitem__": lambda self, grid: lambda *a, **k: None})())
+        q, k, v = torch.randn(4, 1, 32), torch.randn(2, 1, 32), torch.randn(2, 1, 32)
+        with _RecordOps() as rec:
+            out = store.attend(q, k, v, 32 ** -0.5)
+            store.append(k, v, q, out)
+        syncs[check] = rec.syncs
+    assert syncs == {True: 4, False: 0}

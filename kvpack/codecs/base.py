@@ -55,6 +55,10 @@ class CodecConfig:
         storage_dtype: dtype of dense regions and float factors: ``bfloat16`` (default),
             ``float16``, ``float32`` or ``auto`` (the model's dtype).
         seed: seed for every random choice the codec makes.
+        check_finite: refuse chunks whose keys or values hold NaN or Inf (default). On a GPU the
+            check reads a flag back to the host: a synchronisation per tensor checked, on every
+            layer and decode step, which also rules out capturing decode steps in a CUDA graph;
+            ``false`` skips it (shapes and dtypes are still checked).
     """
 
     VERSION: ClassVar[int] = 1
@@ -62,6 +66,7 @@ class CodecConfig:
     budget: float | None = None
     storage_dtype: str = "bfloat16"
     seed: int = 0
+    check_finite: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -75,6 +80,8 @@ class CodecConfig:
         if self.storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {self.storage_dtype!r}")
         _require_int(self, "seed", minimum=0)
+        if not isinstance(self.check_finite, bool):
+            raise ValueError(f"check_finite must be true or false, got {self.check_finite!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.VERSION, **dataclasses.asdict(self)}
@@ -267,7 +274,7 @@ class LayerStore(ABC):
                 raise ValueError(
                     f"{name} must be [kv_heads={lay.kv_heads}, tokens, head_dim={lay.head_dim}], got {list(t.shape)}"
                 )
-            if not torch.isfinite(t).all():
+            if self.config.check_finite and not torch.isfinite(t).all():
                 raise ValueError(f"{name} of layer {lay.layer_idx} contain NaN or Inf")
         if k.shape != v.shape:
             raise ValueError(f"keys {list(k.shape)} and values {list(v.shape)} must have the same shape")
