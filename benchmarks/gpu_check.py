@@ -13,6 +13,10 @@ On one CUDA device (Llama-8B head shape: 8 KV heads, 32 query heads, d = 128):
    (bytes read, RoPE table rows included, ÷ time) and the fraction of the device's copy bandwidth
    measured in the same run.
 
+4. Decode steps end to end: attend + append per token over one layer at the first context (96
+   tokens; a completed page's factorization included), eager, vs SDPA over a preallocated dense
+   cache written in place — the per-token cost the PuzzleKV paper reports as TPOT (+0.18%).
+
 Prints the elapsed time after each context. Budget: under 8 minutes on an H200 — an estimate, the
 script has never run on a GPU (stores are built once per context; batch rows copy that store); past
 ``--budget-s`` it starts nothing new and lists what it did not measure, so a cut-short run still
@@ -99,6 +103,47 @@ def _store_output(store, qg, scaling, backend: str):
     """Normalised attention of ``qg`` over everything the store holds, through ``backend``."""
     store.config.attention_backend = backend
     return finalize(merge_partials(store.stored_partials(qg, scaling)))
+
+
+def _decode_steps(store, steps: int, device, seed: int = 1) -> float:
+    """Seconds per decode step of one layer through the store (attend, then append: the incremental
+    compression a page completion triggers included), averaged over ``steps`` tokens."""
+    lay = store.layout
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    toks = [(torch.randn(lay.q_heads, 1, lay.head_dim, generator=g).to(device, torch.bfloat16),
+             torch.randn(lay.kv_heads, 1, lay.head_dim, generator=g).to(device, torch.bfloat16),
+             torch.randn(lay.kv_heads, 1, lay.head_dim, generator=g).to(device, torch.bfloat16)) for _ in range(steps)]
+    _sync(device)
+    start = time.perf_counter()
+    for q, k, v in toks:
+        out = store.attend(q, k, v, lay.head_dim ** -0.5)
+        store.append(k, v, q, out)
+    _sync(device)
+    return (time.perf_counter() - start) / steps
+
+
+def _dense_decode_steps(k, v, G: int, steps: int, device) -> float:
+    """The same for a dense bf16 cache preallocated for the new tokens (a static cache: each step
+    writes its token in place and attends over the filled prefix with SDPA)."""
+    H, T, d = k.shape
+    kbuf = torch.empty(H, T + steps, d, device=device, dtype=k.dtype)
+    vbuf = torch.empty_like(kbuf)
+    kbuf[:, :T], vbuf[:, :T] = k, v
+    q = torch.randn(1, H * G, 1, d, device=device, dtype=k.dtype)
+    kn, vn = torch.randn(H, 1, d, device=device, dtype=k.dtype), torch.randn(H, 1, d, device=device, dtype=k.dtype)
+    _sync(device)
+    start = time.perf_counter()
+    for t in range(T, T + steps):
+        kbuf[:, t:t + 1], vbuf[:, t:t + 1] = kn, vn
+        torch.nn.functional.scaled_dot_product_attention(q, kbuf[None, :, :t + 1], vbuf[None, :, :t + 1],
+                                                         scale=d ** -0.5, enable_gqa=True)
+    _sync(device)
+    return (time.perf_counter() - start) / steps
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _graph_timer(fn, device, repeats=20) -> float | None:
@@ -247,6 +292,25 @@ def main() -> int:
         print(f"  (context {seq}: done at {time.perf_counter() - t_start:.0f} s)")
     if skipped:
         print(f"  NOT MEASURED (over --budget-s {args.budget_s:.0f} s): {', '.join(skipped)}")
+
+    seq, steps = contexts[0], (8 if args.cpu_smoke else 96)
+    print(f"\n## decode steps end to end, one layer, batch 1, {seq} tokens + {steps} decoded")
+    print("attend + append per token (the incremental compression of completed pages included; "
+          "check_finite=false, eager) vs SDPA over a preallocated dense bf16 cache written in place.")
+    print("| config | dense ms/step | kvpack ms/step | ratio |")
+    print("|---|---|---|---|")
+    for method, cfg, label in CONFIGS:
+        if time.perf_counter() - t_start > args.budget_s:
+            print(f"  NOT MEASURED (over --budget-s): {label}")
+            continue
+        store, k, v = build_store(method, {**cfg, "attention_backend": "triton", "check_finite": False},
+                                  H, G, d, seq, device)
+        _decode_steps(store, 2, device, seed=2)  # compile, pick pipelining depths
+        t_kv = _decode_steps(store, steps, device)
+        t_dense = _dense_decode_steps(k, v, G, steps, device)
+        print(f"| {label} | {t_dense * 1e3:.3f} | {t_kv * 1e3:.3f} | {t_kv / t_dense:.3f} |")
+        del store, k, v
+    print(f"  (done at {time.perf_counter() - t_start:.0f} s)")
     return 0
 
 
