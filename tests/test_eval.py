@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvpack.eval.report import write_report
-from kvpack.eval.runner import EvalPlan, MethodSpec, method_specs, run_eval
+from kvpack.eval.runner import EvalPlan, MethodSpec, method_specs, rows_in_plan, run_eval
 from kvpack.eval.scoring import score, string_match_all, string_match_part
 from kvpack.eval.tasks import NIAH_TASKS, RULER_TASKS, make_sample
 
@@ -244,6 +244,22 @@ def test_runner_end_to_end_and_resume(tiny_model, tokenizer, tiny_calibration, t
     redo = [r for r in final if (r["setting"], r["task"], r["sample"], r["method"], r["budget"]) ==
             (last["setting"], last["task"], last["sample"], last["method"], last["budget"])]
     assert len(redo) == 1 and redo[0].get("prediction") == last.get("prediction")
+
+
+def test_resume_computes_again_under_other_overrides(tiny_model, tokenizer, tmp_path):
+    """Rows are keyed by their config overrides too: rerunning a method with other ``--set`` values
+    in the same directory computes it again, and the plan's rows are the new ones."""
+    def plan(overrides):
+        return EvalPlan(tasks=["niah_single_2"], lengths=[200], samples=1, fidelity=False,
+                        specs=method_specs(["snapkv"], [0.5], overrides))
+
+    first = run_eval(tiny_model, tokenizer, plan({}), tmp_path, progress=False)
+    second = run_eval(tiny_model, tokenizer, plan({"snapkv": {"kernel": 3}}), tmp_path, progress=False)
+    assert len(first) == 1 and len(second) == 2  # computed again, appended
+    assert second[1]["overrides"] == {"kernel": 3} and second[1]["config"]["kernel"] == 3
+    assert rows_in_plan(second, plan({"snapkv": {"kernel": 3}})) == [second[1]]
+    again = run_eval(tiny_model, tokenizer, plan({}), tmp_path, progress=False)
+    assert len(again) == 2  # the first configuration's row is still there: nothing recomputed
 
 
 def test_deterministic_predictions(tiny_model, tokenizer, tmp_path):

@@ -5,7 +5,8 @@ attention (:mod:`kvpack.eval.prefill`) — in the *query-aware* setting everythi
 prompt token, in the *query-agnostic* setting only instruction + context — and every method ×
 budget is built from that same prefill and decoded greedily (the rest of the prompt is prefilled
 over the compressed cache first). Rows are appended to ``results.jsonl`` as they finish; a rerun
-skips every (setting, task, length, sample, method, budget) already there.
+skips every (setting, task, length, sample, method, budget, config overrides) already there — a
+method rerun with other ``--set`` overrides is computed again, not taken from the earlier rows.
 
 Fidelity (``fidelity=True``), from a second build of each cache: the rest of the prompt, the gold
 answer and a held-out continuation (more haystack) are teacher-forced in one pass; the mean
@@ -44,6 +45,11 @@ class MethodSpec:
     @property
     def label(self) -> str:
         return self.method if self.budget is None else f"{self.method}@{self.budget:g}"
+
+    @property
+    def overrides_key(self) -> str:
+        """The config overrides (budget aside) as canonical JSON: part of a result row's identity."""
+        return json.dumps(self.config, sort_keys=True)
 
     def codec_config(self) -> dict:
         cfg = dict(self.config)
@@ -94,16 +100,18 @@ class EvalPlan:
 
 
 def _row_key(row: dict) -> tuple:
-    return (row["setting"], row["task"], row["length"], row["sample"], row["method"], row["budget"])
+    # Rows written before overrides were recorded had none.
+    overrides = json.dumps(row.get("overrides", {}), sort_keys=True)
+    return (row["setting"], row["task"], row["length"], row["sample"], row["method"], row["budget"], overrides)
 
 
 def rows_in_plan(rows: list[dict], plan: EvalPlan) -> list[dict]:
     """The rows a plan asks for (an output directory may also hold rows of earlier, wider runs)."""
     units = {(s, t, n, i) for s in plan.settings for t in plan.tasks for n in plan.lengths
              for i in range(plan.samples)}
-    specs = {(s.method, s.budget) for s in plan.specs}
+    specs = {(s.method, s.budget, s.overrides_key) for s in plan.specs}
     return [r for r in rows if (r["setting"], r["task"], r["length"], r["sample"]) in units
-            and (r["method"], r["budget"]) in specs]
+            and _row_key(r)[4:] in specs]
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -158,10 +166,11 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
              for index in range(plan.samples) for setting in plan.settings]
     total = len(units) * len(plan.specs)
     bar = tqdm(total=total, desc="[kvpack] eval", unit="run", disable=not progress)
-    bar.update(sum(1 for u in units for s in plan.specs if (*u, s.method, s.budget) in done))
+    bar.update(sum(1 for u in units for s in plan.specs if (*u, s.method, s.budget, s.overrides_key) in done))
     with results.open("a") as sink:
         for setting, task, length, index in units:
-            pending = [s for s in plan.specs if (setting, task, length, index, s.method, s.budget) not in done]
+            pending = [s for s in plan.specs
+                       if (setting, task, length, index, s.method, s.budget, s.overrides_key) not in done]
             if not pending:
                 continue
             bar.set_postfix_str(f"{task} {length} #{index}")
@@ -183,7 +192,7 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
             for spec in pending:
                 row = {"setting": setting, "task": task, "length": length, "sample": index, "depth": sample.depth,
                        "seed": sample.seed, "prompt_tokens": len(ids), "compressed_tokens": n_pre,
-                       "method": spec.method, "budget": spec.budget, "label": spec.label,
+                       "method": spec.method, "budget": spec.budget, "label": spec.label, "overrides": spec.config,
                        "answers": sample.answers, "metric": sample.metric, "prefill_s": prefill.seconds}
                 try:
                     codec = get_codec(spec.method, **spec.codec_config())
