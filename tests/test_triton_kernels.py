@@ -294,13 +294,24 @@ class _RecordOps(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def _step_allocations(store, monkeypatch, kernel_module, kernel_name):
-    """(largest tensor bytes, host syncs) of one decode step's ``stored_partials`` with the Triton
-    launch itself replaced by a no-op (the kernel's own work is not a PyTorch allocation)."""
+_KERNELS = {"puzzle": ("kvpack.attention.triton.puzzle_decode", "puzzle_split_kernel"),
+            "anchor": ("kvpack.attention.triton.anchor_decode", "anchor_split_kernel")}
+
+
+def _stub_kernel(monkeypatch, method: str) -> None:
+    """Replace a codec's Triton kernel by a launch that does nothing (its outputs stay unwritten):
+    what is left of a decode step is the PyTorch work around the kernel."""
     import importlib
 
-    monkeypatch.setattr(importlib.import_module(kernel_module), kernel_name,
+    module, name = _KERNELS[method]
+    monkeypatch.setattr(importlib.import_module(module), name,
                         type("NoLaunch", (), {"__getitem__": lambda self, grid: lambda *a, **k: None})())
+
+
+def _step_allocations(store, monkeypatch, method):
+    """(largest tensor bytes, host syncs) of one decode step's ``stored_partials`` with the Triton
+    launch itself replaced by a no-op (the kernel's own work is not a PyTorch allocation)."""
+    _stub_kernel(monkeypatch, method)
     _, qg, scaling = _random_queries(store, 1)
     store.stored_partials(qg, scaling)  # first call may grow the shared RoPE table (once per model)
     with _RecordOps() as rec:
@@ -316,13 +327,11 @@ def test_decode_step_allocates_nothing_that_grows_with_the_context(method, monke
     for seq in (1200, 4800):
         if method == "anchor":
             store = _anchor_store(2, 2, 32, seq, budget=0.3, storage_dtype="float32", anchors=None)
-            kernel = ("kvpack.attention.triton.anchor_decode", "anchor_split_kernel")
         else:
             cfg = PuzzleConfig(page_size=16, rank_k=4, rank_v=4, storage_dtype="float32", key_rope="pre",
                                attention_backend="triton")
             store = _store(2, 2, 32, seq, cfg)
-            kernel = ("kvpack.attention.triton.puzzle_decode", "puzzle_split_kernel")
-        big, syncs = _step_allocations(store, monkeypatch, *kernel)
+        big, syncs = _step_allocations(store, monkeypatch, method.split("_")[0])
         assert syncs == 0
         largest.append(big)
     assert largest[1] == largest[0]  # same split count (about 32 per head) at 4x the context
@@ -354,20 +363,15 @@ def test_full_decode_step_without_host_sync_when_finite_check_is_off(method, mon
     """attend() + append() of a decode token: the NaN/Inf check is the only host synchronisation
     (two per tensor pair: attend and append each check keys and values); with check_finite=false
     there is none, so a whole decode step can be captured in a CUDA graph."""
-    import importlib
-
     syncs = {}
     for check in (True, False):
         if method == "anchor":
             store = _anchor_store(2, 2, 32, 300, budget=0.3, storage_dtype="float32", anchors=None,
                                   check_finite=check)
-            kernel = ("kvpack.attention.triton.anchor_decode", "anchor_split_kernel")
         else:
             store = _store(2, 2, 32, 300, PuzzleConfig(page_size=16, rank_k=4, rank_v=4, storage_dtype="float32",
                                                        attention_backend="triton", check_finite=check))
-            kernel = ("kvpack.attention.triton.puzzle_decode", "puzzle_split_kernel")
-        monkeypatch.setattr(importlib.import_module(kernel[0]), kernel[1],
-                            type("NoLaunch", (), {"__getitem__": lambda self, grid: lambda *a, **k: None})())
+        _stub_kernel(monkeypatch, method)
         q, k, v = torch.randn(4, 1, 32), torch.randn(2, 1, 32), torch.randn(2, 1, 32)
         with _RecordOps() as rec:
             out = store.attend(q, k, v, 32 ** -0.5)
