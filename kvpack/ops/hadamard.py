@@ -22,16 +22,10 @@ def hadamard_matrix(dim: int, dtype=torch.float32) -> torch.Tensor:
 
 
 class RandomizedHadamard:
-    """The rotation ``x -> H (s ⊙ x)`` over the last axis, with signs from ``seed``."""
+    """The rotation ``x -> H (s ⊙ x)`` over the last axis, with signs from ``seed`` (applied by
+    ``kvpack.ops.residual_codec.HadamardLloydMax``, which keeps the matrix and signs per device)."""
 
     def __init__(self, dim: int, seed: int):
         self.matrix = hadamard_matrix(dim)
         gen = torch.Generator().manual_seed(seed)
         self.signs = torch.randint(0, 2, (dim,), generator=gen).float() * 2 - 1
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # H is symmetric, so x @ H == (H xᵀ)ᵀ.
-        return (x.float() * self.signs.to(x.device)) @ self.matrix.to(x.device)
-
-    def inverse(self, y: torch.Tensor) -> torch.Tensor:
-        return (y.float() @ self.matrix.to(y.device)) * self.signs.to(y.device)

@@ -1,4 +1,4 @@
-"""Lloyd–Max scalar quantizer for a standard Gaussian source, and 2-bit codes with it.
+"""Lloyd–Max scalar quantizer for a standard Gaussian source (its codes: ``kvpack.ops.residual_codec``).
 
 The optimal 4-level quantizer of N(0, 1) (Max, 1960) has levels ±0.4528, ±1.5104 and thresholds
 0, ±0.9816; :func:`lloyd_max_gaussian` computes it by Lloyd's iteration (thresholds at midpoints,
@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-
-import torch
 
 
 def _pdf(x: float) -> float:
@@ -33,14 +31,3 @@ def lloyd_max_gaussian(n_levels: int = 4, iterations: int = 500) -> tuple[tuple[
         levels = [(_pdf(a) - _pdf(b)) / max(_cdf(b) - _cdf(a), 1e-300) for a, b in zip(edges, edges[1:])]
     thresholds = [(a + b) / 2 for a, b in zip(levels, levels[1:])]
     return tuple(levels), tuple(thresholds)
-
-
-def encode(x: torch.Tensor, n_levels: int = 4) -> torch.Tensor:
-    """Codes (uint8 in ``[0, n_levels)``) of unit-variance values ``x`` under the Gaussian codebook."""
-    _, thresholds = lloyd_max_gaussian(n_levels)
-    return torch.bucketize(x.float().contiguous(), torch.tensor(thresholds, device=x.device)).to(torch.uint8)
-
-
-def decode(codes: torch.Tensor, n_levels: int = 4) -> torch.Tensor:
-    levels, _ = lloyd_max_gaussian(n_levels)
-    return torch.tensor(levels, device=codes.device)[codes.long()]

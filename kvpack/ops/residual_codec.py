@@ -73,10 +73,18 @@ class ResidualCodec:
     def _scale(self, y: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def rotate(self, r: torch.Tensor) -> torch.Tensor:
+        """Residual domain ``[..., D]`` -> the rotated domain the codes quantize (fp32); inverted by
+        :meth:`unrotate`."""
+        if not self.rotates:
+            return r.float()
+        # H is symmetric, so x @ H == (H xᵀ)ᵀ.
+        matrix, signs, _ = self.on(r.device)
+        return (r.float() * signs) @ matrix
+
     def encode(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``r [n, D]`` -> packed codes ``[n, D/4]`` uint8 and fp32 scales ``[n]``."""
-        matrix, signs, _ = self.on(r.device)
-        y = (r.float() * signs) @ matrix if self.rotates else r.float()
+        y = self.rotate(r)
         scale = self._scale(y)
         unit = y / scale.clamp_min(1e-30)[:, None]
         codes = torch.bucketize(unit.contiguous(), torch.tensor(self.thresholds, device=r.device)).to(torch.uint8)
