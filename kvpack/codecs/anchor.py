@@ -54,8 +54,8 @@ from ..attention.softmax_merge import (
 from ..ops.bitpack import pack_bits, unpack_bits
 from ..ops.residual_codec import RESIDUAL_CODECS, ResidualCodec, make_residual_codec
 from ..ops.rope import apply_rope, invert_rope
-from .base import Codec, CodecConfig, LayerLayout, LayerStore, register_codec, \
-    dense_bf16_bytes, require_int
+from .base import Codec, CodecConfig, LayerLayout, LayerStore, dense_bf16_bytes, register_codec, \
+    require_bool, require_int
 
 PREFIX_BLOCK = 32  # tokens per prefix count
 RANKINGS = ("utility", "attention", "residual_norm", "cosine", "random")
@@ -150,8 +150,7 @@ class AnchorConfig(CodecConfig):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         for name in ("random_anchors", "residuals", "narrow_index"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+            require_bool(self, name)
         require_int(self, "residual_pooling", minimum=1)
         if self.residual_pooling % 2 == 0:
             raise ValueError(f"residual_pooling must be odd, got {self.residual_pooling}")

@@ -80,8 +80,7 @@ class CodecConfig:
         if self.storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {self.storage_dtype!r}")
         _require_int(self, "seed", minimum=0)
-        if not isinstance(self.check_finite, bool):
-            raise ValueError(f"check_finite must be true or false, got {self.check_finite!r}")
+        require_bool(self, "check_finite")
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.VERSION, **dataclasses.asdict(self)}
@@ -160,6 +159,13 @@ def _require_int(cfg, name: str, minimum: int | None = None, maximum: int | None
 
 
 require_int = _require_int
+
+
+def require_bool(cfg, name: str) -> None:
+    """Raise ``ValueError`` unless ``cfg.<name>`` is a bool (not 0/1, not a string)."""
+    value = getattr(cfg, name)
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import torch
 from ..attention.scores import accumulated_attention, observation_scores
 from ..attention.softmax_merge import attend_history_and_chunk, dense_partial, group_queries, prefill_attention
 from .base import Codec, CodecConfig, LayerLayout, LayerStore, dense_bf16_bytes, register_codec, \
-    require_int
+    require_bool, require_int
 
 
 @dataclass
@@ -202,8 +202,7 @@ class H2OConfig(EvictionConfig):
         super().validate()
         if not (isinstance(self.recent_fraction, (int, float)) and 0.0 <= self.recent_fraction <= 1.0):
             raise ValueError(f"recent_fraction must be in [0, 1], got {self.recent_fraction!r}")
-        if not isinstance(self.update_scores, bool):
-            raise ValueError(f"update_scores must be a boolean, got {self.update_scores!r}")
+        require_bool(self, "update_scores")
 
 
 def h2o_select(scores: torch.Tensor, n_keep: int, n_recent: int) -> torch.Tensor:

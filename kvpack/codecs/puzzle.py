@@ -29,7 +29,8 @@ from ..attention.pages import factorized_pages_partial
 from ..ops.int4 import dequantize_int4, quantize_int4
 from ..ops.lowrank import gram_eigh_factors
 from ..ops.rope import apply_rope, invert_rope
-from .base import Codec, CodecConfig, LayerLayout, dense_bf16_bytes, register_codec, require_int
+from .base import Codec, CodecConfig, LayerLayout, dense_bf16_bytes, register_codec, require_bool, \
+    require_int
 from .segmented import SegmentedStore
 
 DEFAULT_PAGE_RATIO = 0.6  # target factorized-page ratio of the default ranks (paper: ≈ 0.586)
@@ -81,8 +82,7 @@ class PuzzleConfig(CodecConfig):
             raise ValueError("set either budget or rank_k/rank_v, not both: budget picks the ranks")
         if self.key_rope not in ("post", "pre"):
             raise ValueError(f"key_rope must be 'post' or 'pre', got {self.key_rope!r}")
-        if not isinstance(self.int4, bool):
-            raise ValueError(f"int4 must be a boolean, got {self.int4!r}")
+        require_bool(self, "int4")
         from ..attention.triton import KERNEL_CHOICES
 
         if self.attention_backend not in KERNEL_CHOICES:
