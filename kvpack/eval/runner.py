@@ -47,9 +47,10 @@ class MethodSpec:
         return self.method if self.budget is None else f"{self.method}@{self.budget:g}"
 
     @property
-    def overrides_key(self) -> str:
-        """The config overrides (budget aside) as canonical JSON: part of a result row's identity."""
-        return json.dumps(self.config, sort_keys=True)
+    def key(self) -> tuple:
+        """``(method, budget, overrides as canonical JSON)``: the spec's part of a result row's identity
+        (the last three fields of :func:`_row_key`)."""
+        return self.method, self.budget, _canonical(self.config)
 
     def codec_config(self) -> dict:
         cfg = dict(self.config)
@@ -99,17 +100,21 @@ class EvalPlan:
             get_codec(spec.method, **{k: v for k, v in spec.codec_config().items() if k != "budget"})
 
 
+def _canonical(overrides: dict) -> str:
+    return json.dumps(overrides, sort_keys=True)
+
+
 def _row_key(row: dict) -> tuple:
     # Rows written before overrides were recorded had none.
-    overrides = json.dumps(row.get("overrides", {}), sort_keys=True)
-    return (row["setting"], row["task"], row["length"], row["sample"], row["method"], row["budget"], overrides)
+    return (row["setting"], row["task"], row["length"], row["sample"], row["method"], row["budget"],
+            _canonical(row.get("overrides", {})))
 
 
 def rows_in_plan(rows: list[dict], plan: EvalPlan) -> list[dict]:
     """The rows a plan asks for (an output directory may also hold rows of earlier, wider runs)."""
     units = {(s, t, n, i) for s in plan.settings for t in plan.tasks for n in plan.lengths
              for i in range(plan.samples)}
-    specs = {(s.method, s.budget, s.overrides_key) for s in plan.specs}
+    specs = {s.key for s in plan.specs}
     return [r for r in rows if (r["setting"], r["task"], r["length"], r["sample"]) in units
             and _row_key(r)[4:] in specs]
 
@@ -166,11 +171,10 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
              for index in range(plan.samples) for setting in plan.settings]
     total = len(units) * len(plan.specs)
     bar = tqdm(total=total, desc="[kvpack] eval", unit="run", disable=not progress)
-    bar.update(sum(1 for u in units for s in plan.specs if (*u, s.method, s.budget, s.overrides_key) in done))
+    bar.update(sum(1 for u in units for s in plan.specs if (*u, *s.key) in done))
     with results.open("a") as sink:
         for setting, task, length, index in units:
-            pending = [s for s in plan.specs
-                       if (setting, task, length, index, s.method, s.budget, s.overrides_key) not in done]
+            pending = [s for s in plan.specs if (setting, task, length, index, *s.key) not in done]
             if not pending:
                 continue
             bar.set_postfix_str(f"{task} {length} #{index}")
