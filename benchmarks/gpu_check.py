@@ -180,22 +180,15 @@ def _rope_bytes_read(store) -> int:
     return rope_rows * table_width * 4 * 2  # fp32 cos and sin
 
 
-def _print_resources(H: int, G: int, d: int, device) -> None:
-    """Registers, spills and shared memory of each kernel as compiled for this device."""
+def _print_resources(compiled_by: dict[str, list]) -> None:
+    """Registers, spills and shared memory of each kernel as compiled for this device;
+    ``compiled_by``: label -> the ``_launch.compiled_kernels()`` keys its launches added."""
     from kvpack.attention.triton import _launch
-    from kvpack.attention.triton.anchor_op import anchor_partials
-    from kvpack.attention.triton.puzzle_op import puzzle_partial
 
-    seen = set()
-    for method, cfg, label in CONFIGS:
-        store, _, _ = build_store(method, {**cfg, "attention_backend": "triton"}, H, G, d, 2048, device)
-        qg = group_queries(torch.randn(H * G, 1, d, device=device), H)
-        (puzzle_partial if method == "puzzle" else anchor_partials)(store, qg, d ** -0.5)
-        torch.cuda.synchronize()
-        for key, (stages, kernel) in _launch.compiled_kernels().items():
-            if key in seen:
-                continue
-            seen.add(key)
+    compiled = _launch.compiled_kernels()
+    for label, keys in compiled_by.items():
+        for key in keys:
+            stages, kernel = compiled[key]
             regs, spills = getattr(kernel, "n_regs", "?"), getattr(kernel, "n_spills", "?")
             shared = getattr(getattr(kernel, "metadata", None), "shared", "?")
             print(f"  {label:<26} {key[0]}: {stages} stages, {regs} registers, {spills} spills, {shared} B shared")
@@ -234,17 +227,22 @@ def main() -> int:
     scaling = d ** -0.5
 
     print("\n## correctness: Triton vs PyTorch path on the same store (decode step, bf16 storage)")
+    from kvpack.attention.triton import _launch
+
+    compiled_by = {}  # label -> the kernels its Triton launches compiled (printed in the next section)
     for method, cfg, label in CONFIGS:
         store, _, _ = build_store(method, {**cfg, "attention_backend": "torch"}, H, G, d, check_len, device)
         qg = group_queries(torch.randn(H * G, 1, d, device=device), H)
         ref = _store_output(store, qg, scaling, "torch")
+        before = set(_launch.compiled_kernels())
         got = _store_output(store, qg, scaling, "triton")
+        compiled_by[label] = [key for key in _launch.compiled_kernels() if key not in before]
         err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
         print(f"  {label:<26} max |err| / max |ref| = {err:.2e}  {'ok' if err < 2e-2 else 'MISMATCH'}")
 
     print("\n## kernel resources (compiled for this device; registers and spills per thread)")
     if device.type == "cuda":
-        _print_resources(H, G, d, device)
+        _print_resources(compiled_by)
     print("\n## decode attention, one layer (kvpack Triton vs SDPA over the dense bf16 cache)")
     print("Every batch row holds its own tensors (dense: distinct K/V copies; kvpack: a copy of the store).")
     print("eager = each call launched from Python; graph = the same calls replayed from one CUDA graph "
