@@ -3,7 +3,8 @@
 On one CUDA device (Llama-8B head shape: 8 KV heads, 32 query heads, d = 128):
 
 1. Correctness: for PuzzleKV (post-RoPE, pre-RoPE, INT4) and AnchorKV stores of 8K tokens, the
-   Triton path's decode output vs the PyTorch path's on the same store (max abs error, bf16 scale).
+   Triton path's output vs the PyTorch path's on the same store (max abs error, bf16 scale), for a
+   decode step and for a 16-query chunk (query rows in several of the kernels' row blocks).
 2. Kernel resources: registers, spills and shared memory of each kernel as compiled for the device.
 3. Decode: one decode step's attention over a layer at contexts 16K, 32K, 64K, 128K and batch 1 and
    8 — the Triton kernel over each row's PuzzleKV / AnchorKV store vs SDPA (FlashAttention backend
@@ -201,6 +202,8 @@ def _print_resources(compiled_by: dict[str, list]) -> None:
             print(f"  {label:<26} {key[0]}: {stages} stages, {regs} registers, {spills} spills, {shared} B shared")
 
 
+CHUNK_QUERIES = 16  # the correctness section's multi-query chunk (a prefill over the stored history)
+
 CONFIGS = [
     ("puzzle", {"budget": 0.6}, "puzzle P=32 budget 0.6"),
     ("puzzle", {"budget": 0.6, "key_rope": "pre"}, "puzzle pre-RoPE 0.6"),
@@ -296,19 +299,23 @@ def _run(device, H: int, G: int, d: int, contexts: list[int], check_len: int, ba
     print(f"# gpu_check on {name}, torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s")
     scaling = d ** -0.5
 
-    print("\n## correctness: Triton vs PyTorch path on the same store (decode step, bf16 storage)")
+    print("\n## correctness: Triton vs PyTorch path on the same store (bf16 storage; a decode step, and a "
+          f"{CHUNK_QUERIES}-query chunk over the stored history: {CHUNK_QUERIES * G} rows per KV head, several row blocks)")
     from kvpack.attention.triton import _launch
 
     compiled_by = {}  # label -> the kernels its Triton launches compiled (printed in the next section)
     for method, cfg, label in CONFIGS:
         store, _, _ = build_store(method, {**cfg, "attention_backend": "torch"}, H, G, d, check_len, device)
-        qg = group_queries(torch.randn(H * G, 1, d, device=device), H)
-        ref = _store_output(store, qg, scaling, "torch")
         before = set(_launch.compiled_kernels())
-        got = _store_output(store, qg, scaling, "triton")
+        errors = []
+        for n_q in (1, CHUNK_QUERIES):
+            qg = group_queries(torch.randn(H * G, n_q, d, device=device), H)
+            ref = _store_output(store, qg, scaling, "torch")
+            got = _store_output(store, qg, scaling, "triton")
+            errors.append((got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6))
         compiled_by[label] = [key for key in _launch.compiled_kernels() if key not in before]
-        err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
-        print(f"  {label:<26} max |err| / max |ref| = {err:.2e}  {'ok' if err < 2e-2 else 'MISMATCH'}")
+        verdict = "ok" if max(errors) < 2e-2 else "MISMATCH"
+        print(f"  {label:<26} max |err| / max |ref| = {errors[0]:.2e} (decode), {errors[1]:.2e} (chunk)  {verdict}")
         pending.remove(f"correctness: {label}")
 
     print("\n## kernel resources (compiled for this device; registers and spills per thread)")

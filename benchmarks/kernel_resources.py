@@ -3,9 +3,11 @@
 Compiles each kernel the way its launcher would launch it for the Llama-8B head shape (d = 128,
 GQA group 4; page size and ranks as in ``gpu_check.py``) for each requested architecture, with a
 stand-in CUDA driver (``kvpack.attention.triton.cross_compile``): no GPU is needed, and nothing runs.
-Resources do not depend on the context length, so the stores are small.
+Resources do not depend on the context length, so the stores are small. ``--queries 1,64`` also
+compiles the launch of a 64-query chunk (a prefill over the stored history: 256 query rows, taken in
+blocks of 16 per program).
 
-Usage: python benchmarks/kernel_resources.py [--arch 80,90] [--json]
+Usage: python benchmarks/kernel_resources.py [--arch 80,90] [--queries 1] [--json]
 (without TRITON_INTERPRET; exits 1 if a kernel fails to compile)
 """
 
@@ -35,6 +37,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", default="80,90", help="compute capabilities, e.g. 80 (A100), 90 (H100/H200)")
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--queries", default="1", help="queries per launch, comma-separated (1 = a decode step)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     H, G, d = 2, 4, 128  # registers and shared memory depend on d, the group and the tiles, not on H
@@ -42,25 +45,27 @@ def main() -> int:
     stores = [(label, method, build_store(method, {**cfg, "attention_backend": "torch"}, H, G, d, args.tokens,
                                           torch.device("cpu")))
               for method, cfg, label in VARIANTS]
-    qg = group_queries(torch.randn(H * G, 1, d), H)
-    for arch in (int(a) for a in args.arch.split(",")):
-        for label, method, (store, _, _) in stores:
-            launch = puzzle_partial if method == "puzzle" else anchor_partials
-            try:
-                with compile_only(arch) as builds:
-                    launch(store, qg, d ** -0.5)
-            except Exception as e:  # report every configuration, then fail
-                failed = True
-                print(f"sm_{arch} {label}: compile FAILED: {type(e).__name__}: {e}", file=sys.stderr)
-                continue
-            rows += [{"config": label, **dataclasses.asdict(b)} for b in builds]
+    for n_q in (int(n) for n in args.queries.split(",")):
+        qg = group_queries(torch.randn(H * G, n_q, d), H)
+        for arch in (int(a) for a in args.arch.split(",")):
+            for label, method, (store, _, _) in stores:
+                launch = puzzle_partial if method == "puzzle" else anchor_partials
+                try:
+                    with compile_only(arch) as builds:
+                        launch(store, qg, d ** -0.5)
+                except Exception as e:  # report every configuration, then fail
+                    failed = True
+                    print(f"sm_{arch} {label} ({n_q} queries): compile FAILED: {type(e).__name__}: {e}",
+                          file=sys.stderr)
+                    continue
+                rows += [{"config": label, "queries": n_q, **dataclasses.asdict(b)} for b in builds]
     if args.json:
         print(json.dumps(rows))
     else:
-        print("| arch | config | kernel | registers | spilled bytes | shared KiB | warps | stages |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| arch | config | queries | kernel | registers | spilled bytes | shared KiB | warps | stages |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| sm_{r['arch']} | {r['config']} | {r['name']} | {r['registers']} | {r['spill_bytes']} "
+            print(f"| sm_{r['arch']} | {r['config']} | {r['queries']} | {r['name']} | {r['registers']} | {r['spill_bytes']} "
                   f"| {r['shared_bytes'] / 1024:.1f} | {r['num_warps']} | {r['num_stages']} |")
     return 1 if failed else 0
 

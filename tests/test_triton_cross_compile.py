@@ -26,14 +26,18 @@ A100_SHARED = 163 * 1024  # on sm_80
 
 
 def test_kernels_compile_for_a100_and_h100_without_spills():
+    """One decode step (GQA group of 4 rows) and a 64-query chunk (256 rows, as a prefill over the
+    stored history): the chunk's rows go to programs in blocks of 16, so it compiles to the decode
+    step's resources (with one block of all its rows, it spilled up to 4 KB per thread)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--arch", "80,90",
-                          "--tokens", "1024", "--json"], capture_output=True, text=True, env=env, timeout=600)
+                          "--tokens", "1024", "--queries", "1,64", "--json"],
+                         capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
     configs = {r["config"] for r in rows}
-    assert len(configs) == 6 and {r["arch"] for r in rows} == {80, 90}
-    assert len(rows) == 12  # one decode kernel per configuration and architecture
+    assert len(configs) == 6 and {r["arch"] for r in rows} == {80, 90} and {r["queries"] for r in rows} == {1, 64}
+    assert len(rows) == 24  # one kernel per configuration, architecture and chunk length
     for r in rows:
         assert r["spill_bytes"] == 0, r  # nothing spilled to local memory
         assert 0 < r["registers"] <= 255

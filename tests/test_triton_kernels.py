@@ -155,9 +155,12 @@ def test_puzzle_kernel_with_only_recent_pages():
     _check(store, pages_per_split=1)
 
 
-def test_puzzle_kernel_several_query_rows():
+@pytest.mark.parametrize("n_q", [3, 12])
+def test_puzzle_kernel_several_query_rows(n_q):
+    """3 queries × group 3 = 9 rows (one program's block of 16); 12 × 3 = 36 rows, as a prefill chunk
+    over the stored history has: three row blocks, the last one partial."""
     cfg = PuzzleConfig(page_size=16, rank_k=5, rank_v=5, storage_dtype="float32", attention_backend="triton")
-    _check(_store(2, 3, 16, 60, cfg), n_q=3)
+    _check(_store(2, 3, 16, 60, cfg), n_q=n_q, pages_per_split=2)
 
 
 def test_store_attend_dispatches_to_the_kernel_and_agrees_with_torch():
@@ -231,6 +234,11 @@ def test_anchor_kernel_matches_fp64_reference(kv_heads, group, seq):
     store = _anchor_store(kv_heads, group, 32, seq, budget=0.5, storage_dtype="float32")
     assert store.n_residuals[0] > 0 and store.n_residuals[1] > 0  # residuals are exercised
     _check_anchor(store, blocks_per_split=1)
+
+
+def test_anchor_kernel_query_rows_beyond_one_program():
+    store = _anchor_store(2, 2, 32, 97, budget=0.5, storage_dtype="float32")
+    _check_anchor(store, n_q=9, blocks_per_split=1)  # 18 rows: two row blocks of 16, the second partial
 
 
 def test_anchor_kernel_every_token_with_residual_and_bf16_storage():

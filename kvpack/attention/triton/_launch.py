@@ -8,6 +8,19 @@ import math
 import torch
 
 
+# Query rows per program. A decode step's rows (its GQA group: 1 to 16 query heads per KV head) fit
+# one block; a longer chunk (a prefill over the stored history) gets one program per block of rows
+# (grid axis 2). Tiles with more rows spill: compiled for sm_90, 64-row tiles took 226 registers and
+# 129 KiB (PuzzleKV) and 255 registers + 416 bytes spilled (AnchorKV); 256-row tiles spilled 1.8 KB
+# and 4.2 KB per thread, with up to 241 KiB of shared memory, more than an H100 grants.
+ROW_BLOCK = 16
+
+
+def row_blocks(m: int) -> int:
+    """Programs along grid axis 2 for ``m`` query rows."""
+    return -(-m // ROW_BLOCK)
+
+
 def pow2(n: int, floor: int = 16) -> int:
     """The smallest power of two >= ``n`` and >= ``floor`` (``tl.dot`` needs tiles of at least 16)."""
     return max(floor, 1 << max(0, math.ceil(math.log2(max(1, n)))))

@@ -1,6 +1,6 @@
 """Triton split-K attention over one AnchorKV segment, keys rebuilt in registers, values never.
 
-Grid ``(kv_heads, n_splits)``; each program walks its share of the segment in 32-token blocks (the
+Grid ``(kv_heads, n_splits, blocks of BM query rows)``; each program walks its share of the segment in 32-token blocks (the
 prefix-count granularity). For a block it gathers each token's anchor row, scales it by the token's
 coefficient γ, and adds the token's residual where its mask bit is set: the slot is the block's
 prefix count plus the residuals before the token in the block (``tl.cumsum`` of the mask bits), the
@@ -85,8 +85,9 @@ def anchor_split_kernel(
     """
     h = tl.program_id(0)
     s = tl.program_id(1)
+    # Axis 2: blocks of BM query rows (a prefill chunk over the stored history has many).
     HALF = D // 2
-    offs_m = tl.arange(0, BM)
+    offs_m = tl.program_id(2) * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, BD)
     offs_h = tl.arange(0, BDH)
     offs_t = tl.arange(0, BT)

@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..softmax_merge import PartialAttention
-from ._launch import kernel_arg, launch, merge_splits, pow2
+from ._launch import ROW_BLOCK, kernel_arg, launch, merge_splits, pow2, row_blocks
 
 _BLOCK = 32  # prefix-count block of the store's residual slots
 
@@ -45,12 +45,12 @@ def anchor_segment_attention(
     l = torch.empty(H, n_splits, M, device=dev)
     o = torch.empty(H, n_splits, M, D, device=dev)
     W = cos.shape[1]
-    launch(anchor_split_kernel, (H, n_splits),
+    launch(anchor_split_kernel, (H, n_splits, row_blocks(M)),
         q.float().contiguous(), kernel_arg(anchor_k), kernel_arg(anchor_v), hmat, signs.float().contiguous(), cos, sin,
         *(kernel_arg(t) for t in (index_k, coef_k, mask_k, prefix_k, res_k, scale_k)),
         *(kernel_arg(t) for t in (index_v, coef_v, mask_v, prefix_v, res_v, scale_v)),
         m, l, o, M, anchor_k.shape[1], D, n, scaling, hfactor, first_position, W, blocks_per_split, n_splits, *levels,
-        SAME_HALVES=W != D, BM=pow2(M), BD=pow2(D), BDH=pow2(D // 2), BT=_BLOCK,
+        SAME_HALVES=W != D, BM=ROW_BLOCK, BD=pow2(D), BDH=pow2(D // 2), BT=_BLOCK,
     )
     return merge_splits(m, l, o)
 

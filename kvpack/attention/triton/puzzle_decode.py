@@ -2,8 +2,9 @@
 
 One launch per layer covers every KV head (grid axis 0) and splits the sequence (grid axis 1) into
 chunks of factorized pages — of the store's main and recent page sets, each read in place — and
-chunks of dense tokens (flash-decoding). Each program keeps an online-softmax state for all query
-rows of its KV head's GQA group and writes ``(m, l, o)``; the launcher merges the splits by
+chunks of dense tokens (flash-decoding); grid axis 2 takes the query rows in blocks of ``BM`` (one
+block for a decode step's GQA group; a prefill chunk over the stored history has more). Each program
+keeps an online-softmax state for its block of query rows and writes ``(m, l, o)``; the launcher merges the splits by
 log-sum-exp (``puzzle_op.puzzle_partial`` returns the merged state).
 
 A factorized page's logits are ``(q R_Kᵀ) L_Kᵀ`` and its output is accumulated as ``(p L_V) R_V``:
@@ -108,7 +109,7 @@ def puzzle_split_kernel(
     BM: tl.constexpr, BP: tl.constexpr, BRK: tl.constexpr, BRV: tl.constexpr, BD: tl.constexpr,
     BDH: tl.constexpr, BT: tl.constexpr,
 ):
-    """Grid ``(kv_heads, n_splits)``: splits of the main pages, then of the recent pages, then of the
+    """Grid ``(kv_heads, n_splits, row blocks)``: splits of the main pages, then of the recent pages, then of the
     dense tokens. Layouts (contiguous):
 
     q ``[H, M, D]`` fp32; main factor set, float: lk ``[H, N, P, RK]``, rk ``[H, N, RK, D]``, lv
@@ -122,7 +123,8 @@ def puzzle_split_kernel(
     """
     h = tl.program_id(0)
     s = tl.program_id(1)
-    offs_m = tl.arange(0, BM)
+    # Axis 2: blocks of BM query rows (a prefill chunk over the stored history has many).
+    offs_m = tl.program_id(2) * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, BD)
     mask_m = offs_m < M
     q = tl.load(q_ptr + h * M * D + offs_m[:, None] * D + offs_d[None, :],

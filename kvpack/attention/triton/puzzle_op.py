@@ -12,7 +12,7 @@ import math
 import torch
 
 from ..softmax_merge import PartialAttention
-from ._launch import kernel_arg, launch, merge_splits, pow2
+from ._launch import ROW_BLOCK, kernel_arg, launch, merge_splits, pow2, row_blocks
 
 
 @torch.library.custom_op("kvpack::puzzle_attention", mutates_args=())
@@ -56,14 +56,14 @@ def puzzle_attention(
     l = torch.empty(H, n_splits, M, device=dev)
     o = torch.empty(H, n_splits, M, D, device=dev)
     W = cos.shape[1] if cos.numel() else D
-    launch(puzzle_split_kernel, (H, n_splits),
+    launch(puzzle_split_kernel, (H, n_splits, row_blocks(M)),
         q.float().contiguous(), *(kernel_arg(t) for t in first), *(kernel_arg(t) for t in second),
         kernel_arg(cos), kernel_arg(sin),
         *(kernel_arg(t) for t in (sink_k, sink_v, tail_k, tail_v)), m, l, o,
         M, N, N2, page_size, rank_k, rank_v, D, TS, T, scaling, first_position, W,
         pages_per_split, tokens_per_split, n_main_splits, n_page_splits, n_splits,
         INT4=int4, PRE_ROPE=pre_rope, SAME_HALVES=W != D,
-        BM=pow2(M), BP=pow2(page_size), BRK=pow2(rank_k), BRV=pow2(rank_v), BD=pow2(D),
+        BM=ROW_BLOCK, BP=pow2(page_size), BRK=pow2(rank_k), BRV=pow2(rank_v), BD=pow2(D),
         BDH=pow2(D // 2), BT=32,
     )
     return merge_splits(m, l, o)
