@@ -281,6 +281,33 @@ def test_anchor_store_dispatch_and_recompressed_segments_agree_with_torch():
 
 
 # ------------------------------------------------------------------------------------------------
+# The split merge (flash-decoding's reduction kernel)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("H,S,M,D", [(2, 1, 4, 32), (3, 13, 21, 48), (1, 40, 3, 130)])
+def test_split_merge_kernel_matches_pytorch_merge(H, S, M, D):
+    """Against ``merge_partials`` (PyTorch) on split counts around the kernel's 8-split step, rows
+    over one 16-row block, columns over one 64-column block (D = 130: three, the last partial), with
+    splits that saw no key (m = -inf, l = 0, o = 0) and a row that no split saw."""
+    from kvpack.attention.softmax_merge import PartialAttention, merge_partials
+    from kvpack.attention.triton.split_merge import merge_splits
+
+    torch.manual_seed(S)
+    m = torch.randn(H, S, M) * 8
+    l = torch.rand(H, S, M) + 0.5
+    o = torch.randn(H, S, M, D) * l[..., None]
+    empty = torch.rand(H, S, M) < 0.3
+    empty[0, :, -1] = True  # the last row of head 0 saw nothing
+    m[empty], l[empty], o[empty] = float("-inf"), 0.0, 0.0
+    got = merge_splits(m, l, o)
+    ref = merge_partials([PartialAttention(m[:, s], l[:, s], o[:, s]) for s in range(S)])
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+    assert got[0][0, -1] == float("-inf") and got[1][0, -1] == 0 and not got[2][0, -1].any()
+
+
+# ------------------------------------------------------------------------------------------------
 # What a decode step allocates around the kernels
 # ------------------------------------------------------------------------------------------------
 

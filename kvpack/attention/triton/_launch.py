@@ -37,15 +37,6 @@ def kernel_arg(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous() if t.numel() else _placeholder(t.device)
 
 
-def merge_splits(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor):
-    """Log-sum-exp merge of split states ``m, l [H, S, M]``, ``o [H, S, M, D]`` over the split axis:
-    ``(m [H, M], l [H, M], o [H, M, D])``. Splits that saw no key (``m = -inf``) weigh zero."""
-    m_all = m.amax(dim=1)
-    m_safe = torch.where(torch.isfinite(m_all), m_all, torch.zeros_like(m_all))
-    w = torch.exp(m - m_safe[:, None])
-    return m_all, (l * w).sum(1), (o * w[..., None]).sum(1)
-
-
 # Software-pipelining depth that fits each (kernel, device, tile configuration), learned on first
 # launch. Triton's default of 3 stages multi-buffers the loop's loads in shared memory; PuzzleKV with
 # 64-token INT4 pages needs 164 KiB at 3 stages (measured by benchmarks/kernel_resources.py), over an

@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..softmax_merge import PartialAttention
-from ._launch import ROW_BLOCK, kernel_arg, launch, merge_splits, pow2, row_blocks
+from ._launch import ROW_BLOCK, kernel_arg, launch, pow2, row_blocks
 
 _BLOCK = 32  # prefix-count block of the store's residual slots
 
@@ -33,6 +33,7 @@ def anchor_segment_attention(
     its fp16 ``levels``, its rotation ``hfactor · hmat`` with ``hmat`` fp16 and exactly 0/±1
     (``ResidualCodec.kernel_matrix``), and its ``signs``."""
     from .anchor_decode import anchor_split_kernel
+    from .split_merge import merge_splits
 
     H, M, D = q.shape
     if hmat.dtype != torch.float16 or hmat.shape != (D, D):
@@ -52,7 +53,7 @@ def anchor_segment_attention(
         m, l, o, M, anchor_k.shape[1], D, n, scaling, hfactor, first_position, W, blocks_per_split, n_splits, *levels,
         SAME_HALVES=W != D, BM=ROW_BLOCK, BD=pow2(D), BDH=pow2(D // 2), BT=_BLOCK,
     )
-    return merge_splits(m, l, o)
+    return merge_splits(m, l, o)  # one more launch (flash-decoding's reduction)
 
 
 @anchor_segment_attention.register_fake

@@ -12,7 +12,7 @@ import math
 import torch
 
 from ..softmax_merge import PartialAttention
-from ._launch import ROW_BLOCK, kernel_arg, launch, merge_splits, pow2, row_blocks
+from ._launch import ROW_BLOCK, kernel_arg, launch, pow2, row_blocks
 
 
 @torch.library.custom_op("kvpack::puzzle_attention", mutates_args=())
@@ -33,6 +33,7 @@ def puzzle_attention(
     (``RotaryTable.table``: half-width rows when both halves are equal) and ``first_position`` the
     position of the first page's first token (pre-RoPE keys; the tables are unused otherwise)."""
     from .puzzle_decode import puzzle_split_kernel
+    from .split_merge import merge_splits
 
     H, M, D = q.shape
     N = lk.shape[1] if lk.numel() else 0
@@ -66,7 +67,7 @@ def puzzle_attention(
         BM=ROW_BLOCK, BP=pow2(page_size), BRK=pow2(rank_k), BRV=pow2(rank_v), BD=pow2(D),
         BDH=pow2(D // 2), BT=32,
     )
-    return merge_splits(m, l, o)
+    return merge_splits(m, l, o)  # one more launch (flash-decoding's reduction)
 
 
 @puzzle_attention.register_fake
