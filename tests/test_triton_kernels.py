@@ -280,6 +280,16 @@ def test_anchor_store_dispatch_and_recompressed_segments_agree_with_torch():
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
 
 
+def test_kernels_refuse_tensors_past_their_32_bit_offsets():
+    """A tensor too large for int32 offsets is refused before any launch (it would read other memory
+    silently); an expanded view stands in for 2^31 elements without allocating them."""
+    from kvpack.attention.triton._launch import MAX_KERNEL_ELEMENTS, kernel_arg
+
+    assert kernel_arg(torch.zeros(3, 5)).shape == (3, 5)
+    with pytest.raises(ValueError, match="32-bit offsets.*attention_backend='torch'"):
+        kernel_arg(torch.zeros(1, dtype=torch.uint8).expand(MAX_KERNEL_ELEMENTS + 1))
+
+
 # ------------------------------------------------------------------------------------------------
 # The split merge (flash-decoding's reduction kernel)
 # ------------------------------------------------------------------------------------------------

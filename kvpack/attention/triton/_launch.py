@@ -31,9 +31,23 @@ def _placeholder(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, device=device)
 
 
+# The kernels compute element offsets in int32 (Triton's type for program ids and integer
+# arguments). An offset past 2^31 would wrap and read other memory without an error, so a tensor a
+# kernel reads must stay below that, less a tile's worth of masked lanes past its end. At d = 128 a
+# PuzzleKV layer's R factors reach it at 1M tokens with rank 64 and 8 KV heads.
+MAX_KERNEL_ELEMENTS = 2**31 - 2**24
+
+
 def kernel_arg(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a kernel pointer argument: contiguous (a no-op for the stores' own tensors), or one
-    cached placeholder element when ``t`` is empty (the kernel never reads it)."""
+    cached placeholder element when ``t`` is empty (the kernel never reads it).
+
+    Raises:
+        ValueError: ``t`` holds more elements than the kernels' int32 offsets can address.
+    """
+    if t.numel() > MAX_KERNEL_ELEMENTS:
+        raise ValueError(f"a tensor of shape {tuple(t.shape)} ({t.numel():,} elements) is too large for the Triton "
+                         f"kernels' 32-bit offsets (at most {MAX_KERNEL_ELEMENTS:,}); use attention_backend='torch'")
     return t.contiguous() if t.numel() else _placeholder(t.device)
 
 
