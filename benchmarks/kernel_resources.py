@@ -22,7 +22,9 @@ import torch
 
 from gpu_check import CONFIGS, build_store
 
-from kvpack.attention.softmax_merge import group_queries
+from kvpack.attention.softmax_merge import PartialAttention, group_queries
+from kvpack.attention.triton import FUSED_CHUNK_MAX
+from kvpack.attention.triton.chunk_attend import fused_history_and_chunk
 from kvpack.attention.triton.anchor_op import anchor_partials
 from kvpack.attention.triton.cross_compile import compile_only
 from kvpack.attention.triton.puzzle_op import puzzle_partial
@@ -59,6 +61,19 @@ def main() -> int:
                           file=sys.stderr)
                     continue
                 rows += [{"config": label, "queries": n_q, **dataclasses.asdict(b)} for b in builds]
+            # The end of a decode step (the chunk's attention merged with two stored states and a
+            # stored tail), for the longest chunk it takes.
+            n_c = min(n_q, FUSED_CHUNK_MAX)
+            states = [PartialAttention(torch.zeros(H, G * n_c), torch.ones(H, G * n_c), torch.zeros(H, G * n_c, d))] * 2
+            chunk = group_queries(torch.randn(H * G, n_c, d), H), torch.randn(H, n_c, d), torch.randn(H, n_c, d)
+            try:
+                with compile_only(arch) as builds:
+                    fused_history_and_chunk(states, *chunk, d ** -0.5, H * G, tail=(torch.randn(H, 40, d),) * 2)
+            except Exception as e:
+                failed = True
+                print(f"sm_{arch} chunk attend ({n_c} queries): compile FAILED: {type(e).__name__}: {e}", file=sys.stderr)
+                continue
+            rows += [{"config": "chunk attend", "queries": n_c, **dataclasses.asdict(b)} for b in builds]
     if args.json:
         print(json.dumps(rows))
     else:

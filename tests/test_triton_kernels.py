@@ -318,6 +318,75 @@ def test_split_merge_kernel_matches_pytorch_merge(H, S, M, D):
 
 
 # ------------------------------------------------------------------------------------------------
+# The end of a decode step: the chunk's own attention merged with the stored states, one launch
+# ------------------------------------------------------------------------------------------------
+
+
+def _stored_states(H, M, D, n, seed=0):
+    """``n`` random partial states ``[H, M(, D)]`` fp32, with some rows that saw nothing."""
+    from kvpack.attention.softmax_merge import PartialAttention
+
+    g = torch.Generator().manual_seed(seed)
+    states = []
+    for _ in range(n):
+        m = torch.randn(H, M, generator=g) * 4
+        l = torch.rand(H, M, generator=g) + 0.5
+        o = torch.randn(H, M, D, generator=g) * l[..., None]
+        empty = torch.rand(H, M, generator=g) < 0.25
+        m[empty], l[empty], o[empty] = float("-inf"), 0.0, 0.0
+        states.append(PartialAttention(m, l, o))
+    return states
+
+
+@pytest.mark.parametrize("n_states,n_tail,n_q,group,D,dtype", [
+    (1, 0, 1, 4, 32, torch.float32),     # PuzzleKV's decode step: one stored state (a view), no tail
+    (2, 21, 1, 3, 48, torch.bfloat16),   # AnchorKV: two segments stacked + a tail read in place; bf16, D = 48
+    (2, 0, 5, 4, 32, torch.float32),     # a 5-token chunk, causal within itself: 20 rows, two row blocks
+    (0, 17, 3, 2, 16, torch.float32),    # only a tail stored
+    (0, 0, 3, 2, 16, torch.float32),     # nothing stored yet
+    (2, 5, 16, 1, 32, torch.float32),    # the largest chunk the fused path takes
+])
+def test_chunk_attend_matches_pytorch_attend_history_and_chunk(n_states, n_tail, n_q, group, D, dtype):
+    from kvpack.attention.softmax_merge import attend_history_and_chunk, dense_partial, group_queries
+    from kvpack.attention.triton.chunk_attend import fused_history_and_chunk
+
+    H = 2
+    torch.manual_seed(n_q)
+    q = torch.randn(H * group, n_q, D)
+    k, v = torch.randn(H, n_q, D).to(dtype), torch.randn(H, n_q, D).to(dtype)
+    tail = torch.randn(H, n_tail, D).to(dtype), torch.randn(H, n_tail, D).to(dtype)
+    qg = group_queries(q, H)
+    history = _stored_states(H, group * n_q, D, n_states)
+    out, m, l = fused_history_and_chunk(history, qg, k, v, D ** -0.5, H * group, tail=tail)
+    ref_history = history + ([dense_partial(qg, *tail, D ** -0.5)] if n_tail else [])
+    ref_out, ref = attend_history_and_chunk(ref_history, qg, k, v, D ** -0.5, H * group)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m, ref.m, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(l, ref.l, rtol=1e-5, atol=1e-6)
+
+
+def test_history_and_chunk_fuses_only_short_chunks(monkeypatch):
+    """Chunks of at most FUSED_CHUNK_MAX queries take the one-launch kernel, longer ones the PyTorch
+    path; both give the same attention."""
+    import kvpack.attention.triton.chunk_attend as chunk_attend
+    from kvpack.attention.softmax_merge import group_queries
+    from kvpack.attention.triton import FUSED_CHUNK_MAX, history_and_chunk
+
+    calls = []
+    fused = chunk_attend.fused_history_and_chunk
+    monkeypatch.setattr(chunk_attend, "fused_history_and_chunk", lambda *a: calls.append(a[2].shape[1]) or fused(*a))
+    H, group, D = 1, 2, 16
+    for n_q in (FUSED_CHUNK_MAX, FUSED_CHUNK_MAX + 1):
+        q, k, v = torch.randn(H * group, n_q, D), torch.randn(H, n_q, D), torch.randn(H, n_q, D)
+        qg = group_queries(q, H)
+        history = _stored_states(H, group * n_q, D, 2)
+        got = history_and_chunk(history, qg, k, v, 0.25, H * group, "triton")[0]
+        ref = history_and_chunk(history, qg, k, v, 0.25, H * group, "torch")[0]
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert calls == [FUSED_CHUNK_MAX]
+
+
+# ------------------------------------------------------------------------------------------------
 # What a decode step allocates around the kernels
 # ------------------------------------------------------------------------------------------------
 

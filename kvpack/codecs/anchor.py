@@ -42,10 +42,9 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.anchor import anchor_tile_partials
-from ..attention.triton import use_triton
+from ..attention.triton import history_and_chunk, use_triton
 from ..attention.scores import observation_scores
 from ..attention.softmax_merge import (
-    attend_history_and_chunk,
     dense_partial,
     group_queries,
     prefill_attention,
@@ -556,23 +555,27 @@ class AnchorStore(LayerStore):
         if self.seq_len == 0:
             return prefill_attention(q, k, v, scaling)
         qg = group_queries(q, lay.kv_heads)
-        out, merged = attend_history_and_chunk(self.stored_partials(qg, scaling), qg, k, v, scaling, lay.q_heads)
+        out, m, l = history_and_chunk(self._segment_partials(qg, scaling), qg, k, v, scaling, lay.q_heads,
+                                      self.config.attention_backend, tail=(self.tail_k, self.tail_v))
         # log-sum-exp of each query row over everything it saw (kept for re-compression scoring).
-        self._last_lse = ungroup_output((merged.m + merged.l.log()).unsqueeze(-1), lay.q_heads).squeeze(-1)
+        self._last_lse = ungroup_output((m + l.log()).unsqueeze(-1), lay.q_heads).squeeze(-1)
         return out.to(q.dtype)
 
     def stored_partials(self, qg: torch.Tensor, scaling: float) -> list:
         """Partial states of grouped queries over everything stored: the compressed segments (Triton
         kernel or PyTorch tiles, per ``attention_backend``) and the dense tail."""
-        if use_triton(self.config.attention_backend, qg.device):
-            from ..attention.triton.anchor_op import anchor_partials
-
-            states = anchor_partials(self, qg, scaling)
-        else:
-            states = anchor_tile_partials(self, qg, scaling)
+        states = self._segment_partials(qg, scaling)
         if self.tail_k.shape[1]:
             states.append(dense_partial(qg, self.tail_k, self.tail_v, scaling))
         return states
+
+    def _segment_partials(self, qg: torch.Tensor, scaling: float) -> list:
+        """One partial state per compressed segment (Triton kernel or PyTorch tiles)."""
+        if use_triton(self.config.attention_backend, qg.device):
+            from ..attention.triton.anchor_op import anchor_partials
+
+            return anchor_partials(self, qg, scaling)
+        return anchor_tile_partials(self, qg, scaling)
 
     def _tile_residuals(self, segment: int, side: str, lo: int, hi: int):
         """The tile's stored residuals of one side: ``(where, rotated)`` — flat ``head * n + token``

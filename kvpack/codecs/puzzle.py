@@ -334,6 +334,10 @@ class PuzzleStore(SegmentedStore):
             dequantize_int4(f["rv_q"], f["rv_s"], d),
         )
 
+    @property
+    def attention_backend(self) -> str:
+        return self.config.attention_backend
+
     def stored_partials(self, qg, scaling):
         from ..attention.triton import use_triton
 

@@ -15,11 +15,11 @@ import torch
 
 from ..attention.softmax_merge import (
     PartialAttention,
-    attend_history_and_chunk,
     dense_partial,
     group_queries,
     prefill_attention,
 )
+from ..attention.triton import history_and_chunk
 from .base import LayerStore
 
 
@@ -82,7 +82,13 @@ class SegmentedStore(LayerStore):
             return prefill_attention(q, k, v, scaling)
         qg = group_queries(q, lay.kv_heads)
         states = self.stored_partials(qg, scaling)
-        return attend_history_and_chunk(states, qg, k, v, scaling, lay.q_heads)[0].to(q.dtype)
+        return history_and_chunk(states, qg, k, v, scaling, lay.q_heads, self.attention_backend)[0].to(q.dtype)
+
+    @property
+    def attention_backend(self) -> str:
+        """``auto`` / ``triton`` / ``torch`` (``kvpack.attention.triton.use_triton``): codecs with
+        Triton kernels return their config's choice; the rest compute in PyTorch."""
+        return "torch"
 
     def stored_partials(self, qg: torch.Tensor, scaling: float) -> list[PartialAttention]:
         """Partial states of grouped queries over everything stored: sink, history, tail (the

@@ -44,3 +44,28 @@ def use_triton(choice: str, device: torch.device) -> bool:
             raise ValueError("attention_backend='triton' on CPU tensors needs TRITON_INTERPRET=1 (the Triton interpreter)")
         return True
     return runnable and device.type == "cuda"
+
+
+FUSED_CHUNK_MAX = 16  # queries per chunk that the one-launch chunk attention takes (decode, draft verification)
+
+
+def history_and_chunk(history: list, qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                      q_heads: int, backend: str, tail: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunk's attention over the stored states, the stored dense ``tail`` (keys, values
+    ``[kv_heads, T, d]``, or None) and itself: ``(out [q_heads, Q, d] fp32, m, l)`` (``m, l
+    [kv_heads, group · Q]``: the merged state's). One Triton launch
+    (``chunk_attend.fused_history_and_chunk``) where ``backend`` runs Triton for these tensors and the
+    chunk has at most ``FUSED_CHUNK_MAX`` queries; ``softmax_merge.attend_history_and_chunk``
+    otherwise (longer chunks, such as a prompt after a compressed history, keep the PyTorch path's
+    one block of logits; the kernel would loop over them in 16-row tiles — not measured against it)."""
+    if k.shape[1] <= FUSED_CHUNK_MAX and use_triton(backend, qg.device):
+        from .chunk_attend import fused_history_and_chunk
+
+        return fused_history_and_chunk(history, qg, k, v, scaling, q_heads, tail)
+    from ..softmax_merge import attend_history_and_chunk, dense_partial
+
+    if tail is not None and tail[0].shape[1]:
+        history = [*history, dense_partial(qg, *tail, scaling)]
+    out, merged = attend_history_and_chunk(history, qg, k, v, scaling, q_heads)
+    return out, merged.m, merged.l
