@@ -4,7 +4,8 @@ On one CUDA device (Llama-8B head shape: 8 KV heads, 32 query heads, d = 128):
 
 1. Correctness: for PuzzleKV (post-RoPE, pre-RoPE, INT4) and AnchorKV stores of 8K tokens, the
    Triton path's output vs the PyTorch path's on the same store (max abs error, bf16 scale), for a
-   decode step and for a 16-query chunk (query rows in several of the kernels' row blocks).
+   decode step and for a 16-query chunk (query rows in several of the kernels' row blocks), and a
+   decode step's whole attention (``attend``, ending in the chunk-attention kernel).
 2. Kernel resources: registers, spills and shared memory of each kernel as compiled for the device.
 3. Decode: one decode step's attention over a layer at contexts 16K, 32K, 64K, 128K and batch 1 and
    8 — the Triton kernel over each row's PuzzleKV / AnchorKV store vs SDPA (FlashAttention backend
@@ -313,9 +314,19 @@ def _run(device, H: int, G: int, d: int, contexts: list[int], check_len: int, ba
             ref = _store_output(store, qg, scaling, "torch")
             got = _store_output(store, qg, scaling, "triton")
             errors.append((got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6))
+        # A whole decode step's attention (attend: the stored part and the new token, whose end is
+        # the chunk-attention kernel on the Triton path); attend does not change the store.
+        q1 = torch.randn(H * G, 1, d, device=device, dtype=torch.bfloat16)
+        k1, v1 = (torch.randn(H, 1, d, device=device, dtype=torch.bfloat16) for _ in range(2))
+        outs = []
+        for backend in ("torch", "triton"):
+            store.config.attention_backend = backend
+            outs.append(store.attend(q1, k1, v1, scaling).float())
+        errors.append((outs[1] - outs[0]).abs().max().item() / max(outs[0].abs().max().item(), 1e-6))
         compiled_by[label] = [key for key in _launch.compiled_kernels() if key not in before]
         verdict = "ok" if max(errors) < 2e-2 else "MISMATCH"
-        print(f"  {label:<26} max |err| / max |ref| = {errors[0]:.2e} (decode), {errors[1]:.2e} (chunk)  {verdict}")
+        print(f"  {label:<26} max |err| / max |ref| = {errors[0]:.2e} (decode), {errors[1]:.2e} (chunk), "
+              f"{errors[2]:.2e} (attend)  {verdict}")
         pending.remove(f"correctness: {label}")
 
     print("\n## kernel resources (compiled for this device; registers and spills per thread)")

@@ -1,10 +1,10 @@
 """Triton split-K attention over one AnchorKV segment, keys rebuilt in registers, values never.
 
-Grid ``(kv_heads, n_splits, blocks of BM query rows)``; each program walks its share of the segment in 32-token blocks (the
-prefix-count granularity). For a block it gathers each token's anchor row, scales it by the token's
-coefficient γ, and adds the token's residual where its mask bit is set: the slot is the block's
-prefix count plus the residuals before the token in the block (``tl.cumsum`` of the mask bits), the
-2-bit codes become the codec's levels, and the inverse randomized Hadamard ``x = s ⊙ (Hᵀ y)`` (H is
+Grid ``(kv_heads, n_splits, blocks of BM query rows)``; each program walks its share of the segment
+in 32-token blocks (the prefix-count granularity). For a block it gathers each token's anchor row,
+scales it by the token's coefficient γ, and adds the token's residual where its mask bit is set: the
+slot is the block's prefix count plus the residuals before the token in the block (``tl.cumsum`` of
+the mask bits), the 2-bit codes become the codec's levels, and the inverse randomized Hadamard ``x = s ⊙ (Hᵀ y)`` (H is
 symmetric) is one ``[32, D] x [D, D/2]`` product per key half. Keys are then rotated by RoPE at their
 positions (halves, ``rotate_half`` convention) and meet the queries.
 

@@ -3,9 +3,10 @@
 One launch per layer covers every KV head (grid axis 0) and splits the sequence (grid axis 1) into
 chunks of factorized pages — of the store's main and recent page sets, each read in place — and
 chunks of dense tokens (flash-decoding); grid axis 2 takes the query rows in blocks of ``BM`` (one
-block for a decode step's GQA group; a prefill chunk over the stored history has more). Each program
-keeps an online-softmax state for its block of query rows and writes ``(m, l, o)``; the launcher merges the splits by
-log-sum-exp (``puzzle_op.puzzle_partial`` returns the merged state).
+block for a decode step's GQA group; a prefill chunk over the stored history has more). Each
+program keeps an online-softmax state for its block of query rows and writes ``(m, l, o)``; the
+split-merge kernel then merges the splits by log-sum-exp (``puzzle_op.puzzle_partial`` returns the
+merged state).
 
 A factorized page's logits are ``(q R_Kᵀ) L_Kᵀ`` and its output is accumulated as ``(p L_V) R_V``:
 the dense ``K̂``/``V̂`` of a page never exist in global memory. With pre-RoPE keys the page's keys
@@ -109,8 +110,8 @@ def puzzle_split_kernel(
     BM: tl.constexpr, BP: tl.constexpr, BRK: tl.constexpr, BRV: tl.constexpr, BD: tl.constexpr,
     BDH: tl.constexpr, BT: tl.constexpr,
 ):
-    """Grid ``(kv_heads, n_splits, row blocks)``: splits of the main pages, then of the recent pages, then of the
-    dense tokens. Layouts (contiguous):
+    """Grid ``(kv_heads, n_splits, row blocks)``: splits of the main pages, then of the recent pages,
+    then of the dense tokens. Layouts (contiguous):
 
     q ``[H, M, D]`` fp32; main factor set, float: lk ``[H, N, P, RK]``, rk ``[H, N, RK, D]``, lv
     ``[H, N, P, RV]``, rv ``[H, N, RV, D]`` — or INT4 packed along the last axis (``ceil(cols / 2)``

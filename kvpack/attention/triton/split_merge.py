@@ -13,10 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch, pow2
+from ._launch import ROW_BLOCK, launch, pow2
 
 _SPLITS = 8  # splits per loop step
-_ROWS = 16  # query rows per program, at most
 _COLS = 64  # output columns per program, at most
 
 
@@ -68,7 +67,7 @@ def merge_splits(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor) -> tuple[tor
     m_out = m.new_empty(H, M)
     l_out = m.new_empty(H, M)
     o_out = o.new_empty(H, M, D)
-    BM, BC = min(_ROWS, pow2(M, floor=1)), min(_COLS, pow2(D, floor=1))
+    BM, BC = min(ROW_BLOCK, pow2(M, floor=1)), min(_COLS, pow2(D, floor=1))
     launch(merge_splits_kernel, (H, triton.cdiv(M, BM), triton.cdiv(D, BC)),
            m, l, o, m_out, l_out, o_out, S, M, D, BS=_SPLITS, BM=BM, BC=BC)
     return m_out, l_out, o_out
