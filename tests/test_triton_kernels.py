@@ -433,6 +433,9 @@ def _step_allocations(store, monkeypatch, method):
     return max(rec.bytes), rec.syncs
 
 
+# The stubbed kernel leaves its outputs unwritten: the merge and chunk kernels then compute on
+# whatever memory held (NumPy warns under the interpreter); these tests look only at allocations and syncs.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("method", ["puzzle_pre_rope", "anchor"])
 def test_decode_step_allocates_nothing_that_grows_with_the_context(method, monkeypatch):
     """Around the kernel a decode step allocates only split states and merge results: no gathered
@@ -467,6 +470,9 @@ def test_decode_step_traces_as_one_graph_around_the_kernel(method):
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
 
 
+# The stubbed kernel leaves its outputs unwritten: the merge and chunk kernels then compute on
+# whatever memory held (NumPy warns under the interpreter); these tests look only at allocations and syncs.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("method", ["puzzle", "anchor"])
 def test_full_decode_step_without_host_sync_when_finite_check_is_off(method, monkeypatch):
     """attend() + append() of a decode token: the NaN/Inf check is the only host synchronisation
