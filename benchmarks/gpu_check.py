@@ -316,12 +316,12 @@ def _run(device, H: int, G: int, d: int, contexts: list[int], check_len: int, ba
             errors.append((got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6))
         # A whole decode step's attention (attend: the stored part and the new token, whose end is
         # the chunk-attention kernel on the Triton path); attend does not change the store.
-        q1 = torch.randn(H * G, 1, d, device=device, dtype=torch.bfloat16)
-        k1, v1 = (torch.randn(H, 1, d, device=device, dtype=torch.bfloat16) for _ in range(2))
+        q1 = torch.randn(H * G, 1, d, device=device)  # fp32: attend returns the queries' dtype
+        k1, v1 = (torch.randn(H, 1, d, device=device) for _ in range(2))
         outs = []
         for backend in ("torch", "triton"):
             store.config.attention_backend = backend
-            outs.append(store.attend(q1, k1, v1, scaling).float())
+            outs.append(store.attend(q1, k1, v1, scaling))
         errors.append((outs[1] - outs[0]).abs().max().item() / max(outs[0].abs().max().item(), 1e-6))
         compiled_by[label] = [key for key in _launch.compiled_kernels() if key not in before]
         verdict = "ok" if max(errors) < 2e-2 else "MISMATCH"
