@@ -423,14 +423,33 @@ def _stub_kernel(monkeypatch, method: str) -> None:
 
 
 def _step_allocations(store, monkeypatch, method):
-    """(largest tensor bytes, host syncs) of one decode step's ``stored_partials`` with the Triton
-    launch itself replaced by a no-op (the kernel's own work is not a PyTorch allocation)."""
+    """(largest tensor bytes, host syncs, shapes of the tensors copied to make them contiguous) of one
+    decode step's ``attend`` with the Triton launch itself replaced by a no-op (the kernel's own work
+    is not a PyTorch allocation). The recording mode does not see inside the custom ops, so the
+    copies their launchers would make (``kernel_arg`` of a non-contiguous tensor) are spied on."""
+    import kvpack.attention.triton.anchor_op as anchor_op
+    import kvpack.attention.triton.chunk_attend as chunk_attend
+    import kvpack.attention.triton.puzzle_op as puzzle_op
+    from kvpack.attention.triton._launch import kernel_arg
+
+    copied = []
+
+    def spy(t):
+        if t.numel() and not t.is_contiguous():
+            copied.append(tuple(t.shape))
+        return kernel_arg(t)
+
+    for module in (puzzle_op, anchor_op, chunk_attend):
+        monkeypatch.setattr(module, "kernel_arg", spy)
     _stub_kernel(monkeypatch, method)
-    _, qg, scaling = _random_queries(store, 1)
-    store.stored_partials(qg, scaling)  # first call may grow the shared RoPE table (once per model)
+    lay = store.layout
+    q, k, v = torch.randn(lay.q_heads, 1, lay.head_dim), torch.randn(lay.kv_heads, 1, lay.head_dim), \
+        torch.randn(lay.kv_heads, 1, lay.head_dim)
+    store.attend(q, k, v, lay.head_dim ** -0.5)  # first call may grow the shared RoPE table (once per model)
+    copied.clear()
     with _RecordOps() as rec:
-        store.stored_partials(qg, scaling)
-    return max(rec.bytes), rec.syncs
+        store.attend(q, k, v, lay.head_dim ** -0.5)
+    return max(rec.bytes), rec.syncs, copied
 
 
 # The stubbed kernel leaves its outputs unwritten: the merge and chunk kernels then compute on
@@ -438,18 +457,20 @@ def _step_allocations(store, monkeypatch, method):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("method", ["puzzle_pre_rope", "anchor"])
 def test_decode_step_allocates_nothing_that_grows_with_the_context(method, monkeypatch):
-    """Around the kernel a decode step allocates only split states and merge results: no gathered
-    RoPE rows, no concatenated copies of the store's tensors, no host syncs (CUDA-graph capturable)."""
+    """Around the kernels a decode step's attention allocates only split states and merge results: no
+    gathered RoPE rows, no copies of the store's tensors (concatenated, or made contiguous inside the
+    ops), no host syncs (CUDA-graph capturable, with ``check_finite=false``)."""
     largest = []
     for seq in (1200, 4800):
         if method == "anchor":
-            store = _anchor_store(2, 2, 32, seq, budget=0.3, storage_dtype="float32", anchors=None)
+            store = _anchor_store(2, 2, 32, seq, budget=0.3, storage_dtype="float32", anchors=None, check_finite=False)
         else:
             cfg = PuzzleConfig(page_size=16, rank_k=4, rank_v=4, storage_dtype="float32", key_rope="pre",
-                               attention_backend="triton")
+                               attention_backend="triton", check_finite=False)
             store = _store(2, 2, 32, seq, cfg)
-        big, syncs = _step_allocations(store, monkeypatch, method.split("_")[0])
+        big, syncs, copied = _step_allocations(store, monkeypatch, method.split("_")[0])
         assert syncs == 0
+        assert copied == [], f"tensors the launchers copy on every step: {copied}"
         largest.append(big)
     assert largest[1] == largest[0]  # same split count (about 32 per head) at 4x the context
 

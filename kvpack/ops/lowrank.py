@@ -19,7 +19,8 @@ def gram_eigh_factors(x: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.T
         rank: number of components kept, ``1 <= rank <= min(P, d)``.
 
     Returns:
-        ``(L, R, sigma)``: ``L [..., P, rank]`` orthonormal columns (top eigenvectors, descending),
+        ``(L, R, sigma)``: ``L [..., P, rank]`` orthonormal columns (top eigenvectors, descending;
+        contiguous),
         ``R [..., rank, d] = Lᵀ x``, and ``sigma [..., rank]`` the singular values (descending), so
         that ``L @ R`` is the best rank-``rank`` approximation of ``x`` in Frobenius norm.
     """
@@ -31,7 +32,9 @@ def gram_eigh_factors(x: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.T
     gram = xf @ xf.transpose(-1, -2)
     # eigh returns ascending eigenvalues; the top-r components are the last r columns, reversed.
     evals, evecs = torch.linalg.eigh(gram)
-    left = evecs[..., -rank:].flip(-1)
+    # eigh's eigenvectors are column-major (LAPACK); L is stored, so make it row-major once here
+    # (a strided L made the Triton launcher copy every layer's L factors on every decode step).
+    left = evecs[..., -rank:].flip(-1).contiguous()
     sigma = evals[..., -rank:].flip(-1).clamp_min(0).sqrt()
     right = left.transpose(-1, -2) @ xf
     return left, right, sigma
