@@ -29,7 +29,8 @@ estimate until one runs (stores are built once per context; batch rows copy that
 ``--cpu-smoke`` runs the same code on CPU through the Triton interpreter at tiny sizes, to check the
 script itself where there is no GPU (its timings mean nothing).
 
-Usage: python benchmarks/gpu_check.py [--contexts 32768,65536,131072,16384] [--deadline-s 420] [--cpu-smoke]
+Usage: python benchmarks/gpu_check.py [--contexts 32768,65536,131072,16384] [--deadline-s 420]
+       [--sections correctness,decode,steps] [--batches 1,8] [--cpu-smoke]
 """
 
 from __future__ import annotations
@@ -203,6 +204,8 @@ def _print_resources(compiled_by: dict[str, list]) -> None:
             print(f"  {label:<26} {key[0]}: {stages} stages, {regs} registers, {spills} spills, {shared} B shared")
 
 
+SECTIONS = ("correctness", "decode", "steps")  # in the order they run
+
 CHUNK_QUERIES = 16  # the correctness section's multi-query chunk (a prefill over the stored history)
 
 CONFIGS = [
@@ -263,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="wall-clock limit after start-up: nothing predicted to end past it starts, and "
                              "what still runs when it passes is interrupted (listed as not measured)")
     parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"which of {', '.join(SECTIONS)} to run (comma-separated; all by default)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU through the Triton interpreter")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
@@ -275,15 +280,26 @@ def main(argv: list[str] | None = None) -> int:
         device, H, G, d = torch.device("cuda"), 8, 4, 128
         contexts, check_len = [int(c) for c in (args.contexts or "32768,65536,131072,16384").split(",")], 8192
     batches = [int(b) for b in args.batches.split(",")]
+    sections = args.sections.split(",")
+    if unknown := set(sections) - set(SECTIONS):
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
     deadline = Deadline(args.deadline_s)
     # Every measurement, in the order it runs; each leaves the list when done, and whatever is left
     # when the deadline passes is printed as not measured.
-    pending = ([f"correctness: {label}" for _, _, label in CONFIGS]
-               + [f"decode: {label} at {seq}" for seq in contexts for _, _, label in CONFIGS]
-               + [f"decode steps: {label} at {contexts[0]}" for _, _, label in CONFIGS])
+    planned = {"correctness": [f"correctness: {label}" for _, _, label in CONFIGS],
+               "decode": [f"decode: {label} at {seq}" for seq in contexts for _, _, label in CONFIGS],
+               "steps": [f"decode steps: {label} at {contexts[0]}" for _, _, label in CONFIGS]}
+    pending = [unit for section in SECTIONS if section in sections for unit in planned[section]]
+    run = Run(device, H, G, d, deadline, pending)
     try:
         with deadline.armed():
-            _run(device, H, G, d, contexts, check_len, batches, deadline, pending, args.cpu_smoke)
+            run.header()
+            if "correctness" in sections:
+                run.correctness(check_len)
+            if "decode" in sections:
+                run.decode_table(contexts, batches)
+            if "steps" in sections:
+                run.decode_steps_table(contexts[0], 8 if args.cpu_smoke else 96)
     except DeadlineReached:
         print(f"\n  (interrupted: the {args.deadline_s:.0f} s deadline passed)")
     if pending:
@@ -292,109 +308,127 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run(device, H: int, G: int, d: int, contexts: list[int], check_len: int, batches: list[int],
-         deadline: Deadline, pending: list[str], cpu_smoke: bool) -> None:
-    """The three sections; removes each measurement from ``pending`` once printed."""
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter)"
-    bw = _copy_bandwidth(device)
-    print(f"# gpu_check on {name}, torch {torch.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s")
-    scaling = d ** -0.5
+class Run:
+    """One run's device, head shape and deadline; each section method removes its measurements from
+    ``pending`` as it prints them."""
 
-    print("\n## correctness: Triton vs PyTorch path on the same store (bf16 storage; a decode step, and a "
-          f"{CHUNK_QUERIES}-query chunk over the stored history: {CHUNK_QUERIES * G} rows per KV head, several row blocks)")
-    from kvpack.attention.triton import _launch
+    def __init__(self, device, H: int, G: int, d: int, deadline: Deadline, pending: list[str]):
+        self.device, self.H, self.G, self.d = device, H, G, d
+        self.deadline, self.pending = deadline, pending
+        self.scaling = d ** -0.5
+        self.bandwidth = None
+        self.compiled_by = {}  # label -> the kernels its Triton launches compiled
 
-    compiled_by = {}  # label -> the kernels its Triton launches compiled (printed in the next section)
-    for method, cfg, label in CONFIGS:
-        store, _, _ = build_store(method, {**cfg, "attention_backend": "torch"}, H, G, d, check_len, device)
-        before = set(_launch.compiled_kernels())
-        errors = []
-        for n_q in (1, CHUNK_QUERIES):
-            qg = group_queries(torch.randn(H * G, n_q, d, device=device), H)
-            ref = _store_output(store, qg, scaling, "torch")
-            got = _store_output(store, qg, scaling, "triton")
-            errors.append((got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6))
-        # A whole decode step's attention (attend: the stored part and the new token, whose end is
-        # the chunk-attention kernel on the Triton path); attend does not change the store.
-        q1 = torch.randn(H * G, 1, d, device=device)  # fp32: attend returns the queries' dtype
-        k1, v1 = (torch.randn(H, 1, d, device=device) for _ in range(2))
-        outs = []
-        for backend in ("torch", "triton"):
-            store.config.attention_backend = backend
-            outs.append(store.attend(q1, k1, v1, scaling))
-        errors.append((outs[1] - outs[0]).abs().max().item() / max(outs[0].abs().max().item(), 1e-6))
-        compiled_by[label] = [key for key in _launch.compiled_kernels() if key not in before]
-        verdict = "ok" if max(errors) < 2e-2 else "MISMATCH"
-        print(f"  {label:<26} max |err| / max |ref| = {errors[0]:.2e} (decode), {errors[1]:.2e} (chunk), "
-              f"{errors[2]:.2e} (attend)  {verdict}")
-        pending.remove(f"correctness: {label}")
+    def header(self) -> None:
+        name = torch.cuda.get_device_name() if self.device.type == "cuda" else "CPU (Triton interpreter)"
+        self.bandwidth = _copy_bandwidth(self.device)
+        print(f"# gpu_check on {name}, torch {torch.__version__}; copy bandwidth {self.bandwidth / 1e9:.0f} GB/s")
 
-    print("\n## kernel resources (compiled for this device; registers and spills per thread)")
-    if device.type == "cuda":
-        _print_resources(compiled_by)
-    print("\n## decode attention, one layer (kvpack Triton vs SDPA over the dense bf16 cache)")
-    print("Every batch row holds its own tensors (dense: distinct K/V copies; kvpack: a copy of the store).")
-    print("eager = each call launched from Python; graph = the same calls replayed from one CUDA graph "
-          "(launch overhead removed; n/a if capture failed).")
-    print("| config | context | batch | dense ms eager | kvpack ms eager | ratio eager | dense ms graph "
-          "| kvpack ms graph | ratio graph | bytes ratio | kvpack GB/s | % of copy BW |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    last = {}  # label -> (context, seconds) of its last measurement, to predict the next one's
-    # Context-major, in the order given (32K first by default: the goals' context), so that a run cut
-    # short by the deadline still has every configuration at the contexts it reached.
-    for seq in contexts:
+    def correctness(self, check_len: int) -> None:
+        """Triton vs PyTorch on the same stores of ``check_len`` tokens; then the compiled kernels'
+        resources."""
+        from kvpack.attention.triton import _launch
+
+        H, G, d, device, scaling = self.H, self.G, self.d, self.device, self.scaling
+        print("\n## correctness: Triton vs PyTorch path on the same store (bf16 storage; a decode step, a "
+              f"{CHUNK_QUERIES}-query chunk over the stored history: {CHUNK_QUERIES * G} rows per KV head, several "
+              "row blocks; a decode step's whole attend)")
         for method, cfg, label in CONFIGS:
-            if label in last and not deadline.fits(last[label][1] * seq / last[label][0]):
-                continue  # stays pending: predicted to end past the deadline
-            started = time.perf_counter()
-            store, k, v = build_store(method, {**cfg, "attention_backend": "triton"}, H, G, d, seq, device)
-            dense_bytes = 2 * k.numel() * k.element_size()
-            for batch in batches:
-                # Copies own their tensors; they share the layout (one RoPE table per model, as in serving).
-                rows = [store] + [copy.deepcopy(store, {id(store.layout): store.layout}) for _ in range(batch - 1)]
-                kd = torch.stack([k] + [k.clone() for _ in range(batch - 1)])
-                vd = torch.stack([v] + [v.clone() for _ in range(batch - 1)])
-                q = torch.randn(batch, H * G, 1, d, device=device, dtype=torch.bfloat16)
-                qgs = [group_queries(q[b].float(), H) for b in range(batch)]
+            store, _, _ = build_store(method, {**cfg, "attention_backend": "torch"}, H, G, d, check_len, device)
+            before = set(_launch.compiled_kernels())
+            errors = []
+            for n_q in (1, CHUNK_QUERIES):
+                qg = group_queries(torch.randn(H * G, n_q, d, device=device), H)
+                ref = _store_output(store, qg, scaling, "torch")
+                got = _store_output(store, qg, scaling, "triton")
+                errors.append((got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6))
+            # A whole decode step's attention (attend: the stored part and the new token, whose end is
+            # the chunk-attention kernel on the Triton path); attend does not change the store.
+            q1 = torch.randn(H * G, 1, d, device=device)  # fp32: attend returns the queries' dtype
+            k1, v1 = (torch.randn(H, 1, d, device=device) for _ in range(2))
+            outs = []
+            for backend in ("torch", "triton"):
+                store.config.attention_backend = backend
+                outs.append(store.attend(q1, k1, v1, scaling))
+            errors.append((outs[1] - outs[0]).abs().max().item() / max(outs[0].abs().max().item(), 1e-6))
+            self.compiled_by[label] = [key for key in _launch.compiled_kernels() if key not in before]
+            verdict = "ok" if max(errors) < 2e-2 else "MISMATCH"
+            print(f"  {label:<26} max |err| / max |ref| = {errors[0]:.2e} (decode), {errors[1]:.2e} (chunk), "
+                  f"{errors[2]:.2e} (attend)  {verdict}")
+            self.pending.remove(f"correctness: {label}")
+        print("\n## kernel resources (compiled for this device; registers and spills per thread)")
+        if device.type == "cuda":
+            _print_resources(self.compiled_by)
 
-                def dense():
-                    return torch.nn.functional.scaled_dot_product_attention(q, kd, vd, scale=scaling, enable_gqa=True)
+    def decode_table(self, contexts: list[int], batches: list[int]) -> None:
+        """One decode step's attention over a layer, kvpack's Triton path vs SDPA over the dense cache."""
+        H, G, d, device, scaling = self.H, self.G, self.d, self.device, self.scaling
+        print("\n## decode attention, one layer (kvpack Triton vs SDPA over the dense bf16 cache)")
+        print("Every batch row holds its own tensors (dense: distinct K/V copies; kvpack: a copy of the store).")
+        print("eager = each call launched from Python; graph = the same calls replayed from one CUDA graph "
+              "(launch overhead removed; n/a if capture failed).")
+        print("| config | context | batch | dense ms eager | kvpack ms eager | ratio eager | dense ms graph "
+              "| kvpack ms graph | ratio graph | bytes ratio | kvpack GB/s | % of copy BW |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        last = {}  # label -> (context, seconds) of its last measurement, to predict the next one's
+        # Context-major, in the order given (32K first by default: the goals' context), so that a run
+        # cut short by the deadline still has every configuration at the contexts it reached.
+        for seq in contexts:
+            for method, cfg, label in CONFIGS:
+                if label in last and not self.deadline.fits(last[label][1] * seq / last[label][0]):
+                    continue  # stays pending: predicted to end past the deadline
+                started = time.perf_counter()
+                store, k, v = build_store(method, {**cfg, "attention_backend": "triton"}, H, G, d, seq, device)
+                dense_bytes = 2 * k.numel() * k.element_size()
+                for batch in batches:
+                    # Copies own their tensors; they share the layout (one RoPE table per model, as in serving).
+                    rows = [store] + [copy.deepcopy(store, {id(store.layout): store.layout}) for _ in range(batch - 1)]
+                    kd = torch.stack([k] + [k.clone() for _ in range(batch - 1)])
+                    vd = torch.stack([v] + [v.clone() for _ in range(batch - 1)])
+                    q = torch.randn(batch, H * G, 1, d, device=device, dtype=torch.bfloat16)
+                    qgs = [group_queries(q[b].float(), H) for b in range(batch)]
 
-                def packed():
-                    return [_store_output(r, qg, scaling, "triton") for r, qg in zip(rows, qgs)]
+                    def dense():
+                        return torch.nn.functional.scaled_dot_product_attention(q, kd, vd, scale=scaling,
+                                                                                enable_gqa=True)
 
-                eager_d, eager_k = _timer(dense, device), _timer(packed, device)
-                graph_d, graph_k = _graph_timer(dense, device), _graph_timer(packed, device)
-                moved = batch * store.nbytes() + _rope_bytes_read(store)
-                ratio_g = f"{graph_k / graph_d:.3f}" if graph_d and graph_k else "n/a"
-                t_best = graph_k or eager_k
-                print(f"| {label} | {seq} | {batch} | {eager_d * 1e3:.3f} | {eager_k * 1e3:.3f} | "
-                      f"{eager_k / eager_d:.3f} | {_ms(graph_d)} | {_ms(graph_k)} | {ratio_g} "
-                      f"| {store.nbytes() / dense_bytes:.3f} | {moved / t_best / 1e9:.0f} "
-                      f"| {100 * moved / t_best / bw:.0f}% |")
-                del rows, kd, vd
+                    def packed():
+                        return [_store_output(r, qg, scaling, "triton") for r, qg in zip(rows, qgs)]
+
+                    eager_d, eager_k = _timer(dense, device), _timer(packed, device)
+                    graph_d, graph_k = _graph_timer(dense, device), _graph_timer(packed, device)
+                    moved = batch * store.nbytes() + _rope_bytes_read(store)
+                    ratio_g = f"{graph_k / graph_d:.3f}" if graph_d and graph_k else "n/a"
+                    t_best = graph_k or eager_k
+                    print(f"| {label} | {seq} | {batch} | {eager_d * 1e3:.3f} | {eager_k * 1e3:.3f} | "
+                          f"{eager_k / eager_d:.3f} | {_ms(graph_d)} | {_ms(graph_k)} | {ratio_g} "
+                          f"| {store.nbytes() / dense_bytes:.3f} | {moved / t_best / 1e9:.0f} "
+                          f"| {100 * moved / t_best / self.bandwidth:.0f}% |")
+                    del rows, kd, vd
+                del store, k, v
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                last[label] = (seq, time.perf_counter() - started)
+                self.pending.remove(f"decode: {label} at {seq}")
+            print(f"  (context {seq}: done at {self.deadline.elapsed():.0f} s)")
+
+    def decode_steps_table(self, seq: int, steps: int) -> None:
+        """Whole decode steps of one layer (attend + append), kvpack vs a dense static cache."""
+        H, G, d, device = self.H, self.G, self.d, self.device
+        print(f"\n## decode steps end to end, one layer, batch 1, {seq} tokens + {steps} decoded")
+        print("attend + append per token (the incremental compression of completed pages included; "
+              "check_finite=false, eager) vs SDPA over a preallocated dense bf16 cache written in place.")
+        print("| config | dense ms/step | kvpack ms/step | ratio |")
+        print("|---|---|---|---|")
+        for method, cfg, label in CONFIGS:
+            store, k, v = build_store(method, {**cfg, "attention_backend": "triton", "check_finite": False},
+                                      H, G, d, seq, device)
+            _decode_steps(store, 2, device, seed=2)  # compile, pick pipelining depths
+            t_kv = _decode_steps(store, steps, device)
+            t_dense = _dense_decode_steps(k, v, G, steps, device)
+            print(f"| {label} | {t_dense * 1e3:.3f} | {t_kv * 1e3:.3f} | {t_kv / t_dense:.3f} |")
             del store, k, v
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            last[label] = (seq, time.perf_counter() - started)
-            pending.remove(f"decode: {label} at {seq}")
-        print(f"  (context {seq}: done at {deadline.elapsed():.0f} s)")
-
-    seq, steps = contexts[0], (8 if cpu_smoke else 96)
-    print(f"\n## decode steps end to end, one layer, batch 1, {seq} tokens + {steps} decoded")
-    print("attend + append per token (the incremental compression of completed pages included; "
-          "check_finite=false, eager) vs SDPA over a preallocated dense bf16 cache written in place.")
-    print("| config | dense ms/step | kvpack ms/step | ratio |")
-    print("|---|---|---|---|")
-    for method, cfg, label in CONFIGS:
-        store, k, v = build_store(method, {**cfg, "attention_backend": "triton", "check_finite": False},
-                                  H, G, d, seq, device)
-        _decode_steps(store, 2, device, seed=2)  # compile, pick pipelining depths
-        t_kv = _decode_steps(store, steps, device)
-        t_dense = _dense_decode_steps(k, v, G, steps, device)
-        print(f"| {label} | {t_dense * 1e3:.3f} | {t_kv * 1e3:.3f} | {t_kv / t_dense:.3f} |")
-        del store, k, v
-        pending.remove(f"decode steps: {label} at {seq}")
+            self.pending.remove(f"decode steps: {label} at {seq}")
 
 
 if __name__ == "__main__":
