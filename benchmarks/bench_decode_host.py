@@ -8,7 +8,7 @@ counted once: ``puzzle_attention`` and ``anchor_segment_attention`` make two Tri
 replaced by a no-op, so that what is timed is Python, dispatch and the small PyTorch ops — the work a
 GPU host does per layer and step. Llama-8B head shape (8 KV heads, 32 query heads, d = 128).
 
-A CPU measure of host work, not a GPU timing. Usage: TRITON_INTERPRET=1 python benchmarks/bench_decode_host.py
+A CPU measure of host work, not a GPU timing. Usage: python benchmarks/bench_decode_host.py
 """
 
 from __future__ import annotations
