@@ -557,8 +557,9 @@ class AnchorStore(LayerStore):
         qg = group_queries(q, lay.kv_heads)
         out, m, l = history_and_chunk(self._segment_partials(qg, scaling), qg, k, v, scaling, lay.q_heads,
                                       self.config.attention_backend, tail=(self.tail_k, self.tail_v))
-        # log-sum-exp of each query row over everything it saw (kept for re-compression scoring).
-        self._last_lse = ungroup_output((m + l.log()).unsqueeze(-1), lay.q_heads).squeeze(-1)
+        if self.config.recompress_every:  # log-sum-exp of each query row over everything it saw,
+            # for re-compression scoring (two more ops per layer and step; skipped when it is off)
+            self._last_lse = ungroup_output((m + l.log()).unsqueeze(-1), lay.q_heads).squeeze(-1)
         return out.to(q.dtype)
 
     def stored_partials(self, qg: torch.Tensor, scaling: float) -> list:
