@@ -1,4 +1,5 @@
-"""Pieces both decode kernels share: block products, RoPE'd scores, the online-softmax step and writing a split's state."""
+"""Pieces the kernels share: block products, RoPE'd scores, the online-softmax step, writing a split's
+state and merging stored states."""
 
 from __future__ import annotations
 
@@ -57,3 +58,26 @@ def store_split_state(m_ptr, l_ptr, o_ptr, h, s, n_splits, M, D, m_i, l_i, acc, 
     tl.store(l_ptr + out + offs_m, l_i, mask=mask_m)
     tl.store(o_ptr + out * D + offs_m[:, None] * D + col0 + offs_c[None, :], acc,
              mask=mask_m[:, None] & (offs_c[None, :] < n_cols))
+
+
+@triton.jit
+def merge_states(m_ptr, l_ptr, o_ptr, h, S, M, D, offs_m, mask_m, offs_c, mask_c,
+                 BM: tl.constexpr, BC: tl.constexpr):
+    """Merge ``S`` partial states ``m, l [H, S, M]``, ``o [H, S, M, D]`` (fp32, contiguous) of head
+    ``h``'s rows ``offs_m`` and output columns ``offs_c`` with ``softmax_merge.merge_partials``'
+    arithmetic: each row's maximum over the states first, then the normalisers and outputs weighted
+    by ``e^(m_s − m)``. Returns ``(m [BM], l [BM], o [BM, BC])``; states that saw no key
+    (``m = -inf``) weigh zero, and a row no state saw gets ``m = -inf``, ``l = 0``, ``o = 0``."""
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    for s in range(S):
+        m_i = tl.maximum(m_i, tl.load(m_ptr + (h * S + s) * M + offs_m, mask=mask_m, other=float("-inf")))
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)  # exp(-inf - 0) = 0 for rows no state saw
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BC], tl.float32)
+    for s in range(S):
+        row = (h * S + s) * M + offs_m
+        w = tl.exp(tl.load(m_ptr + row, mask=mask_m, other=float("-inf")) - m_safe)
+        l_i += tl.load(l_ptr + row, mask=mask_m, other=0.0) * w
+        acc += tl.load(o_ptr + row[:, None] * D + offs_c[None, :], mask=mask_m[:, None] & mask_c[None, :],
+                       other=0.0) * w[:, None]
+    return m_i, l_i, acc

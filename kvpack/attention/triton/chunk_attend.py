@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..softmax_merge import PartialAttention, ungroup_output
-from ._common import online_softmax_step
+from ._common import merge_states, online_softmax_step
 from ._launch import ROW_BLOCK, kernel_arg, launch, pow2, row_blocks
 
 _CHUNK_BLOCK = 16  # chunk keys per loop step (tl.dot's smallest tile)
@@ -59,18 +59,7 @@ def chunk_attend_kernel(m_ptr, l_ptr, o_ptr, q_ptr, tk_ptr, tv_ptr, k_ptr, v_ptr
     offs_d = tl.arange(0, BD)
     mask_m = offs_m < M
     mask_md = mask_m[:, None] & (offs_d[None, :] < D)
-    # The stored states: their maximum per row, then normalisers and outputs rescaled to it.
-    m_i = tl.full([BM], float("-inf"), tl.float32)
-    for s in range(S):
-        m_i = tl.maximum(m_i, tl.load(m_ptr + (h * S + s) * M + offs_m, mask=mask_m, other=float("-inf")))
-    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-    l_i = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, BD], tl.float32)
-    for s in range(S):
-        row = (h * S + s) * M + offs_m
-        w = tl.exp(tl.load(m_ptr + row, mask=mask_m, other=float("-inf")) - m_safe)
-        l_i += tl.load(l_ptr + row, mask=mask_m, other=0.0) * w
-        acc += tl.load(o_ptr + row[:, None] * D + offs_d[None, :], mask=mask_md, other=0.0) * w[:, None]
+    m_i, l_i, acc = merge_states(m_ptr, l_ptr, o_ptr, h, S, M, D, offs_m, mask_m, offs_d, offs_d < D, BM, BD)
     # The stored dense tokens, then the chunk, causal within itself (group_queries' layout: row r is
     # query r mod Q).
     q = tl.load(q_ptr + (h * M + offs_m[:, None]) * D + offs_d[None, :], mask=mask_md, other=0.0)
