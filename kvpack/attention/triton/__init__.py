@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from ..softmax_merge import attend_history_and_chunk, dense_partial
+
 KERNEL_CHOICES = ("auto", "triton", "torch")
 
 
@@ -63,8 +65,6 @@ def history_and_chunk(history: list, qg: torch.Tensor, k: torch.Tensor, v: torch
         from .chunk_attend import fused_history_and_chunk
 
         return fused_history_and_chunk(history, qg, k, v, scaling, q_heads, tail)
-    from ..softmax_merge import attend_history_and_chunk, dense_partial
-
     if tail is not None and tail[0].shape[1]:
         history = [*history, dense_partial(qg, *tail, scaling)]
     out, merged = attend_history_and_chunk(history, qg, k, v, scaling, q_heads)
