@@ -22,11 +22,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from _util import machine  # noqa: E402
 
-from kvpack.codecs import get_codec  # noqa: E402
-from kvpack.eval.prefill import build_cache, exact_prefill  # noqa: E402
 from kvpack.eval.runner import teacher_forced_logprobs  # noqa: E402
+from kvpack.hf.prefill import exact_prefill  # noqa: E402
+from kvpack.methods import get_method  # noqa: E402
 from kvpack.hf.models import load_model  # noqa: E402
-from kvpack.kvtc.corpus import calibration_documents  # noqa: E402
+from kvpack.storage.kvtc.corpus import calibration_documents  # noqa: E402
 
 CONFIGS = [
     ("faithful (paper)", {}),
@@ -59,7 +59,7 @@ def main() -> None:
     prompt, cont = ids[: args.tokens], ids[args.tokens:]
     total = len(ids)
     prefill = exact_prefill(model, prompt)
-    ref = teacher_forced_logprobs(model, build_cache(model, get_codec("full"), prefill).cache, cont, total)
+    ref = teacher_forced_logprobs(model, get_method("full").from_prefill(model, prefill), cont, total)
     targets = torch.tensor(cont[1:])
     print(f"# bench_anchor_ablation  ({machine()}), SmolLM2, {args.tokens}-token prompt, "
           f"{len(cont)} teacher-forced tokens; FullKV continuation ppl "
@@ -71,11 +71,11 @@ def main() -> None:
                 continue
             start = time.perf_counter()
             try:
-                built = build_cache(model, get_codec("anchor", budget=budget, **cfg), prefill)
+                built = get_method("anchor", budget=budget, **cfg).from_prefill(model, prefill)
             except ValueError as exc:
                 print(f"{budget:<6} {label:<22} refused: {exc}")
                 continue
-            logp = teacher_forced_logprobs(model, built.cache, cont, total)
+            logp = teacher_forced_logprobs(model, built, cont, total)
             kl = (ref.exp() * (ref - logp)).sum(-1).mean().item()
             top1 = (ref.argmax(-1) == logp.argmax(-1)).float().mean().item()
             ppl = math.exp(-logp[:-1].gather(1, targets[:, None]).mean().item())

@@ -19,7 +19,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import DynamicCache  # noqa: E402
 
-from kvpack.hf.cache import _find_rotary, cache_kwargs  # noqa: E402
+from kvpack.hf.cache import cache_kwargs  # noqa: E402
+from kvpack.hf.rotary import find_rotary  # noqa: E402
 from kvpack.hf.models import load_model  # noqa: E402
 from kvpack.ops.rope import RotaryTable, invert_rope  # noqa: E402
 from kvpack.prompts import needle_prompt  # noqa: E402
@@ -53,7 +54,7 @@ def main() -> None:
     cache = DynamicCache(config=model.config)
     model(ids, logits_to_keep=1, **cache_kwargs(model, cache))
     S, W = ids.shape[1], 32
-    rope = RotaryTable(_find_rotary(model), model.config.head_dim)
+    rope = RotaryTable(find_rotary(model), model.config.head_dim)
     cos, sin = rope.cos_sin(torch.arange(S))
     gen = torch.Generator().manual_seed(0)
     rows = []

@@ -20,8 +20,8 @@ import torch
 from _util import machine
 from bench_decode_attention import synthetic_kv
 
-from kvpack.codecs import LayerLayout, get_codec
-from kvpack.codecs import puzzle as puzzle_module
+from kvpack.resident import LayerLayout, get_codec
+from kvpack.resident import puzzle as puzzle_module
 
 
 def _append_seconds(seq: int, steps: int, fold_every_page: bool) -> tuple[float, int]:

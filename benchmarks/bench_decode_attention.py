@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from _util import machine, median_seconds
 
-from kvpack.codecs import LayerLayout, get_codec
+from kvpack.resident import LayerLayout, get_codec
 from kvpack.ops.rope import LlamaRotary, RotaryTable
 
 

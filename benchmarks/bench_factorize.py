@@ -19,8 +19,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from _util import machine, median_seconds  # noqa: E402
 
-from kvpack.codecs.puzzle import PuzzleConfig, default_ranks  # noqa: E402
-from kvpack.hf.cache import KVPackCache, cache_kwargs  # noqa: E402
+from kvpack.resident.puzzle import PuzzleConfig, default_ranks  # noqa: E402
+from kvpack import attach  # noqa: E402
+from kvpack.hf.cache import cache_kwargs  # noqa: E402
 from kvpack.hf.models import load_model  # noqa: E402
 from kvpack.ops.lowrank import gram_eigh_factors  # noqa: E402
 from kvpack.prompts import needle_prompt  # noqa: E402
@@ -43,7 +44,10 @@ def main() -> None:
         model(ids, logits_to_keep=1, **cache_kwargs(model, DynamicCache(config=model.config)))
 
     def cache_prefill(method, **cfg):
-        return lambda: model(ids, logits_to_keep=1, **cache_kwargs(model, KVPackCache(model, method, **cfg)))
+        def run():
+            with attach(model, method, **cfg) as cache:
+                model(ids, logits_to_keep=1, **cache_kwargs(model, cache))
+        return run
 
     t_dense = median_seconds(dense_prefill, args.repeats)
     cache = DynamicCache(config=model.config)

@@ -11,6 +11,7 @@ Usage: python benchmarks/bench_prefill_overhead.py [--tokens 4096] [--budget 0.2
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import torch
@@ -20,6 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from _util import machine, median_seconds  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
+from kvpack import attach  # noqa: E402
 from kvpack.hf.cache import KVPackCache, cache_kwargs  # noqa: E402
 from kvpack.hf.models import load_model  # noqa: E402
 from kvpack.prompts import needle_prompt  # noqa: E402
@@ -40,7 +42,11 @@ def main() -> None:
     ids = tok(prompt, return_tensors="pt").input_ids
 
     def prefill(make_cache):
-        return lambda: model(ids, logits_to_keep=1, **cache_kwargs(model, make_cache()))
+        def run():
+            cache = make_cache()
+            with attach(model, cache=cache) if isinstance(cache, KVPackCache) else contextlib.nullcontext():
+                model(ids, logits_to_keep=1, **cache_kwargs(model, cache))
+        return run
 
     dense = median_seconds(prefill(lambda: DynamicCache(config=model.config)), args.repeats)
     print(f"# bench_prefill_overhead  ({machine()}), {ids.shape[1]} tokens, budget {args.budget}")

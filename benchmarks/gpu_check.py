@@ -50,7 +50,7 @@ if "--cpu-smoke" in sys.argv:
 import torch  # noqa: E402
 
 from kvpack.attention.softmax_merge import finalize, group_queries, merge_partials  # noqa: E402
-from kvpack.codecs import LayerLayout, get_codec  # noqa: E402
+from kvpack.resident import LayerLayout, get_codec  # noqa: E402
 from kvpack.ops.rope import LlamaRotary, RotaryTable  # noqa: E402
 
 

@@ -51,10 +51,12 @@ def main() -> int:
         qg = group_queries(torch.randn(H * G, n_q, d), H)
         for arch in (int(a) for a in args.arch.split(",")):
             for label, method, (store, _, _) in stores:
-                launch = puzzle_partial if method == "puzzle" else anchor_partials
                 try:
                     with compile_only(arch) as builds:
-                        launch(store, qg, d ** -0.5)
+                        if method == "puzzle":
+                            puzzle_partial(store.pages_view(), qg, d ** -0.5)
+                        else:
+                            anchor_partials(store.segment_views(), qg, d ** -0.5)
                 except Exception as e:  # report every configuration, then fail
                     failed = True
                     print(f"sm_{arch} {label} ({n_q} queries): compile FAILED: {type(e).__name__}: {e}",

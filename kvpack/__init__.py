@@ -1,22 +1,17 @@
-"""kvpack: compressed KV caches for transformer language models, with measured memory."""
+"""kvpack: compressed KV caches for transformer language models, with measured memory.
 
-from .codecs import Codec, CodecConfig, available_codecs, get_codec, register_codec
+Entry points: :func:`attach` (a resident method's cache for a model, in a ``with`` block),
+:func:`get_method` (any method, resident or storage, under one protocol), :func:`load_model`.
+"""
+
+from .config import MethodConfig
+from .hf.attach import attach
+from .hf.cache import KVPackCache
+from .hf.models import load_model
+from .methods import Method, available_methods, get_method
+from .registry import register_method
 
 __version__ = "0.1.0"
 
-
-def load_model(name_or_path: str = "smollm2", **kwargs):
-    """Load a model and tokenizer offline; see :func:`kvpack.hf.models.load_model`."""
-    from .hf.models import load_model as _load
-
-    return _load(name_or_path, **kwargs)
-
-
-def KVPackCache(model, codec="full", **config):  # noqa: N802 - factory named like the class it returns
-    """A transformers cache compressed by ``codec``; see :class:`kvpack.hf.cache.KVPackCache`."""
-    from .hf.cache import KVPackCache as _Cache
-
-    return _Cache(model, codec, **config)
-
-
-__all__ = ["Codec", "CodecConfig", "KVPackCache", "available_codecs", "get_codec", "load_model", "register_codec"]
+__all__ = ["KVPackCache", "Method", "MethodConfig", "attach", "available_methods", "get_method", "load_model",
+           "register_method"]

@@ -9,37 +9,49 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+
+from .eval.report import summary_markdown, write_report
+from .eval.runner import EvalPlan, method_specs, rows_in_plan, run_eval
+from .eval.tasks import NIAH_TASKS, RULER_TASKS
+from .generate import encode_prompt, generate
+from .hf.fingerprint import model_fingerprint
+from .hf.models import DEFAULT_MODEL, load_model
+from .methods import available_methods, get_method, method_config_class
+from .prompts import needle_prompt
+from .storage.kvtc.calibration import CalibrationSettings, calibrate
+from .storage.kvtc.codec import KvtcConfig, load_calibration
+from .storage.kvtc.coder import decompress_cache
+from .storage.kvtc.session import compress_tokens, continue_from_blob
+from .store.atomic import atomic_write_bytes
+from .store.format import BACKENDS, Blob
+from .store.prefix import PrefixStore
 
 DTYPES = ("float32", "bfloat16", "float16")
+CALIBRATION_DEFAULTS = CalibrationSettings()  # the defaults `kvpack calibrate` shows and uses
+KVTC_DEFAULTS = KvtcConfig()
 
 
 def _codec_config(method: str, budget: float | None, sets: list[str], calibration: str | None = None) -> dict:
-    import dataclasses
-
-    from .codecs.base import CODECS, available_codecs
-
-    if method not in available_codecs():
-        raise ValueError(f"unknown method {method!r}; known methods: {', '.join(available_codecs())}")
-    config = CODECS[method].Config.parse_overrides(sets)
+    config_cls = method_config_class(method)
+    config = config_cls.parse_overrides(sets)
     if budget is not None:
         config["budget"] = budget
     if calibration is not None:
-        if "calibration" not in {f.name for f in dataclasses.fields(CODECS[method].Config)}:
+        if "calibration" not in {f.name for f in dataclasses.fields(config_cls)}:
             raise ValueError(f"--calibration applies to calibrated methods (kvtc), not to {method!r}")
         config["calibration"] = calibration
     return config
 
 
 def _load(model: str, dtype: str):
-    import torch
-
-    from .hf.models import load_model
-
     return load_model(model, dtype=getattr(torch, dtype))
 
 
@@ -48,16 +60,14 @@ def _read_prompt(args) -> str:
 
 
 def cmd_generate(args) -> int:
-    from .codecs.base import get_codec
-    from .generate import generate
-
     # Validate before loading the model.
-    codec = get_codec(args.method, **_codec_config(args.method, args.budget, args.set, args.calibration))
-    if codec.storage:
-        codec.calibration()
+    method = get_method(args.method, **_codec_config(args.method, args.budget, args.set, args.calibration))
+    method.check_ready()
     prompt = _read_prompt(args)
+    if not prompt:
+        raise ValueError("empty prompt: nothing to generate from")
     model, tokenizer = _load(args.model, args.dtype)
-    result = generate(model, tokenizer, prompt, codec, chat=args.chat,
+    result = generate(model, tokenizer, prompt, method, chat=args.chat,
                       max_new_tokens=args.max_new_tokens, progress=not args.quiet)
     if args.json:
         print(json.dumps(result.to_dict()))
@@ -71,10 +81,6 @@ def cmd_generate(args) -> int:
 
 def cmd_demo(args) -> int:
     """Needle-in-filler generation with FullKV and PuzzleKV, printed side by side with measured bytes."""
-    from .generate import generate
-    from .hf.models import load_model
-    from .prompts import needle_prompt
-
     model, tokenizer = load_model(args.model)
     prompt, answer = needle_prompt(tokenizer, n_tokens=args.tokens, depth=0.4, seed=7)
     print(f"needle-in-filler prompt: {args.tokens} tokens, hidden number {answer}\n")
@@ -96,6 +102,16 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_methods(args) -> int:
+    """Every method with its family and config fields (defaults, allowed values)."""
+    for name in available_methods():
+        method = get_method(name)
+        print(f"{name} ({method.family})")
+        for line in method_config_class(name).help_lines():
+            print(f"    {line}")
+    return 0
+
+
 def _parse_ratios(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(x) for x in text.split(",") if x.strip())
@@ -105,8 +121,6 @@ def _parse_ratios(text: str) -> tuple[float, ...]:
 
 def cmd_calibrate(args) -> int:
     """kvtc calibration: PCA + DP allocations, written to --out."""
-    from .kvtc.calibration import CalibrationSettings, calibrate
-
     settings = CalibrationSettings(tokens=args.tokens, chunk_tokens=args.chunk_tokens, pca_dim=args.pca_dim,
                                    ratios=_parse_ratios(args.ratios), seed=args.seed)
     model, tokenizer = _load(args.model, args.dtype)
@@ -125,8 +139,6 @@ def cmd_calibrate(args) -> int:
 
 
 def _model_and_calibration(args):
-    from .codecs.transform import load_calibration
-
     calib = load_calibration(args.calibration)
     model, tokenizer = _load(args.model, args.dtype)
     calib.check_model(model)
@@ -135,13 +147,9 @@ def _model_and_calibration(args):
 
 def cmd_compress(args) -> int:
     """Prefill a prompt, compress its cache with kvtc, write a blob file or a prefix-store entry."""
-    from .generate import encode_prompt
-    from .kvtc.session import compress_tokens
-    from .store.atomic import atomic_write_bytes
-    from .store.prefix import PrefixStore
-
     if bool(args.out) == bool(args.store):
         raise ValueError("give exactly one of --out FILE or --store [DIR]")
+    KvtcConfig(ratio=args.ratio, backend=args.backend, level=args.level)  # refuse bad settings before loading
     prompt = _read_prompt(args)
     if not prompt:
         raise ValueError("empty prompt: nothing to compress")
@@ -154,8 +162,6 @@ def cmd_compress(args) -> int:
         where = args.out
     else:
         where = str(PrefixStore(None if args.store is True else args.store).put(blob, ids))
-    from .store.format import Blob
-
     dense = Blob(blob).meta["dense_bf16_bytes"]
     print(f"{len(ids)} tokens -> {len(blob):,} bytes (dense bf16 {dense:,}, ratio {dense / len(blob):.2f}x) in {where}")
     return 0
@@ -163,11 +169,6 @@ def cmd_compress(args) -> int:
 
 def cmd_decompress(args) -> int:
     """A blob back to dense cache tensors (safetensors: layer{i}.keys / layer{i}.values, token_ids)."""
-    import torch
-    from safetensors.torch import save_file
-
-    from .kvtc.coder import decompress_cache
-
     model, _, calib = _model_and_calibration(args)
     cache, ids = decompress_cache(Path(args.blob).read_bytes(), calib, model)
     tensors = {"token_ids": torch.tensor(ids, dtype=torch.int64)}
@@ -181,10 +182,6 @@ def cmd_decompress(args) -> int:
 
 def cmd_continue(args) -> int:
     """Generation continued from a blob (+ new text) or from the longest stored prefix of a prompt."""
-    from .generate import encode_prompt
-    from .kvtc.session import continue_from_blob
-    from .store.prefix import PrefixStore
-
     if bool(args.blob) == bool(args.store):
         raise ValueError("give exactly one of --blob FILE or --store [DIR]")
     text = _read_prompt(args)
@@ -195,8 +192,6 @@ def cmd_continue(args) -> int:
         blob = Path(args.blob).read_bytes()  # verified by continue_from_blob
         new = tokenizer(text, add_special_tokens=False).input_ids
     else:
-        from .hf.fingerprint import model_fingerprint
-
         ids = encode_prompt(tokenizer, text, args.chat)[0].tolist()
         found = PrefixStore(None if args.store is True else args.store).longest_prefix(
             model_fingerprint(model)["hash"], calib.calibration_id, ids[:-1])
@@ -220,8 +215,6 @@ DEFAULT_EVAL_TASKS = "niah_single_1,niah_single_2,niah_multikey_1,vt"
 
 
 def _task_list(text: str) -> list[str]:
-    from .eval.tasks import NIAH_TASKS, RULER_TASKS
-
     out: list[str] = []
     for item in (t.strip() for t in text.split(",") if t.strip()):
         out.extend(RULER_TASKS if item == "ruler" else NIAH_TASKS if item == "niah" else [item])
@@ -229,14 +222,12 @@ def _task_list(text: str) -> list[str]:
 
 
 def _eval_overrides(items: list[str], calibration: str | None) -> dict[str, dict]:
-    from .codecs.base import CODECS, available_codecs
-
     out: dict[str, dict] = {}
     for item in items:
         name, dot, rest = item.partition(".")
-        if not dot or name not in available_codecs():
+        if not dot or name not in available_methods():
             raise ValueError(f"--set expects METHOD.KEY=VALUE with a known method, got {item!r}")
-        out.setdefault(name, {}).update(CODECS[name].Config.parse_overrides([rest]))
+        out.setdefault(name, {}).update(method_config_class(name).parse_overrides([rest]))
     if calibration is not None:
         out.setdefault("kvtc", {})["calibration"] = calibration
     return out
@@ -244,9 +235,6 @@ def _eval_overrides(items: list[str], calibration: str | None) -> dict[str, dict
 
 def cmd_eval(args) -> int:
     """RULER-style evaluation of methods x budgets; writes results, summaries and plots to --out."""
-    from .eval.report import summary_markdown, write_report
-    from .eval.runner import EvalPlan, method_specs, rows_in_plan, run_eval
-
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
     settings = ["query-aware", "query-agnostic"] if args.setting == "both" else [args.setting]
@@ -279,9 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate with a compressed KV cache and report its measured bytes")
     _add_model_args(g)
-    g.add_argument("--method", default="puzzle", help="codec name (full, puzzle, anchor, kvtc, ...)")
+    g.add_argument("--method", default="puzzle", metavar="METHOD",
+                   help=f"one of {', '.join(available_methods())} (default puzzle); `kvpack methods` lists "
+                   "each one's fields and defaults")
     g.add_argument("--budget", type=float, default=None, help="target fraction of the dense bf16 KV bytes")
-    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="codec config field")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config field of the method (see `kvpack methods`)")
     g.add_argument("--calibration", default=None, help="calibration directory (kvtc)")
     _add_prompt_args(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -289,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--quiet", action="store_true", help="no progress on stderr")
     g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("methods", help="list every method with its config fields, defaults and allowed values")
+    m.set_defaults(func=cmd_methods)
 
     d = sub.add_parser("demo", help="needle retrieval with FullKV and PuzzleKV on the default model")
     d.add_argument("--model", default="smollm2")
@@ -299,20 +293,24 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help="kvtc: calibrate PCA bases and bit allocations for a model (once)")
     _add_model_args(c, "bfloat16")
     c.add_argument("--out", required=True, help="directory to write the calibration to")
-    c.add_argument("--tokens", type=int, default=32768, help="calibration tokens (default 32768)")
-    c.add_argument("--chunk-tokens", type=int, default=2048, help="tokens per calibration sequence")
-    c.add_argument("--pca-dim", type=int, default=3072, help="principal components computed (default 3072)")
-    c.add_argument("--ratios", default="8,16,32,64", help="target ratios to allocate bits for")
-    c.add_argument("--seed", type=int, default=0)
+    cal = CALIBRATION_DEFAULTS
+    c.add_argument("--tokens", type=int, default=cal.tokens, help="calibration tokens (default %(default)s)")
+    c.add_argument("--chunk-tokens", type=int, default=cal.chunk_tokens,
+                   help="tokens per calibration sequence (default %(default)s)")
+    c.add_argument("--pca-dim", type=int, default=cal.pca_dim, help="principal components computed (default %(default)s)")
+    c.add_argument("--ratios", default=",".join(f"{r:g}" for r in cal.ratios),
+                   help="target ratios to allocate bits for (default %(default)s)")
+    c.add_argument("--seed", type=int, default=cal.seed, help="(default %(default)s)")
     c.add_argument("--quiet", action="store_true")
     c.set_defaults(func=cmd_calibrate)
 
     k = sub.add_parser("compress", help="kvtc: prefill a prompt and compress its cache to a blob or the store")
     _add_model_args(k, "bfloat16")
     k.add_argument("--calibration", required=True, help="directory written by `kvpack calibrate`")
-    k.add_argument("--ratio", type=float, default=16.0, help="a calibrated target ratio (default 16)")
-    k.add_argument("--backend", default="zlib", choices=("zlib", "zstd", "none"), help="entropy coder")
-    k.add_argument("--level", type=int, default=6, help="entropy coder level")
+    k.add_argument("--ratio", type=float, default=KVTC_DEFAULTS.ratio, help="a calibrated target ratio (default %(default)g)")
+    k.add_argument("--backend", default=KVTC_DEFAULTS.backend, choices=BACKENDS, help="entropy coder (default %(default)s)")
+    k.add_argument("--level", type=int, default=KVTC_DEFAULTS.level,
+                   help="entropy coder level (default %(default)s; zlib 0-9, zstd 0-22)")
     _add_prompt_args(k)
     k.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     dest = k.add_mutually_exclusive_group()

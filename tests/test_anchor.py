@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from kvpack.attention.reference import reference_attention
-from kvpack.codecs import LayerLayout, get_codec
-from kvpack.codecs.anchor import AnchorConfig, base_bytes, residual_bytes, residual_slots, utilities
-from kvpack.hf.cache import KVPackCache, cache_kwargs
+from kvpack.resident import LayerLayout, get_codec
+from kvpack.resident.anchor import AnchorConfig, base_bytes, residual_bytes, residual_slots, utilities
+from kvpack import attach
+from kvpack.hf.cache import cache_kwargs
 from kvpack.ops import lloyd_max
 from kvpack.ops.hadamard import hadamard_matrix
 from kvpack.ops.residual_codec import HadamardLloydMax
@@ -189,9 +190,9 @@ def test_anchors_exact_and_full_residuals_close_to_exact():
 def test_generation_through_cache_keeps_prompt_compressed_and_tail_dense():
     model = tiny_llama(q_heads=4, kv_heads=2, head_dim=64)
     ids = torch.randint(0, 128, (2, 400), generator=torch.Generator().manual_seed(1))
-    cache = KVPackCache(model, "anchor", budget=0.15)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
-                         do_sample=False, pad_token_id=0, **cache_kwargs(model, cache))
+    with attach(model, "anchor", budget=0.15) as cache:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                             do_sample=False, pad_token_id=0, **cache_kwargs(model, cache))
     assert out.shape == (2, 408) and cache.get_seq_length() == 407
     store = cache.kvpack_layers[1].rows[1]
     assert store.n_prompt == 400 and store.tail_k.shape[1] == 7
@@ -241,7 +242,7 @@ def test_budget_just_above_fixed_cost_stores_no_residuals_and_still_attends():
 
 
 def test_nearest_anchor_is_the_largest_abs_cosine_in_any_block_size(monkeypatch):
-    import kvpack.codecs.anchor as anchor_mod
+    import kvpack.resident.anchor as anchor_mod
 
     g = torch.Generator().manual_seed(0)
     x, anchors = torch.randn(3, 1000, 32, generator=g), torch.randn(3, 40, 32, generator=g)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kvpack.attention.reference import reference_attention
-from kvpack.codecs import get_codec
-from kvpack.codecs.anchor import AnchorConfig, anchors_for_budget, base_bytes, pool_neighbourhood, residual_bytes
+from kvpack.resident import get_codec
+from kvpack.resident.anchor import AnchorConfig, anchors_for_budget, base_bytes, pool_neighbourhood, residual_bytes
 from kvpack.ops.bitpack import unpack_bits
 from kvpack.ops.residual_codec import HadamardLloydMax, NaiveTwoBit
 from kvpack.ops.rope import invert_rope
@@ -219,7 +219,7 @@ def test_invalid_ablation_config(fields, match):
 
 @pytest.mark.parametrize("rho", [0.0, 0.7, 1.0])
 def test_select_anchors_window_top_votes_and_seeded_random(rho):
-    from kvpack.codecs.anchor import select_anchors
+    from kvpack.resident.anchor import select_anchors
 
     S_, W, k = 700, 16, 60
     votes = torch.rand(3, S_ - W, generator=torch.Generator().manual_seed(1))

@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from kvpack.attention.scores import accumulated_attention, observation_scores
-from kvpack.codecs import LayerLayout, get_codec
-from kvpack.codecs.quant import dequantize_minmax, quantize_minmax
-from kvpack.hf.cache import KVPackCache, cache_kwargs
+from kvpack.resident import LayerLayout, get_codec
+from kvpack.resident.quant import dequantize_minmax, quantize_minmax
+from kvpack import attach
+from kvpack.hf.cache import cache_kwargs
 from kvpack.ops.bitpack import pack_bits, unpack_bits
 
 from .conftest import tiny_llama
@@ -188,9 +189,9 @@ def test_generation_through_cache(method):
     model = tiny_llama(q_heads=4, kv_heads=2, head_dim=64)
     ids = torch.randint(0, 128, (2, 300), generator=torch.Generator().manual_seed(8))
     budget = {"svd": 0.6, "kivi": 0.35}.get(method, 0.25)
-    cache = KVPackCache(model, method, budget=budget)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, min_new_tokens=10,
-                         do_sample=False, pad_token_id=0, **cache_kwargs(model, cache))
+    with attach(model, method, budget=budget) as cache:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, min_new_tokens=10,
+                             do_sample=False, pad_token_id=0, **cache_kwargs(model, cache))
     assert out.shape == (2, 310)
     assert cache.get_seq_length() == 309
     assert all(store.seq_len == 309 for store in cache.kvpack_layers[0].rows)
@@ -200,7 +201,7 @@ def test_generation_through_cache(method):
     ("h2o", dict(budget=None), "budget is required"),
     ("snapkv", dict(window=0), "window must be >= 1"),
     ("streaming", dict(sink_tokens=-1), "sink_tokens must be >= 0"),
-    ("kivi", dict(bits=3), "bits must be 2 or 4"),
+    ("kivi", dict(bits=3), r"bits must be one of \(2, 4\)"),
     ("svd", dict(budget=1.2), r"budget must be in \(0, 1\]"),
     ("h2o", dict(recent_fraction=2.0), r"recent_fraction must be in \[0, 1\]"),
 ])

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvpack.cli import main
-from kvpack.codecs import LayerLayout, available_codecs, get_codec
-from kvpack.codecs.puzzle import PuzzleConfig
+from kvpack.resident import LayerLayout, available_codecs, get_codec
+from kvpack.resident.puzzle import PuzzleConfig
 from kvpack.hf.models import load_model
 
 
@@ -24,7 +24,7 @@ from kvpack.hf.models import load_model
     (dict(budget=float("nan")), r"budget must be in \(0, 1\]"),
     (dict(budget="half"), "budget must be a number"),
     (dict(budget=0.5, rank_k=4, rank_v=4), "either budget or rank_k"),
-    (dict(key_rope="middle"), "key_rope must be 'post' or 'pre'"),
+    (dict(key_rope="middle"), r"key_rope must be one of \('post', 'pre'\)"),
     (dict(storage_dtype="int8"), "storage_dtype must be one of"),
     (dict(check_finite="no"), "check_finite must be true or false"),
 ])

@@ -17,14 +17,9 @@ from kvpack.eval.tasks import NIAH_TASKS, RULER_TASKS, make_sample
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from transformers import AutoTokenizer
+    from kvpack.hf.models import load_tokenizer
 
-    from kvpack.hf.models import _convert_gguf, _gguf_cache_path, _packaged_gguf
-
-    directory = _gguf_cache_path(_packaged_gguf("smollm2"))
-    if not (directory / "config.json").is_file():
-        _convert_gguf(_packaged_gguf("smollm2"), directory)
-    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return load_tokenizer("smollm2")
 
 
 def _tokens(tok, s):
@@ -168,7 +163,7 @@ def _plan(calibration_dir, **kw):
 
 @pytest.fixture(scope="module")
 def tiny_calibration(tiny_model, tmp_path_factory):
-    from kvpack.kvtc.calibration import CalibrationSettings, calibrate
+    from kvpack.storage.kvtc.calibration import CalibrationSettings, calibrate
 
     g = torch.Generator().manual_seed(0)
     chunks = [torch.randint(0, 1000, (96,), generator=g) for _ in range(4)]

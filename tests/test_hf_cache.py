@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kvpack.hf.attention import restore_attention
+from kvpack import attach
+from kvpack.hf.attention import active_cache
 from kvpack.hf.cache import KVPackCache, KVPackLayer, cache_kwargs
 
 from .conftest import tiny_gemma3, tiny_llama
@@ -14,8 +15,8 @@ def test_full_generates_exactly_like_transformers(q_heads, kv_heads):
     model = tiny_llama(q_heads=q_heads, kv_heads=kv_heads)
     ids = torch.randint(0, 128, (1, 77), generator=torch.Generator().manual_seed(0))
     ref = model.generate(ids, max_new_tokens=24, do_sample=False)
-    cache = KVPackCache(model, "full")
-    out = model.generate(ids, max_new_tokens=24, do_sample=False, **cache_kwargs(model, cache))
+    with attach(model, "full") as cache:
+        out = model.generate(ids, max_new_tokens=24, do_sample=False, **cache_kwargs(model, cache))
     assert torch.equal(out, ref)
     assert cache.get_seq_length() == 77 + 24 - 1  # the last generated token is never fed back
     assert all(isinstance(layer, KVPackLayer) for layer in cache.layers)
@@ -25,8 +26,8 @@ def test_puzzle_full_rank_generates_like_transformers():
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 90), generator=torch.Generator().manual_seed(1))
     ref = model.generate(ids, max_new_tokens=30, do_sample=False)
-    cache = KVPackCache(model, "puzzle", page_size=8, rank_k=8, rank_v=8, storage_dtype="float32")
-    out = model.generate(ids, max_new_tokens=30, do_sample=False, **cache_kwargs(model, cache))
+    with attach(model, "puzzle", page_size=8, rank_k=8, rank_v=8, storage_dtype="float32") as cache:
+        out = model.generate(ids, max_new_tokens=30, do_sample=False, **cache_kwargs(model, cache))
     assert torch.equal(out, ref)
     store = cache.kvpack_layers[0].rows[0]
     assert store.n_pages == (90 + 29 - 8) // 8 - 1 and store.factorizations == store.n_pages
@@ -40,9 +41,9 @@ def test_chunk_after_compression_attends_history_and_itself(method, config):
     ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = model(ids).logits
-        cache = KVPackCache(model, method, **config)
-        model(ids[:, :50], **cache_kwargs(model, cache))
-        out = model(ids[:, 50:], **cache_kwargs(model, cache)).logits
+        with attach(model, method, **config) as cache:
+            model(ids[:, :50], **cache_kwargs(model, cache))
+            out = model(ids[:, 50:], **cache_kwargs(model, cache)).logits
     torch.testing.assert_close(out, ref[:, 50:], rtol=1e-4, atol=1e-4)
     assert cache.get_seq_length() == 70
 
@@ -53,8 +54,7 @@ def test_low_rank_chunk_matches_reference_over_reconstruction():
 
     model = tiny_llama(layers=1)
     ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(3))
-    cache = KVPackCache(model, "puzzle", page_size=8, rank_k=2, rank_v=2, storage_dtype="float32")
-    with torch.no_grad():
+    with attach(model, "puzzle", page_size=8, rank_k=2, rank_v=2, storage_dtype="float32") as cache, torch.no_grad():
         model(ids[:, :45], **cache_kwargs(model, cache))
         store = cache.kvpack_layers[0].rows[0]
         k_hat, v_hat = store.reconstruct()
@@ -78,9 +78,9 @@ def test_batch_with_left_padding_matches_batch_of_one(method, config):
     prompts = [torch.randint(1, 128, (n,), generator=g) for n in (70, 43, 58)]
     singles = []
     for p in prompts:
-        cache = KVPackCache(model, method, **config)
-        out = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=12,
-                             do_sample=False, pad_token_id=0, **cache_kwargs(model, cache))
+        with attach(model, method, **config) as cache:
+            out = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=12,
+                                 do_sample=False, pad_token_id=0, **cache_kwargs(model, cache))
         singles.append(out[0, len(p):])
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -88,8 +88,8 @@ def test_batch_with_left_padding_matches_batch_of_one(method, config):
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = p
         mask[i, width - len(p):] = 1
-    cache = KVPackCache(model, method, **config)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, **cache_kwargs(model, cache))
+    with attach(model, method, **config) as cache:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, **cache_kwargs(model, cache))
     for i, p in enumerate(prompts):
         assert torch.equal(out[i, width:], singles[i]), f"row {i}"
         assert cache.kvpack_layers[0].rows[i].seq_len == len(p) + 11  # padding is never stored
@@ -101,13 +101,13 @@ def test_sliding_window_layers_keep_their_own_cache():
     model = tiny_gemma3()
     ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(5))
     ref = model.generate(ids, max_new_tokens=15, do_sample=False)
-    cache = KVPackCache(model, "full")
-    out = model.generate(ids, max_new_tokens=15, do_sample=False, **cache_kwargs(model, cache))
+    with attach(model, "full") as cache:
+        out = model.generate(ids, max_new_tokens=15, do_sample=False, **cache_kwargs(model, cache))
     assert torch.equal(out, ref)
     kinds = [type(layer) for layer in cache.layers]
     assert kinds == [DynamicSlidingWindowLayer, KVPackLayer] * 2
-    cache = KVPackCache(model, "puzzle", page_size=8, rank_k=8, rank_v=8, storage_dtype="float32", key_rope="pre")
-    out = model.generate(ids, max_new_tokens=15, do_sample=False, **cache_kwargs(model, cache))
+    with attach(model, "puzzle", page_size=8, rank_k=8, rank_v=8, storage_dtype="float32", key_rope="pre") as cache:
+        out = model.generate(ids, max_new_tokens=15, do_sample=False, **cache_kwargs(model, cache))
     assert torch.equal(out, ref)  # full rank, pre-RoPE through Gemma3's per-layer-type rotary tables
 
 
@@ -120,29 +120,51 @@ def test_key_norm_model_pre_rope_full_rank_exact():
     model = Qwen3ForCausalLM(cfg).eval()
     ids = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(6))
     ref = model.generate(ids, max_new_tokens=15, do_sample=False)
-    cache = KVPackCache(model, "puzzle", page_size=8, rank_k=8, rank_v=8, storage_dtype="float32", key_rope="pre")
-    out = model.generate(ids, max_new_tokens=15, do_sample=False, **cache_kwargs(model, cache))
+    with attach(model, "puzzle", page_size=8, rank_k=8, rank_v=8, storage_dtype="float32", key_rope="pre") as cache:
+        out = model.generate(ids, max_new_tokens=15, do_sample=False, **cache_kwargs(model, cache))
     assert torch.equal(out, ref)
     assert cache.kvpack_layers[0].rows[0].n_pages > 0
 
 
-def test_attention_switch_is_undone_and_plain_caches_still_work():
+def test_attach_restores_the_attention_implementation_also_on_errors():
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(7))
     ref = model.generate(ids, max_new_tokens=5, do_sample=False)
-    KVPackCache(model, "full")
-    assert model.config._attn_implementation == "kvpack"
-    assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), ref)  # plain DynamicCache via SDPA
-    restore_attention(model)
-    assert model.config._attn_implementation == "sdpa"
+    before = model.config._attn_implementation
+    with attach(model, "full") as cache:
+        assert model.config._attn_implementation == "kvpack" and active_cache() is cache
+        out = model.generate(ids, max_new_tokens=5, do_sample=False, **cache_kwargs(model, cache))
+    assert torch.equal(out, ref)
+    assert model.config._attn_implementation == before == "sdpa" and active_cache() is None
+    with pytest.raises(ZeroDivisionError):
+        with attach(model, "puzzle", page_size=8):
+            1 / 0
+    assert model.config._attn_implementation == before and active_cache() is None
+    assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), ref)  # plain DynamicCache again
 
 
-def test_cache_refuses_to_run_without_kvpack_attention():
+def test_attach_nests_and_reuses_a_cache():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ref = model(ids).logits
+        cache = KVPackCache(model, "full")
+        with attach(model, cache=cache):
+            model(ids[:, :30], **cache_kwargs(model, cache))
+            with attach(model, "full") as inner:  # an inner block has its own cache and gives the outer one back
+                model(ids[:, :5], **cache_kwargs(model, inner))
+            assert active_cache() is cache and model.config._attn_implementation == "kvpack"
+        assert model.config._attn_implementation == "sdpa"
+        with attach(model, cache=cache):  # the same cache, attached again later
+            out = model(ids[:, 30:], **cache_kwargs(model, cache)).logits
+    torch.testing.assert_close(out, ref[:, 30:], rtol=1e-4, atol=1e-4)
+
+
+def test_cache_refuses_to_run_unattached():
     model = tiny_llama()
     cache = KVPackCache(model, "full")
-    restore_attention(model)
+    assert model.config._attn_implementation == "sdpa"  # building a cache changes nothing of the model
     ids = torch.randint(0, 128, (1, 10))
-    with pytest.raises(RuntimeError, match="attn_implementation='kvpack'"):
+    with pytest.raises(RuntimeError, match="not attached.*kvpack.attach"):
         with torch.no_grad():
             model(ids, **cache_kwargs(model, cache))
-            model(ids[:, :1], **cache_kwargs(model, cache))

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvpack.kvtc.calibration import Calibration, CalibrationSettings, calibrate
-from kvpack.kvtc.coder import compress_cache, decompress_cache, iter_decompressed_layers
-from kvpack.kvtc.session import compress_tokens, continue_from_blob, prefill
+from kvpack.storage.kvtc.calibration import Calibration, CalibrationSettings, calibrate
+from kvpack.hf.dense import to_dynamic_cache
+from kvpack.storage.kvtc.coder import compress_cache, decompress_cache, iter_decompressed_layers
+from kvpack.storage.kvtc.session import compress_tokens, continue_from_blob, prefill
 from kvpack.ops.bitalloc import Allocation, aligned_group_errors, allocate_bits, group_cost
 from kvpack.ops.bitpack import pack_bitstream, unpack_bitstream
 from kvpack.ops.group_quant import dequantize_groups, quantize_groups
@@ -193,7 +194,7 @@ def test_sinks_and_window_are_lossless(tiny):
 
 
 def test_streaming_decompression_builds_one_layer_at_a_time(tiny, monkeypatch):
-    import kvpack.kvtc.coder as coder
+    import kvpack.storage.kvtc.coder as coder
 
     model, calib = tiny
     ids = _ids(50)
@@ -240,7 +241,8 @@ def test_sliding_window_model_roundtrip_continues_exactly_at_high_quality():
     assert calib.layers == [1, 3]
     ids = _ids(60, seed=5)
     blob = compress_tokens(model, calib, ids[:-1], 2)
-    restored, _ = decompress_cache(blob, calib, model)
+    dense, ids_back = decompress_cache(blob, calib, model)
+    restored = to_dynamic_cache(model, dense, len(ids_back))
     assert isinstance(restored.layers[0], DynamicSlidingWindowLayer)
     assert restored.get_seq_length() == 59 and restored.layers[0].cumulative_length == 59
     got = continue_from_blob(model, _NoTokenizer(), calib, blob, ids[-1:], max_new_tokens=8)
@@ -346,7 +348,7 @@ def test_corrupted_calibration_refused(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("ratios", (1.0,), "> 1"), ("chunk_tokens", 100, "exceed sinks"), ("pca_dim", 0, "positive"),
+    ("ratios", (1.0,), "> 1"), ("chunk_tokens", 100, "exceed sinks"), ("pca_dim", 0, "pca_dim must be >= 1"),
     ("samples", 1, "samples"),
 ])
 def test_bad_calibration_settings(field, value, match):

@@ -14,9 +14,9 @@ import torch
 
 from kvpack.generate import encode_prompt, generate
 from kvpack.hf.fingerprint import model_fingerprint
-from kvpack.kvtc.calibration import CalibrationSettings, calibrate
-from kvpack.kvtc.coder import compress_cache, decompress_cache
-from kvpack.kvtc.session import compress_tokens, continue_from_blob, prefill
+from kvpack.storage.kvtc.calibration import CalibrationSettings, calibrate
+from kvpack.storage.kvtc.coder import compress_cache, decompress_cache
+from kvpack.storage.kvtc.session import compress_tokens, continue_from_blob, prefill
 from kvpack.prompts import needle_prompt
 from kvpack.store.prefix import PrefixStore
 

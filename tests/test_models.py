@@ -2,7 +2,8 @@
 
 import pytest
 
-from kvpack.hf.models import _gguf_cache_path, cache_dir, load_model, resolve_model_source
+from kvpack.hf.models import gguf_cache_path, load_model, resolve_model_source
+from kvpack.paths import cache_dir
 
 
 def test_resolution_of_names_files_and_directories(tmp_path, monkeypatch):
@@ -18,14 +19,14 @@ def test_resolution_of_names_files_and_directories(tmp_path, monkeypatch):
         resolve_model_source(str(tmp_path))  # a directory without config.json
     monkeypatch.setenv("KVPACK_CACHE_DIR", str(tmp_path / "cache"))
     assert cache_dir() == tmp_path / "cache"
-    assert _gguf_cache_path(gguf).parent == tmp_path / "cache" / "models"
+    assert gguf_cache_path(gguf).parent == tmp_path / "cache" / "models"
 
 
 @pytest.mark.model
 def test_local_directory_loads_like_the_packaged_name(smollm2):
     """The converted cache directory is an ordinary Hugging Face model directory."""
     model, _ = smollm2
-    directory = _gguf_cache_path(resolve_model_source("smollm2")[1])
+    directory = gguf_cache_path(resolve_model_source("smollm2")[1])
     again, tok = load_model(str(directory))
     assert type(again) is type(model) and tok.pad_token_id is not None
     assert all((a == b).all() for a, b in zip(again.state_dict().values(), model.state_dict().values()))

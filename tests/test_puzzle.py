@@ -8,8 +8,8 @@ import torch
 from kvpack.attention.pages import factorized_pages_partial
 from kvpack.attention.reference import reference_attention
 from kvpack.attention.softmax_merge import dense_partial, finalize, group_queries, merge_partials, ungroup_output
-from kvpack.codecs import LayerLayout, get_codec
-from kvpack.codecs.puzzle import default_ranks, expected_bytes, layout_at, page_ratio
+from kvpack.resident import LayerLayout, get_codec
+from kvpack.resident.puzzle import default_ranks, expected_bytes, layout_at, page_ratio
 from kvpack.ops.rope import LlamaRotary, RotaryTable
 
 

@@ -5,9 +5,10 @@ import json
 import pytest
 import torch
 
-from kvpack.codecs.puzzle import PuzzleConfig, expected_bytes
+from kvpack.resident.puzzle import PuzzleConfig, expected_bytes
 from kvpack.generate import encode_prompt, generate
-from kvpack.hf.cache import KVPackCache, cache_kwargs
+from kvpack import attach
+from kvpack.hf.cache import cache_kwargs
 from kvpack.prompts import needle_prompt
 
 pytestmark = pytest.mark.model
@@ -17,8 +18,9 @@ def test_full_generates_exactly_like_transformers(smollm2):
     model, tok = smollm2
     ids = encode_prompt(tok, "Write one sentence about the sea.", chat=True)
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
-                         **cache_kwargs(model, KVPackCache(model, "full")))
+    with attach(model, "full") as cache:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                             **cache_kwargs(model, cache))
     assert torch.equal(out, ref)
 
 

@@ -22,8 +22,8 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in 
 
 from kvpack.attention.reference import reference_attention  # noqa: E402
 from kvpack.attention.softmax_merge import finalize, group_queries, ungroup_output  # noqa: E402
-from kvpack.codecs.base import LayerLayout  # noqa: E402
-from kvpack.codecs.puzzle import PuzzleConfig, PuzzleStore  # noqa: E402
+from kvpack.resident.base import LayerLayout  # noqa: E402
+from kvpack.resident.puzzle import PuzzleConfig, PuzzleStore  # noqa: E402
 from kvpack.ops.rope import LlamaRotary, RotaryTable, apply_rope  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -65,7 +65,7 @@ def _check(store, n_q=1, atol=2e-4, **split):
     from kvpack.attention.triton.puzzle_op import puzzle_partial
 
     q, qg, scaling = _random_queries(store, n_q)
-    state = puzzle_partial(store, qg, scaling, **split)
+    state = puzzle_partial(store.pages_view(), qg, scaling, **split)
     _assert_matches_reference(store, q, state, scaling, atol)
     return state
 
@@ -202,7 +202,7 @@ def test_custom_op_traces_with_fake_tensors():
 
 
 def _anchor_store(kv_heads, group, d, seq, seed=0, **cfg):
-    from kvpack.codecs import get_codec
+    from kvpack.resident import get_codec
 
     torch.manual_seed(seed)
     layout = LayerLayout(layer_idx=0, kv_heads=kv_heads, q_heads=kv_heads * group, head_dim=d,
@@ -224,7 +224,7 @@ def _check_anchor(store, n_q=1, atol=2e-4, **split):
     from kvpack.attention.triton.anchor_op import anchor_partials
 
     q, qg, scaling = _random_queries(store, n_q)
-    state = merge_partials(anchor_partials(store, qg, scaling, **split))
+    state = merge_partials(anchor_partials(store.segment_views(), qg, scaling, **split))
     _assert_matches_reference(store, q, state, scaling, atol, n_tokens=store.n_compressed)
 
 
@@ -261,7 +261,7 @@ def test_anchor_kernel_no_residuals():
 
 
 def test_anchor_store_dispatch_and_recompressed_segments_agree_with_torch():
-    from kvpack.codecs import get_codec
+    from kvpack.resident import get_codec
 
     outs = []
     for backend in ("torch", "triton"):

@@ -1,29 +1,187 @@
-"""Attention over an AnchorKV layer, tile by tile (AnchorKV §2, decode path).
+"""Attention over AnchorKV segments, tile by tile (AnchorKV §2, decode path), and the segment view.
 
-Each tile of ``tile`` prompt positions has its keys reconstructed from anchors, coefficients,
-anchor indices and the tile's 2-bit residuals and rotated by RoPE at their positions
-(``AnchorStore.tile_keys``); the values are never reconstructed: the weighted sum over the tile
-is taken on the stored form (``AnchorStore.tile_value_sum``: probabilities scattered into anchor
-bins, residuals summed in the codec's rotated domain). Only one tile of keys is ever
-materialised, so the transient memory is ``O(tile)``, not ``O(S)``.
+An :class:`AnchorSegment` is what a store hands to attention: exactly the tensors and sizes the
+PyTorch tiles and the Triton kernel read, nothing of the store itself. Each tile of ``tile``
+positions has its keys reconstructed from anchors, coefficients, anchor indices and the tile's
+2-bit residuals and rotated by RoPE at their positions (:func:`tile_keys`); the values are never
+reconstructed: the weighted sum over the tile is taken on the stored form (:func:`tile_value_sum`:
+probabilities scattered into anchor bins, residuals summed in the codec's rotated domain). Only one
+tile of keys is ever materialised, so the transient memory is ``O(tile)``, not ``O(S)``.
+
+Layout of one side (keys or values) of a segment of ``n`` tokens, ``H`` KV heads, head dim ``D``:
+``index [H, n]`` int16 or uint8 (the token's anchor), ``coef [H, n]`` fp16 (γ), ``mask`` packed
+bits ``[H, ⌈n/8⌉]`` (which tokens have a residual), ``prefix [H, ⌈n/32⌉]`` int32 (slot of the
+first residual of each 32-token block, counted over all heads before it), ``res [slots, D/4]``
+uint8 (2-bit codes, head-major slots) and ``scale [slots]`` fp32.
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Iterator
+from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
+
+from ..ops.bitpack import unpack_bits
+from ..ops.residual_codec import ResidualCodec
+from ..ops.rope import RotaryTable, apply_rope
 from .softmax_merge import PartialAttention, state_from_logits
 
+PREFIX_BLOCK = 32  # tokens per prefix count (a tile must start on a multiple of it)
 
-def anchor_tile_partials(store, qg, scaling: float) -> list[PartialAttention]:
-    """Partial states of grouped queries ``[kv_heads, rows, d]`` (fp32) over the store's compressed segments."""
-    anchors_k = store.anchors["anchor_k"].float()  # converted once per call, not per tile
-    anchors_v = store.anchors["anchor_v"].float()
+
+@dataclass(frozen=True)
+class AnchorSide:
+    """One side (keys pre-RoPE, or values) of a segment; layouts in the module doc."""
+
+    index: torch.Tensor
+    coef: torch.Tensor
+    mask: torch.Tensor
+    prefix: torch.Tensor
+    res: torch.Tensor
+    scale: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """``(index, coef, mask, prefix, res, scale)``, the order the kernel takes them in."""
+        return self.index, self.coef, self.mask, self.prefix, self.res, self.scale
+
+
+@dataclass(frozen=True)
+class AnchorSegment:
+    """One compressed AnchorKV segment as attention reads it.
+
+    Attributes:
+        anchor_k, anchor_v: ``[H, k, D]`` anchor keys (pre-RoPE) and values (the layer's, shared by
+            its segments).
+        keys, values: the two sides.
+        start: position of the segment's first token; ``length``: its tokens ``n``.
+        codec: the residual codec (rotation, levels) the residuals were coded with.
+        rope: the layer's RoPE table (keys are rotated to ``start + t``).
+        tile: tokens per PyTorch attention tile (a multiple of 32).
+    """
+
+    anchor_k: torch.Tensor
+    anchor_v: torch.Tensor
+    keys: AnchorSide
+    values: AnchorSide
+    start: int
+    length: int
+    codec: ResidualCodec
+    rope: RotaryTable
+    tile: int
+
+    def side(self, name: str) -> AnchorSide:
+        return self.keys if name == "k" else self.values
+
+    def tiles(self) -> Iterator[tuple[int, int]]:
+        """``(lo, hi)`` of every attention tile, in position order."""
+        for lo in range(0, self.length, self.tile):
+            yield lo, min(lo + self.tile, self.length)
+
+
+def tile_residuals(seg: AnchorSegment, side: str, lo: int, hi: int):
+    """The tile's stored residuals of one side: ``(where, rotated)`` — flat ``head * n + token``
+    positions ``[N]`` (head-major, ascending) and the residuals in the codec's rotated domain
+    ``[N, D]`` — or None when the tile has none. ``lo`` must be a multiple of 32."""
+    s = seg.side(side)
+    H = s.index.shape[0]
+    n = hi - lo
+    # lo is a multiple of 32: the tile's bits start on a byte boundary.
+    mask = unpack_bits(s.mask[:, lo // 8: (hi + 7) // 8], 1, n).bool()
+    where = mask.flatten().nonzero().squeeze(-1)
+    if not where.numel():
+        return None
+    # Slot = prefix count of the token's 32-token block + residuals before it in the block.
+    padded = F.pad(mask, (0, (-n) % PREFIX_BLOCK)).reshape(H, -1, PREFIX_BLOCK).int()
+    before = (padded.cumsum(-1) - padded).reshape(H, -1)[:, :n]
+    blocks = s.prefix[:, lo // PREFIX_BLOCK: lo // PREFIX_BLOCK + padded.shape[1]]
+    slots = (blocks.repeat_interleave(PREFIX_BLOCK, dim=1)[:, :n] + before).flatten().index_select(0, where).long()
+    return where, seg.codec.rotated(s.res.index_select(0, slots), s.scale.index_select(0, slots))
+
+
+def scaled_anchors(seg: AnchorSegment, side: str, lo: int, hi: int, anchors: torch.Tensor) -> torch.Tensor:
+    """``γ_t a_{i_t}`` ``[H, n, D]`` fp32 for the tile; ``anchors`` ``[H, k, D]`` fp32."""
+    H, k, D = anchors.shape
+    s = seg.side(side)
+    # One flat row lookup (faster than gather with an expanded index): row h*k + index.
+    rows = (s.index[:, lo:hi].long() + torch.arange(H, device=anchors.device)[:, None] * k).flatten()
+    x = anchors.reshape(H * k, D).index_select(0, rows).reshape(H, hi - lo, D)
+    return x.mul_(s.coef[:, lo:hi, None].float())
+
+
+def tile_side(seg: AnchorSegment, side: str, lo: int, hi: int, anchors: torch.Tensor | None = None) -> torch.Tensor:
+    """Reconstructed ``x̂ = γ a + r̃`` ``[H, n, D]`` fp32 of one side (keys still pre-RoPE)."""
+    if anchors is None:
+        anchors = (seg.anchor_k if side == "k" else seg.anchor_v).float()
+    H, _, D = anchors.shape
+    n = hi - lo
+    x = scaled_anchors(seg, side, lo, hi, anchors)
+    res = tile_residuals(seg, side, lo, hi)
+    if res is not None:
+        where, rotated = res
+        x = x.reshape(H * n, D).index_add_(0, where, seg.codec.unrotate(rotated)).reshape(H, n, D)
+    return x
+
+
+def tile_keys(seg: AnchorSegment, lo: int, hi: int, anchors: torch.Tensor | None = None) -> torch.Tensor:
+    """Post-RoPE keys ``[H, hi − lo, D]`` fp32 of tokens ``[lo, hi)`` of a segment (``lo`` a
+    multiple of 32); ``anchors``: ``anchor_k`` as fp32, when the caller converted it once."""
+    x = tile_side(seg, "k", lo, hi, anchors)
+    cos, sin = seg.rope.cos_sin(torch.arange(seg.start + lo, seg.start + hi, device=x.device))
+    return apply_rope(x, cos, sin)
+
+
+def tile_value_sum(seg: AnchorSegment, lo: int, hi: int, p: torch.Tensor,
+                   anchors: torch.Tensor | None = None) -> torch.Tensor:
+    """``Σ_t p[h, i, t] v̂_t`` ``[H, rows, D]`` for weights ``p [H, rows, hi − lo]``, without
+    reconstructing the values: ``v̂_t = γ_t a_{i_t} + r̃_t`` is linear, so the anchor part is
+    ``(Σ_{t: i_t = j} p_t γ_t) a_j`` (a scatter into k bins, then ``[rows, k] × [k, D]``), and the
+    residual part sums the rotated-domain residuals and unrotates once per row."""
+    if anchors is None:
+        anchors = seg.anchor_v.float()
+    H, rows, n = p.shape
+    s = seg.values
+    weights = p * s.coef[:, lo:hi].float()[:, None, :]
+    index = s.index[:, lo:hi].long()[:, None, :].expand(-1, rows, -1)
+    bins = torch.zeros(H, rows, anchors.shape[1], dtype=p.dtype, device=p.device).scatter_add_(2, index, weights)
+    out = torch.bmm(bins, anchors)
+    res = tile_residuals(seg, "v", lo, hi)
+    if res is not None:
+        where, rotated = res
+        heads = where // n
+        p_res = p.permute(0, 2, 1).reshape(H * n, rows).index_select(0, where)  # [N, rows]
+        counts = torch.bincount(heads, minlength=H).tolist()
+        summed = torch.zeros(H, rows, anchors.shape[2], dtype=p.dtype, device=p.device)
+        offset = 0
+        for h, c in enumerate(counts):  # where is head-major: each head's residuals are contiguous
+            if c:
+                summed[h] = p_res[offset: offset + c].T @ rotated[offset: offset + c]
+                offset += c
+        out += seg.codec.unrotate(summed)
+    return out
+
+
+def reconstruct_tile(seg: AnchorSegment, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys (post-RoPE) and values ``[H, hi − lo, D]`` fp32 of tokens ``[lo, hi)`` of a segment.
+
+    ``lo`` must be a multiple of 32. Only this tile is materialised (tests and inspection).
+    """
+    return tile_keys(seg, lo, hi), tile_side(seg, "v", lo, hi)
+
+
+def anchor_tile_partials(segments: list[AnchorSegment], qg: torch.Tensor, scaling: float) -> list[PartialAttention]:
+    """Partial states of grouped queries ``[kv_heads, rows, d]`` (fp32) over the segments, one per tile."""
+    if not segments:
+        return []
+    anchors_k = segments[0].anchor_k.float()  # converted once per call, not per tile
+    anchors_v = segments[0].anchor_v.float()
     q = qg.float()
     states = []
-    for segment, lo, hi in store.tiles():
-        k = store.tile_keys(segment, lo, hi, anchors_k)
-        s = torch.einsum("hid,htd->hit", q, k) * scaling
-        states.append(state_from_logits(
-            s, lambda p, seg=segment, a=lo, b=hi: store.tile_value_sum(seg, a, b, p, anchors_v)))
+    for seg in segments:
+        for lo, hi in seg.tiles():
+            k = tile_keys(seg, lo, hi, anchors_k)
+            s = torch.einsum("hid,htd->hit", q, k) * scaling
+            states.append(state_from_logits(
+                s, lambda p, sg=seg, a=lo, b=hi: tile_value_sum(sg, a, b, p, anchors_v)))
     return states

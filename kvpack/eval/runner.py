@@ -1,7 +1,7 @@
 """The evaluation runner: tasks × lengths × samples × methods × budgets on one model, resumable.
 
 For each sample the prompt (instruction + context + question) is prefilled once with exact
-attention (:mod:`kvpack.eval.prefill`) — in the *query-aware* setting everything but the last
+attention (:mod:`kvpack.hf.prefill`) — in the *query-aware* setting everything but the last
 prompt token, in the *query-agnostic* setting only instruction + context — and every method ×
 budget is built from that same prefill and decoded greedily (the rest of the prompt is prefilled
 over the compressed cache first). Rows are appended to ``results.jsonl`` as they finish; a rerun
@@ -23,12 +23,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-from ..codecs.base import get_codec
 from ..hf.cache import cache_kwargs
-from .prefill import build_cache, exact_prefill
+from ..hf.generation import greedy_generate
+from ..hf.prefill import exact_prefill
+from ..methods import PreparedCache, get_method, method_takes_budget
 from .scoring import score
-from .tasks import make_sample
+from .tasks import TASKS, make_sample
 
 SETTINGS = ("query-aware", "query-agnostic")
 CONTINUATION_TOKENS = 64
@@ -60,12 +62,12 @@ class MethodSpec:
 
 
 def method_specs(methods: list[str], budgets: list[float], overrides: dict[str, dict] | None = None) -> list[MethodSpec]:
-    """``full`` once (no budget); every other method at every budget."""
+    """Methods without a byte budget (FullKV) once; every other method at every budget."""
     overrides = overrides or {}
     specs = []
     for m in methods:
-        if m == "full":
-            specs.append(MethodSpec("full", None, overrides.get(m, {})))
+        if not method_takes_budget(m):
+            specs.append(MethodSpec(m, None, overrides.get(m, {})))
         else:
             specs.extend(MethodSpec(m, b, overrides.get(m, {})) for b in budgets)
     return specs
@@ -82,8 +84,6 @@ class EvalPlan:
     fidelity: bool = True
 
     def __post_init__(self) -> None:
-        from .tasks import TASKS
-
         unknown = [t for t in self.tasks if t not in TASKS]
         if unknown:
             raise ValueError(f"unknown task(s) {unknown}; known tasks: {', '.join(sorted(TASKS))}")
@@ -97,7 +97,7 @@ class EvalPlan:
         if not self.specs:
             raise ValueError("no methods to evaluate")
         for spec in self.specs:  # refuse unknown methods or fields now, not hours into a run
-            get_codec(spec.method, **{k: v for k, v in spec.codec_config().items() if k != "budget"})
+            get_method(spec.method, **{k: v for k, v in spec.codec_config().items() if k != "budget"})
 
 
 def _canonical(overrides: dict) -> str:
@@ -131,36 +131,25 @@ def load_rows(path: Path) -> list[dict]:
     return rows
 
 
-def _resolved_config(codec, cache) -> dict:
-    """The codec's config plus what it derived from the input (PuzzleKV's ranks, kvtc's calibration id)."""
-    from ..generate import resolved_config
-
-    if codec.storage:
-        return {**codec.config.to_dict(), "calibration_id": codec.calibration().calibration_id}
-    return resolved_config(codec, cache)
-
-
-def teacher_forced_logprobs(model, cache, chunk: list[int], total: int) -> torch.Tensor:
-    """Log-probabilities ``[len(chunk), vocab]`` (fp32) of a chunk appended to a built cache."""
+def teacher_forced_logprobs(model, prepared: PreparedCache, chunk: list[int], total: int) -> torch.Tensor:
+    """Log-probabilities ``[len(chunk), vocab]`` (fp32) of a chunk appended to a prepared cache."""
     ids = torch.tensor([chunk], device=model.device)
     mask = torch.ones(1, total, dtype=torch.long, device=model.device)
-    out = model(ids, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache))
+    with prepared.active(model) as cache:
+        out = model(ids, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache))
     return torch.log_softmax(out.logits[0].float(), dim=-1)
 
 
-def _greedy(model, tokenizer, cache, ids: list[int], max_new_tokens: int) -> tuple[str, float]:
-    x = torch.tensor([ids], device=model.device)
+def _greedy(model, tokenizer, prepared: PreparedCache, ids: list[int], max_new_tokens: int) -> tuple[str, float]:
     start = time.perf_counter()
-    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id, **cache_kwargs(model, cache))
-    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True), time.perf_counter() - start
+    with prepared.active(model) as cache:
+        new = greedy_generate(model, tokenizer, cache, ids, max_new_tokens)
+    return tokenizer.decode(new, skip_special_tokens=True), time.perf_counter() - start
 
 
 @torch.no_grad()
 def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bool = True) -> list[dict]:
     """Run (or resume) ``plan``; returns every row of ``out_dir/results.jsonl``."""
-    from tqdm import tqdm
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / "results.jsonl"
@@ -190,8 +179,8 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
                 cont_ids = tokenizer(sample.continuation, add_special_tokens=False).input_ids[:CONTINUATION_TOKENS]
                 tf_chunk = ids[n_pre:] + ans_ids + cont_ids
                 ans_len = len(ans_ids)
-                ref = build_cache(model, get_codec("full"), prefill)
-                ref_logprobs = teacher_forced_logprobs(model, ref.cache, tf_chunk, n_pre + len(tf_chunk))
+                ref = get_method("full").from_prefill(model, prefill)
+                ref_logprobs = teacher_forced_logprobs(model, ref, tf_chunk, n_pre + len(tf_chunk))
                 del ref
             for spec in pending:
                 row = {"setting": setting, "task": task, "length": length, "sample": index, "depth": sample.depth,
@@ -199,16 +188,16 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
                        "method": spec.method, "budget": spec.budget, "label": spec.label, "overrides": spec.config,
                        "answers": sample.answers, "metric": sample.metric, "prefill_s": prefill.seconds}
                 try:
-                    codec = get_codec(spec.method, **spec.codec_config())
-                    built = build_cache(model, codec, prefill)
-                    prediction, decode_s = _greedy(model, tokenizer, built.cache, ids, sample.max_new_tokens)
-                    row.update(config=_resolved_config(codec, built.cache), kv_bytes=built.kv_bytes,
+                    method = get_method(spec.method, **spec.codec_config())
+                    built = method.from_prefill(model, prefill)
+                    prediction, decode_s = _greedy(model, tokenizer, built, ids, sample.max_new_tokens)
+                    row.update(config=built.config, kv_bytes=built.kv_bytes,
                                dense_kv_bytes=built.dense_kv_bytes, ratio=built.kv_bytes / built.dense_kv_bytes,
                                compress_s=built.seconds, decode_s=decode_s, prediction=prediction,
                                score=score(prediction, sample.answers, sample.metric))
                     if plan.fidelity:
-                        again = build_cache(model, codec, prefill)
-                        logp = teacher_forced_logprobs(model, again.cache, tf_chunk, n_pre + len(tf_chunk))
+                        again = method.from_prefill(model, prefill)
+                        logp = teacher_forced_logprobs(model, again, tf_chunk, n_pre + len(tf_chunk))
                         a = len(ids) - n_pre  # logits at a-1+j predict answer token j
                         sl = slice(a - 1, a - 1 + ans_len)
                         p_ref = ref_logprobs[sl].exp()

@@ -5,13 +5,14 @@
 that holds one codec store per batch row. Sliding-window (and other special) layers keep the
 model's own cache layer.
 
-How a compressed layer serves attention (no patching): ``update()`` receives the chunk's keys and
-values, parks them and returns them marked with the layer (``key._kvpack_layer``); where the
-model passes its attention kwargs to ``update()`` (transformers >= 5.24) the layer is also put in
-those kwargs (``kvpack_layer=self``). The attention function registered as
-``"kvpack"`` (``kvpack.hf.attention``) then calls :meth:`KVPackLayer.attend`, which computes
-attention over each row's store plus the chunk and then appends the chunk to the store, so each
-layer compresses right after its own prefill attention.
+How a compressed layer serves attention (no patching): the cache is used inside ``with
+kvpack.attach(model, ...)`` (or ``kvpack.hf.attention.attached(model, cache)``), which makes it the
+active cache and switches the model to the ``"kvpack"`` attention function for the block.
+``update()`` receives the chunk's keys and values, parks them and returns them unchanged; the
+attention function asks the active cache for the calling module's layer
+(:meth:`KVPackCache.kvpack_attend`), and :meth:`KVPackLayer.attend` computes attention over each
+row's store plus the chunk and then appends the chunk to the store, so each layer compresses
+right after its own prefill attention.
 
 Batches: each row has its own store. Padding (left or anywhere) is read from the attention mask
 transformers builds; padded tokens are never stored, so a row stores exactly the tokens it would
@@ -25,9 +26,11 @@ import inspect
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
-from ..codecs.base import DENSE_REFERENCE_BYTES_PER_ELEMENT, Codec, LayerLayout, LayerStore, get_codec
+from ..ops.accounting import DENSE_REFERENCE_BYTES_PER_ELEMENT
 from ..ops.rope import shared_rotary_tables
-from .attention import use_kvpack_attention
+from ..resident import LayerLayout, LayerStore, ResidentCodec, get_codec
+from .attention import active_cache
+from .rotary import find_rotary
 
 
 class KVPackLayer(CacheLayerMixin):
@@ -38,7 +41,7 @@ class KVPackLayer(CacheLayerMixin):
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, codec: Codec, layout: LayerLayout):
+    def __init__(self, codec: ResidentCodec, layout: LayerLayout):
         super().__init__()
         self.codec = codec
         self.layout = layout
@@ -57,8 +60,8 @@ class KVPackLayer(CacheLayerMixin):
         """Park the chunk ``[B, kv_heads, Q, d]`` for the attention function; return it unchanged."""
         if self._pending is not None:
             raise RuntimeError(
-                f"layer {self.layout.layer_idx}: the previous chunk was never attended; the model must run "
-                "with attn_implementation='kvpack' (KVPackCache(model, ...) sets it)"
+                f"layer {self.layout.layer_idx}: the previous chunk was never attended; run the model inside "
+                "`with kvpack.attach(model, ...)` (it sets attn_implementation='kvpack' for the block)"
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -66,11 +69,6 @@ class KVPackLayer(CacheLayerMixin):
             raise ValueError(
                 f"layer {self.layout.layer_idx}: batch size changed from {len(self.rows)} to {key_states.shape[0]}"
             )
-        attn_kwargs = kwargs.get("kwargs")
-        if isinstance(attn_kwargs, dict):
-            attn_kwargs["kvpack_layer"] = self
-        # Older transformers do not pass the kwargs: the returned key tensor carries the route.
-        key_states._kvpack_layer = self
         self._pending = (key_states, value_states)
         self.columns += key_states.shape[-2]
         return key_states, value_states
@@ -191,13 +189,6 @@ def _valid_chunk_tokens(mask: torch.Tensor | None, batch: int, n_q: int) -> torc
     return None if bool(valid.all()) else valid
 
 
-def _find_rotary(model: torch.nn.Module) -> torch.nn.Module | None:
-    for name, module in model.named_modules():
-        if name.endswith("rotary_emb"):
-            return module
-    return None
-
-
 def cache_kwargs(model: torch.nn.Module, cache: Cache) -> dict:
     """``{"cache": cache}`` or ``{"past_key_values": cache}``: the keyword this transformers
     version's ``forward``/``generate`` take (``cache=`` from 5.24, ``past_key_values=`` before)."""
@@ -209,26 +200,26 @@ class KVPackCache(Cache):
     """A transformers cache whose full-attention layers are compressed by a kvpack codec.
 
     Args:
-        model: the model it serves (its config gives the layer layout; its attention is switched to
-            ``"kvpack"``, which computes plain SDPA for every layer that is not a kvpack layer).
-        codec: a :class:`Codec` or a registered codec name.
-        **config: codec config fields when ``codec`` is a name (e.g. ``budget=0.6``).
+        model: the model it serves (its config gives the layer layout).
+        codec: a :class:`ResidentCodec` or a registered resident method's name.
+        **config: the method's config fields when ``codec`` is a name (e.g. ``budget=0.6``).
 
-    ``model.generate(**inputs, cache=KVPackCache(model, "puzzle"))`` generates with the compressed
-    cache; ``kv_bytes()`` and ``dense_kv_bytes()`` report measured and reference bytes.
+    The model uses it only inside ``with kvpack.attach(model, cache=...)`` /
+    ``kvpack.hf.attention.attached(model, cache)``, which switch the model's attention to
+    ``"kvpack"`` for the block and restore it after; used outside, the first update refuses.
+    ``kv_bytes()`` and ``dense_kv_bytes()`` report measured and reference bytes.
     """
 
-    def __init__(self, model: torch.nn.Module, codec: Codec | str = "full", **config):
+    def __init__(self, model: torch.nn.Module, codec: ResidentCodec | str = "full", **config):
         if isinstance(codec, str):
             codec = get_codec(codec, **config)
         elif config:
             raise ValueError("pass config fields only with a codec name, or build the Codec yourself")
         self.codec = codec
-        use_kvpack_attention(model)
         text = model.config.get_text_config(decoder=True)
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        rotary = _find_rotary(model)
+        rotary = find_rotary(model)
         layer_types = getattr(text, "layer_types", None)
         layers = DynamicCache(config=model.config).layers
         # One RoPE table per layer type, shared by its layers (not one per layer).
@@ -244,6 +235,21 @@ class KVPackCache(Cache):
         if not any(isinstance(layer, KVPackLayer) for layer in layers):
             raise ValueError("this model has no full-attention layer with a standard cache for kvpack to compress")
         super().__init__(layers=layers)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if isinstance(self.layers[layer_idx], KVPackLayer) and active_cache() is not self:
+            raise RuntimeError(
+                "this KVPackCache is not attached: run the model inside `with kvpack.attach(model, ...)` "
+                "(or kvpack.hf.attention.attached(model, cache)), which sets attn_implementation='kvpack' "
+                "for the block")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def is_compressed_layer(self, layer_idx: int) -> bool:
+        return isinstance(self.layers[layer_idx], KVPackLayer)
+
+    def kvpack_attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        return self.layers[layer_idx].attend(query, key, value, attention_mask, scaling)
 
     @property
     def kvpack_layers(self) -> list[KVPackLayer]:

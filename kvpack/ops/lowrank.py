@@ -38,3 +38,21 @@ def gram_eigh_factors(x: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.T
     sigma = evals[..., -rank:].flip(-1).clamp_min(0).sqrt()
     right = left.transpose(-1, -2) @ xf
     return left, right, sigma
+
+
+def randomized_svd(a: torch.Tensor, q: int, niter: int, generator: torch.Generator
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(U [m, q], S [q], V [n, q])`` of ``a [m, n]`` by randomized SVD (Halko et al. 2009, Alg. 5.1
+    with ``niter`` power iterations), the test matrix drawn from ``generator`` (CPU) so that the
+    global RNG is never touched. The same steps as ``torch.svd_lowrank``, which draws from the global
+    RNG: with a generator seeded as the global one was, the result is the same."""
+    tall = a.shape[0] >= a.shape[1]
+    x = a if tall else a.mH
+    r = torch.randn(x.shape[1], q, dtype=x.dtype, generator=generator).to(x.device)
+    basis = torch.linalg.qr(x @ r).Q
+    for _ in range(niter):
+        basis = torch.linalg.qr(x.mH @ basis).Q
+        basis = torch.linalg.qr(x @ basis).Q
+    u, s, vh = torch.linalg.svd(basis.mH @ x, full_matrices=False)
+    u, v = basis @ u, vh.mH
+    return (u, s, v) if tall else (v, s, u)

@@ -25,6 +25,12 @@ import zlib
 import numpy as np
 import torch
 
+
+def tokens_digest(token_ids: list[int]) -> str:
+    """SHA-256 of a token sequence (how blobs and prefix stores identify a prefix)."""
+    return hashlib.sha256(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes()).hexdigest()
+
+
 MAGIC = b"KVPACK\x00B"
 FORMAT_VERSION = 1
 _PREFIX = struct.Struct("<8sHI")

@@ -22,7 +22,8 @@ import warnings
 from pathlib import Path
 
 from .atomic import atomic_write_bytes
-from .format import Blob, BlobError
+from ..paths import cache_dir
+from .format import Blob, BlobError, tokens_digest
 
 SUFFIX = ".kvtc"
 
@@ -32,14 +33,10 @@ class CorruptEntryError(BlobError):
 
 
 def default_store_root() -> Path:
-    from ..hf.models import cache_dir
-
     return cache_dir() / "prefix-store"
 
 
 def _digest(token_ids: list[int]) -> str:
-    from ..kvtc.coder import tokens_digest
-
     return tokens_digest(token_ids)
 
 

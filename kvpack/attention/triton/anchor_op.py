@@ -1,6 +1,6 @@
 """The AnchorKV decode kernel as a PyTorch custom op (``kvpack::anchor_segment_attention``), plus its launcher.
 
-:func:`anchor_partials` is what ``AnchorStore`` calls: one launch per compressed segment (one
+:func:`anchor_partials` is what ``AnchorStore`` calls with its :class:`AnchorSegment` views: one launch per compressed segment (one
 segment unless re-compression is on), returning each segment's merged softmax state.
 """
 
@@ -10,10 +10,11 @@ import math
 
 import torch
 
+from ..anchor import PREFIX_BLOCK, AnchorSegment
 from ..softmax_merge import PartialAttention
 from ._launch import ROW_BLOCK, kernel_arg, launch, pow2, row_blocks
 
-_BLOCK = 32  # prefix-count block of the store's residual slots
+_BLOCK = PREFIX_BLOCK  # prefix-count block of the residual slots
 
 
 @torch.library.custom_op("kvpack::anchor_segment_attention", mutates_args=())
@@ -64,26 +65,25 @@ def _(q, anchor_k, anchor_v, hmat, signs, cos, sin, index_k, coef_k, mask_k, pre
         q.new_empty(H, M, D, dtype=torch.float32)
 
 
-def anchor_partials(store, qg: torch.Tensor, scaling: float, blocks_per_split: int | None = None) -> list[PartialAttention]:
-    """States of ``qg [kv_heads, rows, d]`` over every compressed segment of an ``AnchorStore``.
+def anchor_partials(segments: list[AnchorSegment], qg: torch.Tensor, scaling: float,
+                    blocks_per_split: int | None = None) -> list[PartialAttention]:
+    """States of ``qg [kv_heads, rows, d]`` over AnchorKV segments (the views an ``AnchorStore`` hands out).
 
     Args:
         blocks_per_split: 32-token blocks per program (default: about 32 programs per KV head).
     """
+    if not segments:
+        return []
     dev = qg.device
-    codec = store.residual_codec  # levels, rotation matrix and signs of the store's residual codec
+    codec = segments[0].codec  # levels, rotation matrix and signs of the layer's residual codec
     _, signs, hmat = codec.on(dev)
     hfactor = codec.kernel_matrix[1]
+    cos, sin = segments[0].rope.table(max(seg.start + seg.length for seg in segments), dev)
     states = []
-    spans = store.segment_spans
-    cos, sin = store.layout.rope.table(max(start + n for start, n in spans), dev) if spans else (None, None)
-    for seg, (start, n) in zip(store.segments, spans):
-        bps = blocks_per_split or max(1, math.ceil(math.ceil(n / _BLOCK) / 32))
-        per_side = []
-        for side in ("k", "v"):
-            per_side += [seg[f"{name}_{side}"] for name in ("index", "coef", "mask", "prefix", "res", "scale")]
+    for seg in segments:
+        bps = blocks_per_split or max(1, math.ceil(math.ceil(seg.length / _BLOCK) / 32))
         m, l, o = anchor_segment_attention(
-            qg.float(), store.anchors["anchor_k"], store.anchors["anchor_v"], hmat, signs,
-            cos, sin, *per_side, [float(x) for x in codec.levels], hfactor, float(scaling), start, bps)
+            qg.float(), seg.anchor_k, seg.anchor_v, hmat, signs, cos, sin, *seg.keys.tensors(),
+            *seg.values.tensors(), [float(x) for x in codec.levels], hfactor, float(scaling), seg.start, bps)
         states.append(PartialAttention(m=m, l=l, o=o))
     return states

@@ -1,7 +1,7 @@
 """The PuzzleKV decode kernel as a PyTorch custom op (``kvpack::puzzle_attention``), plus its launcher.
 
 Registered with ``torch.library.custom_op`` and a fake (meta) implementation, so ``torch.compile``
-traces around the Triton launch. :func:`puzzle_partial` is what ``PuzzleStore`` calls: it returns
+traces around the Triton launch. :func:`puzzle_partial` is what ``PuzzleStore`` calls with its :class:`PuzzlePages` view: it returns
 the merged softmax state of the grouped queries over the layer's sink, factorized pages and tail.
 """
 
@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from ..pages import PageSet, PuzzlePages
 from ..softmax_merge import PartialAttention
 from ._launch import ROW_BLOCK, kernel_arg, launch, pow2, row_blocks
 
@@ -79,36 +80,37 @@ def _(q, lk, rk, lv, rv, lks, rks, lvs, rvs, lk2, rk2, lv2, rv2, lks2, rks2, lvs
         q.new_empty(H, M, D, dtype=torch.float32)
 
 
-def puzzle_partial(store, qg: torch.Tensor, scaling: float, pages_per_split: int | None = None,
+def puzzle_partial(pages: PuzzlePages, qg: torch.Tensor, scaling: float, pages_per_split: int | None = None,
                    tokens_per_split: int = 256) -> PartialAttention:
-    """Merged state of ``qg [kv_heads, rows, d]`` over everything a ``PuzzleStore`` holds, read in
-    place: no per-step copy of the store's tensors or of RoPE rows.
+    """Merged state of ``qg [kv_heads, rows, d]`` over everything a PuzzleKV store holds (its
+    :class:`PuzzlePages` view), read in place: no per-step copy of the factors or of RoPE rows.
 
     Args:
         pages_per_split: factorized pages per program (default: about 32 programs per KV head).
         tokens_per_split: dense tokens per program.
     """
-    cfg = store.config
-    d = store.layout.head_dim
-    N, P = store.n_pages, cfg.page_size
-    if cfg.key_rope == "pre" and d % 4:
+    d = pages.head_dim
+    pre_rope = pages.rope is not None
+    if pre_rope and d % 4:
         raise ValueError(f"the Triton PuzzleKV kernel needs head_dim % 4 == 0 for pre-RoPE keys, got {d}")
+    if len(pages.sets) > 2:
+        raise ValueError(f"the Triton PuzzleKV kernel reads at most two page sets, got {len(pages.sets)}")
     empty = qg.new_empty(0)
-    names = ("lk_q", "rk_q", "lv_q", "rv_q", "lk_s", "rk_s", "lv_s", "rv_s") if cfg.int4 else ("lk", "rk", "lv", "rv")
 
-    def page_set(f: dict) -> list[torch.Tensor]:  # the kernel's 8 factor arguments of one page set
-        if not f:
+    def page_set(s: PageSet | None) -> list[torch.Tensor]:  # the kernel's 8 factor arguments of one set
+        if s is None:
             return [empty] * 8
-        return [f[n] for n in names] + ([] if cfg.int4 else [empty] * 4)
+        mats = list(s.matrices())
+        return mats + [empty] * (8 - len(mats))
 
-    mats = page_set(store.factors) + page_set(store.recent)
-    first = store.sink_k.shape[1]
+    sets = list(pages.sets) + [None] * (2 - len(pages.sets))
+    mats = page_set(sets[0]) + page_set(sets[1])
+    N, P, first = pages.n_pages, pages.page_size, pages.first_position
     cos = sin = empty
-    if N and cfg.key_rope == "pre":
-        cos, sin = store.layout.rope.table(first + N * P, qg.device)
-    rank_k, rank_v = store.ranks if store.ranks else (1, 1)
+    if N and pre_rope:
+        cos, sin = pages.rope.table(first + N * P, qg.device)
     pps = pages_per_split or max(1, math.ceil(N / 32))  # the recent set (<= max(8, √N) pages) adds a few
-    m, l, o = puzzle_attention(qg.float(), *mats, cos, sin, store.sink_k, store.sink_v, store.tail_k, store.tail_v,
-                               P, rank_k, rank_v, float(scaling), bool(cfg.int4), cfg.key_rope == "pre", first, pps,
+    m, l, o = puzzle_attention(qg.float(), *mats, cos, sin, pages.sink_k, pages.sink_v, pages.tail_k, pages.tail_v,
+                               P, pages.rank_k, pages.rank_v, float(scaling), pages.int4, pre_rope, first, pps,
                                tokens_per_split)
     return PartialAttention(m=m, l=l, o=o)

@@ -25,19 +25,23 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.pages import factorized_pages_partial
-from ..ops.int4 import dequantize_int4, quantize_int4
+from ..attention.pages import PageSet, PuzzlePages, puzzle_pages_partials
+from ..attention.triton import KERNEL_CHOICES, use_triton
+from ..attention.triton.puzzle_op import puzzle_partial
+from ..config import MethodConfig, boolean, choice, integer, option
+from ..ops.accounting import dense_bf16_bytes
+from ..ops.int4 import quantize_int4
 from ..ops.lowrank import gram_eigh_factors
 from ..ops.rope import apply_rope, invert_rope
-from .base import Codec, CodecConfig, LayerLayout, dense_bf16_bytes, register_codec, require_bool, \
-    require_int
+from ..registry import register_method
+from .base import LayerLayout
 from .segmented import SegmentedStore
 
 DEFAULT_PAGE_RATIO = 0.6  # target factorized-page ratio of the default ranks (paper: ≈ 0.586)
 
 
 @dataclass
-class PuzzleConfig(CodecConfig):
+class PuzzleConfig(MethodConfig):
     """PuzzleKV parameters.
 
     Attributes:
@@ -57,36 +61,25 @@ class PuzzleConfig(CodecConfig):
             (factors and dense regions, for the coming page cycle) stay within ``budget × dense``.
     """
 
-    page_size: int = 32
-    rank_k: int | None = None
-    rank_v: int | None = None
-    sink_pages: int = 1
-    window_pages: int = 1
-    key_rope: str = "post"
-    int4: bool = False
-    tile_pages: int = 256
-    attention_backend: str = "auto"
+    page_size: int = option(32, integer(minimum=1), "tokens per page P")
+    rank_k: int | None = option(None, integer(minimum=1, optional=True), "key rank (none: derived or from budget)")
+    rank_v: int | None = option(None, integer(minimum=1, optional=True), "value rank (none: derived or from budget)")
+    sink_pages: int = option(1, integer(minimum=0), "dense pages at the start")
+    window_pages: int = option(1, integer(minimum=0), "completed pages kept dense besides the filling one")
+    key_rope: str = option("post", choice("post", "pre"), "factorize keys after or before RoPE")
+    int4: bool = option(False, boolean(), "INT4 factors with Σ^½ absorbed into both (§4.3)")
+    tile_pages: int = option(256, integer(minimum=1), "factorized pages per attention tile")
+    attention_backend: str = option("auto", choice(*KERNEL_CHOICES), "attention path for stored tokens")
 
-    def validate(self) -> None:
-        super().validate()
-        require_int(self, "page_size", minimum=1)
-        require_int(self, "sink_pages", minimum=0)
-        require_int(self, "window_pages", minimum=0)
-        require_int(self, "tile_pages", minimum=1)
+    def check(self) -> None:
         for name in ("rank_k", "rank_v"):
-            if getattr(self, name) is not None:
-                require_int(self, name, minimum=1, maximum=self.page_size)
+            value = getattr(self, name)
+            if value is not None and value > self.page_size:
+                raise self.error(f"{name} must be <= {self.page_size} (page_size), got {value}")
         if (self.rank_k is None) != (self.rank_v is None):
-            raise ValueError("rank_k and rank_v must be set together (or both left to be derived)")
+            raise self.error("rank_k and rank_v must be set together (or both left to be derived)")
         if self.budget is not None and self.rank_k is not None:
-            raise ValueError("set either budget or rank_k/rank_v, not both: budget picks the ranks")
-        if self.key_rope not in ("post", "pre"):
-            raise ValueError(f"key_rope must be 'post' or 'pre', got {self.key_rope!r}")
-        require_bool(self, "int4")
-        from ..attention.triton import KERNEL_CHOICES
-
-        if self.attention_backend not in KERNEL_CHOICES:
-            raise ValueError(f"attention_backend must be one of {KERNEL_CHOICES}, got {self.attention_backend!r}")
+            raise self.error("set either budget or rank_k/rank_v, not both: budget picks the ranks")
 
 
 def split_total_rank(total: int, cap: int) -> tuple[int, int]:
@@ -178,8 +171,9 @@ def fold_threshold(n_pages: int) -> int:
     return max(8, math.isqrt(n_pages))
 
 
+@register_method("puzzle")
 class PuzzleStore(SegmentedStore):
-    """One sequence, one layer: dense sink + factorized pages + dense window (see module doc).
+    """PuzzleKV, one sequence, one layer: dense sink + factorized pages + dense window (see module doc).
 
     Factor tensors (per KV head ``h`` and factorized page ``n``), float form:
     ``lk [H, N, P, r_K]``, ``rk [H, N, r_K, d]``, ``lv [H, N, P, r_V]``, ``rv [H, N, r_V, d]``.
@@ -194,6 +188,8 @@ class PuzzleStore(SegmentedStore):
     about 6% of what attention reads per decode step). No slack is allocated: the bytes held are
     exactly the pages' factors. Attention (both paths) reads the two sets in place.
     """
+
+    Config = PuzzleConfig
 
     def __init__(self, layout: LayerLayout, config: PuzzleConfig):
         super().__init__(layout, config)
@@ -288,6 +284,19 @@ class PuzzleStore(SegmentedStore):
             out[f"r{name}_q"], out[f"r{name}_s"] = quantize_int4(right_t, dim=-2)
         return out
 
+    def pages_view(self) -> PuzzlePages:
+        """Everything stored, as attention reads it (both factor sets in place, no copies)."""
+        cfg = self.config
+        rank_k, rank_v = self.ranks if self.ranks else (1, 1)
+        sets = tuple(self._page_set(f) for f in (self.factors, self.recent) if f)
+        return PuzzlePages(self.sink_k, self.sink_v, self.tail_k, self.tail_v, sets, cfg.page_size, rank_k, rank_v,
+                           self.layout.head_dim, self.layout.rope if cfg.key_rope == "pre" else None, cfg.tile_pages)
+
+    def _page_set(self, f: dict[str, torch.Tensor]) -> PageSet:
+        if not self.config.int4:
+            return PageSet(f["lk"], f["rk"], f["lv"], f["rv"])
+        return PageSet(f["lk_q"], f["rk_q"], f["lv_q"], f["rv_q"], scales=(f["lk_s"], f["rk_s"], f["lv_s"], f["rv_s"]))
+
     def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense ``(K̂, V̂)`` ``[kv_heads, seq_len, d]`` fp32 (post-RoPE keys) of everything stored.
 
@@ -295,7 +304,7 @@ class PuzzleStore(SegmentedStore):
         """
         parts_k, parts_v = [self.sink_k.float()], [self.sink_v.float()]
         if self.n_pages:
-            lk, rk, lv, rv = self._tile_factors(0, self.n_pages)
+            lk, rk, lv, rv = self.pages_view().float_factors(0, self.n_pages)
             H, P = self.layout.kv_heads, self.config.page_size
             k = (lk.float() @ rk.float()).reshape(H, self.n_pages * P, -1)
             if self.config.key_rope == "pre":
@@ -310,63 +319,14 @@ class PuzzleStore(SegmentedStore):
 
     # -- attention --------------------------------------------------------------------------
 
-    def _pages(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        """Factor ``name`` of pages ``[lo, hi)``: a view of one set, or (a tile across the two sets)
-        the two slices joined."""
-        n_main = self.n_main
-        if hi <= n_main:
-            return self.factors[name][:, lo:hi]
-        if lo >= n_main:
-            return self.recent[name][:, lo - n_main:hi - n_main]
-        return torch.cat([self.factors[name][:, lo:], self.recent[name][:, :hi - n_main]], dim=1)
-
-    def _tile_factors(self, lo: int, hi: int) -> tuple[torch.Tensor, ...]:
-        """Float factors of pages ``[lo, hi)`` (dequantized per tile in INT4 mode)."""
-        f = {name: self._pages(name, lo, hi) for name in (self.factors or self.recent)}
-        if not self.config.int4:
-            return f["lk"], f["rk"], f["lv"], f["rv"]
-        rank_k, rank_v = self.ranks
-        d = self.layout.head_dim
-        return (
-            dequantize_int4(f["lk_q"], f["lk_s"], rank_k),
-            dequantize_int4(f["rk_q"], f["rk_s"], d),
-            dequantize_int4(f["lv_q"], f["lv_s"], rank_v),
-            dequantize_int4(f["rv_q"], f["rv_s"], d),
-        )
-
     @property
     def attention_backend(self) -> str:
         return self.config.attention_backend
 
     def stored_partials(self, qg, scaling):
-        from ..attention.triton import use_triton
-
         if use_triton(self.config.attention_backend, qg.device):
-            from ..attention.triton.puzzle_op import puzzle_partial
-
-            return [puzzle_partial(self, qg, scaling)]
+            return [puzzle_partial(self.pages_view(), qg, scaling)]
         return super().stored_partials(qg, scaling)
 
     def history_partials(self, qg, scaling):
-        states = []
-        P, tile = self.config.page_size, self.config.tile_pages
-        first = self.sink_k.shape[1]
-        for lo in range(0, self.n_pages, tile):
-            hi = min(lo + tile, self.n_pages)
-            rope = None
-            if self.config.key_rope == "pre":
-                pos = torch.arange(first + lo * P, first + hi * P, device=qg.device)
-                cos, sin = self.layout.rope.cos_sin(pos)
-                rope = (cos.reshape(hi - lo, P, -1), sin.reshape(hi - lo, P, -1))
-            states.append(factorized_pages_partial(qg, *self._tile_factors(lo, hi), scaling, rope=rope))
-        return states
-
-
-@register_codec("puzzle")
-class PuzzleKV(Codec):
-    """PuzzleKV (page-wise low-rank KV cache). See :class:`PuzzleConfig`."""
-
-    Config = PuzzleConfig
-
-    def new_store(self, layout: LayerLayout) -> PuzzleStore:
-        return PuzzleStore(layout, self.config)
+        return puzzle_pages_partials(self.pages_view(), qg, scaling)

@@ -10,32 +10,26 @@ every section is entropy-coded (DEFLATE by default) into one self-describing blo
 
 Decompression inverts each step. The inverse projection ``X_l = D V_lᵀ + μ_l`` is done per layer
 with the rows of ``V`` that belong to layer ``l``, so :func:`iter_decompressed_layers` hands out
-layer 0 before layer 1 is reconstructed (streaming); :func:`decompress_cache` builds the whole
-``DynamicCache`` from it.
+layer 0 before layer 1 is reconstructed (streaming); :func:`decompress_cache` collects every layer.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 
 import torch
 
-from ..hf.fingerprint import model_fingerprint
-from ..ops.bitalloc import Allocation
-from ..ops.bitpack import pack_bitstream, unpack_bitstream
-from ..ops.group_quant import dequantize_groups, quantize_groups
-from ..store.format import Blob, BlobError, pack_blob
+from ...hf.fingerprint import cache_layer_count, model_fingerprint
+from ...ops.accounting import DENSE_REFERENCE_BYTES_PER_ELEMENT
+from ...ops.bitalloc import Allocation
+from ...ops.bitpack import pack_bitstream, unpack_bitstream
+from ...ops.group_quant import dequantize_groups, quantize_groups
+from ...store.format import Blob, BlobError, pack_blob, tokens_digest
+from ..base import DenseKV, DenseLayer
 from .calibration import Calibration, ratio_key
 from .features import layer_from_features, layer_rotaries, to_features
 
 CODEC = "kvtc"
-DENSE_BYTES_PER_ELEMENT = 2  # bf16, the reference the ratio is measured against
-
-
-def tokens_digest(token_ids: list[int]) -> str:
-    """SHA-256 of a token sequence (how blobs and the prefix store identify a prefix)."""
-    return hashlib.sha256(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes()).hexdigest()
 
 
 def _check_cache(cache, calibration: Calibration, n_tokens: int) -> None:
@@ -156,7 +150,7 @@ def compress_cache(cache, calibration: Calibration, ratio: float, token_ids: lis
             raise ValueError(f"cache layer {i} is empty")
         sections[f"layer{i}_keys"] = layers[i].keys[0]
         sections[f"layer{i}_values"] = layers[i].values[0]
-    dense = sum(int(layers[i].keys[0].numel()) * 2 for i in range(len(layers))) * DENSE_BYTES_PER_ELEMENT
+    dense = sum(int(layers[i].keys[0].numel()) * 2 for i in range(len(layers))) * DENSE_REFERENCE_BYTES_PER_ELEMENT
     meta = {
         "codec": CODEC, "model": calibration.fingerprint, "calibration_id": calibration.calibration_id,
         "ratio": ratio_key(ratio), "allocation": {k: a.to_dict() for k, a in alloc.items()},
@@ -250,21 +244,18 @@ def iter_decompressed_layers(data: bytes | Blob, calibration: Calibration, model
         yield i, torch.cat(parts_k, 1)[None].to(device=device), torch.cat(parts_v, 1)[None].to(device=device)
 
 
-def decompress_cache(data: bytes | Blob, calibration: Calibration, model):
-    """Rebuild a transformers ``DynamicCache`` from a blob; generation continues from it.
+def decompress_cache(data: bytes | Blob, calibration: Calibration, model) -> tuple[DenseKV, list[int]]:
+    """Every layer of a blob's cache, as tensors on the model's device; generation continues from
+    ``kvpack.hf.dense.to_dynamic_cache(model, cache, len(token_ids))``.
 
     Returns:
-        ``(cache, token_ids)``: the cache and the token ids it holds.
+        ``(cache, token_ids)``: the layers (``cache.layers[i].keys [1, kv_heads, T, d]``) and the token
+        ids they hold.
     """
-    from transformers.cache_utils import DynamicCache
-
     blob = data if isinstance(data, Blob) else read_blob(data, calibration, model)
     ids = blob_token_ids(blob)
-    cache = DynamicCache(config=model.config)
-    if len(cache.layers) != blob.meta["num_layers"]:
-        raise ValueError(f"blob holds {blob.meta['num_layers']} layers, the model's cache has {len(cache.layers)}")
-    for i, k, v in iter_decompressed_layers(blob, calibration, model, device=model.device):
-        cache.layers[i].update(k, v)
-        if hasattr(cache.layers[i], "cumulative_length"):  # sliding layers hold a window of a longer sequence
-            cache.layers[i].cumulative_length = len(ids)
-    return cache, ids
+    n_layers = cache_layer_count(model)
+    if n_layers != blob.meta["num_layers"]:
+        raise ValueError(f"blob holds {blob.meta['num_layers']} layers, the model's cache has {n_layers}")
+    layers = [DenseLayer(k, v) for _, k, v in iter_decompressed_layers(blob, calibration, model, device=model.device)]
+    return DenseKV(layers), ids

@@ -12,31 +12,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..hf.cache import cache_kwargs
+from ...hf.dense import prefill, to_dynamic_cache
+from ...hf.generation import ProgressStreamer, greedy_generate
 from .calibration import Calibration
 from .coder import compress_cache, decompress_cache, read_blob
-
-
-@torch.no_grad()
-def prefill(model, token_ids: list[int], cache=None):
-    """Run ``token_ids`` through the model into ``cache`` (a new ``DynamicCache`` if None); returns it."""
-    from transformers.cache_utils import DynamicCache
-
-    if not token_ids:
-        raise ValueError("empty prompt: nothing to prefill")
-    cache = cache if cache is not None else DynamicCache(config=model.config)
-    past = cache.get_seq_length()
-    ids = torch.tensor([token_ids[past:]], device=model.device)
-    if ids.shape[1]:
-        mask = torch.ones(1, past + ids.shape[1], dtype=torch.long, device=model.device)
-        model(ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
-    return cache
 
 
 def compress_tokens(model, calibration: Calibration, token_ids: list[int], ratio: float, backend: str = "zlib",
                     level: int = 6, sinks: int | None = None, window: int | None = None) -> bytes:
     """Prefill ``token_ids`` exactly and compress the resulting cache into a blob (see
-    :func:`kvpack.kvtc.coder.compress_cache` for the options)."""
+    :func:`kvpack.storage.kvtc.coder.compress_cache` for the options)."""
     calibration.check_model(model)
     calibration.allocation(ratio)  # refuse an uncalibrated ratio before the prefill
     cache = prefill(model, token_ids)
@@ -70,22 +55,21 @@ def continue_from_blob(model, tokenizer, calibration: Calibration, blob: bytes, 
     """
     if not new_token_ids:
         raise ValueError("empty prompt: continuing from a stored cache needs at least one new token")
-    from ..generate import _ProgressStreamer
-
     # Created first, so that its prefill time (to the first generated token) includes decompression.
-    streamer = _ProgressStreamer(len(new_token_ids), max_new_tokens, enabled=False)
+    streamer = ProgressStreamer(len(new_token_ids), max_new_tokens, enabled=False)
     start = streamer.start
     parsed = read_blob(blob, calibration, model)
-    cache, prefix = decompress_cache(parsed, calibration, model)
+    restored, prefix = decompress_cache(parsed, calibration, model)
+    cache = to_dynamic_cache(model, restored, len(prefix))
     decompress_s = time.perf_counter() - start
-    ids = torch.tensor([prefix + list(new_token_ids)], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         min_new_tokens=min_new_tokens, do_sample=False, streamer=streamer,
-                         pad_token_id=tokenizer.pad_token_id, **cache_kwargs(model, cache))
+    new = greedy_generate(model, tokenizer, cache, prefix + list(new_token_ids), max_new_tokens, min_new_tokens,
+                          streamer)
     end = time.perf_counter()
-    new = out[0, ids.shape[1]:].tolist()
     first = streamer.prefill_s if streamer.prefill_s is not None else end - start
     return Continuation(text=tokenizer.decode(new, skip_special_tokens=True), token_ids=new,
                         prefix_tokens=len(prefix), prefilled_tokens=len(new_token_ids), blob_bytes=len(blob),
                         dense_bf16_bytes=int(parsed.meta["dense_bf16_bytes"]), decompress_s=decompress_s,
                         first_token_s=first, total_s=end - start)
+
+
+__all__ = ["Continuation", "compress_tokens", "continue_from_blob", "prefill"]

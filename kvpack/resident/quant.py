@@ -21,7 +21,10 @@ import torch
 
 from ..attention.softmax_merge import dense_partial
 from ..ops.bitpack import pack_bits, unpack_bits
-from .base import Codec, CodecConfig, LayerLayout, dense_bf16_bytes, register_codec, require_int
+from ..config import MethodConfig, choice, integer, option
+from ..ops.accounting import dense_bf16_bytes
+from ..registry import register_method
+from .base import LayerLayout
 from .segmented import SegmentedStore
 
 CANDIDATES = [(4, 32), (4, 64), (4, 128), (2, 32), (2, 64), (2, 128)]  # (bits, group), best quality first
@@ -29,7 +32,7 @@ PARAM_BYTES = 2  # fp16 scale and zero point
 
 
 @dataclass
-class KIVIConfig(CodecConfig):
+class KIVIConfig(MethodConfig):
     """Attributes:
         bits: 2 or 4 (None: from ``budget``, else 2).
         group_size: tokens per key group / channels per value group (None: from ``budget``, else 32).
@@ -37,20 +40,11 @@ class KIVIConfig(CodecConfig):
         tile_blocks: quantized blocks dequantized per attention tile.
     """
 
-    bits: int | None = None
-    group_size: int | None = None
-    residual: int | None = None
-    tile_blocks: int = 64
-
-    def validate(self) -> None:
-        super().validate()
-        if self.bits is not None and self.bits not in (2, 4):
-            raise ValueError(f"bits must be 2 or 4, got {self.bits!r}")
-        if self.group_size is not None:
-            require_int(self, "group_size", minimum=1)
-        if self.residual is not None:
-            require_int(self, "residual", minimum=0)
-        require_int(self, "tile_blocks", minimum=1)
+    bits: int | None = option(None, choice(2, 4, optional=True), "bits per code (none: from budget, else 2)")
+    group_size: int | None = option(None, integer(minimum=1, optional=True), "group size (none: from budget, else 32)")
+    residual: int | None = option(None, integer(minimum=0, optional=True),
+                                  "full-precision recent tokens (none: from budget, else 128)")
+    tile_blocks: int = option(64, integer(minimum=1), "quantized blocks dequantized per attention tile")
 
 
 def quantize_minmax(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,12 +123,17 @@ def _params_for_budget(seq_len, budget, fixed_bits, fixed_group, fixed_residual,
     )
 
 
+@register_method("kivi")
 class KIVIStore(SegmentedStore):
     """Quantized blocks (``kq [H, B, G, packed d]``, ``ks/kz [H, B, 1, d]``, ``vq [H, B, G, d/Gv, packed Gv]``,
     ``vs/vz [H, B, G, d/Gv, 1]``) followed by the full-precision residual (the tail)."""
 
+    Config = KIVIConfig
+
     def __init__(self, layout: LayerLayout, config: KIVIConfig):
         super().__init__(layout, config)
+        if layout.head_dim % min(config.group_size or 1, layout.head_dim):
+            raise ValueError(f"kivi: head_dim {layout.head_dim} must be a multiple of the value group size")
         self.params: tuple[int, int, int] | None = None
         if config.budget is None:
             self.params = (config.bits or 2, config.group_size or 32,
@@ -186,15 +185,3 @@ class KIVIStore(SegmentedStore):
         tile = self.config.tile_blocks
         return [dense_partial(qg, *self.dequantized(lo, min(lo + tile, self.n_blocks)), scaling)
                 for lo in range(0, self.n_blocks, tile)]
-
-
-@register_codec("kivi")
-class KIVI(Codec):
-    """KIVI-style asymmetric 2/4-bit quantization with a full-precision residual."""
-
-    Config = KIVIConfig
-
-    def new_store(self, layout):
-        if layout.head_dim % min(self.config.group_size or 1, layout.head_dim):
-            raise ValueError(f"kivi: head_dim {layout.head_dim} must be a multiple of the value group size")
-        return KIVIStore(layout, self.config)

@@ -26,12 +26,14 @@ import torch
 
 from ..attention.scores import accumulated_attention, observation_scores
 from ..attention.softmax_merge import attend_history_and_chunk, dense_partial, group_queries, prefill_attention
-from .base import Codec, CodecConfig, LayerLayout, LayerStore, dense_bf16_bytes, register_codec, \
-    require_bool, require_int
+from ..config import MethodConfig, boolean, integer, number, option
+from ..ops.accounting import dense_bf16_bytes
+from ..registry import register_method
+from .base import LayerLayout, LayerStore
 
 
 @dataclass
-class EvictionConfig(CodecConfig):
+class EvictionConfig(MethodConfig):
     """Shared eviction fields.
 
     Attributes:
@@ -39,14 +41,8 @@ class EvictionConfig(CodecConfig):
         score_chunk: query rows per chunk when computing attention statistics.
     """
 
-    budget: float | None = 0.25
-    score_chunk: int = 256
-
-    def validate(self) -> None:
-        super().validate()
-        if self.budget is None:
-            raise ValueError(f"{type(self).__name__}: budget is required for an eviction method")
-        require_int(self, "score_chunk", minimum=1)
+    budget: float | None = option(0.25, number(0.0, 1.0, low_open=True), "fraction of the prompt's dense bytes kept")
+    score_chunk: int = option(256, integer(minimum=1), "query rows per chunk of attention statistics")
 
 
 class EvictionStore(LayerStore):
@@ -90,12 +86,12 @@ class EvictionStore(LayerStore):
             n_keep = self.token_budget(n)
             if n_keep < self.min_tokens():
                 raise ValueError(
-                    f"{self.codec_name}: budget {self.config.budget} keeps {n_keep} of {n} tokens, fewer than the "
+                    f"{self.name}: budget {self.config.budget} keeps {n_keep} of {n} tokens, fewer than the "
                     f"{self.min_tokens()} this configuration needs; use a larger budget or a longer input"
                 )
             self.n_keep = min(n_keep, n)
             if q is None:
-                raise ValueError(f"{self.codec_name} needs the prefill queries to select tokens")
+                raise ValueError(f"{self.name} needs the prefill queries to select tokens")
             idx = self.select(q, k, self.n_keep).sort(dim=-1).values  # [H, n_keep], position order
             gather = idx[..., None].expand(-1, -1, k.shape[-1])
             self.k = torch.gather(k, 1, gather).to(self.storage_dtype)
@@ -117,8 +113,6 @@ class EvictionStore(LayerStore):
         self.v = torch.gather(self.v, 1, gather)
 
     # -- policy hooks -----------------------------------------------------------------------
-
-    codec_name = "eviction"
 
     def min_tokens(self) -> int:
         return 1
@@ -143,15 +137,14 @@ class EvictionStore(LayerStore):
 class StreamingConfig(EvictionConfig):
     """Attributes: sink_tokens: leading tokens always kept (default 4, as the paper)."""
 
-    sink_tokens: int = 4
-
-    def validate(self) -> None:
-        super().validate()
-        require_int(self, "sink_tokens", minimum=0)
+    sink_tokens: int = option(4, integer(minimum=0), "leading tokens always kept")
 
 
+@register_method("streaming")
 class StreamingStore(EvictionStore):
-    codec_name = "streaming"
+    """StreamingLLM: sinks + recent window, everything else evicted."""
+
+    Config = StreamingConfig
 
     def min_tokens(self) -> int:
         return self.config.sink_tokens + 1
@@ -170,15 +163,6 @@ class StreamingStore(EvictionStore):
             self.v = torch.cat([self.v[:, :sinks], self.v[:, sinks + excess:]], dim=1)
 
 
-@register_codec("streaming")
-class StreamingLLM(Codec):
-    """StreamingLLM: sinks + recent window, everything else evicted."""
-
-    Config = StreamingConfig
-
-    def new_store(self, layout):
-        return StreamingStore(layout, self.config)
-
 
 # ------------------------------------------------------------------------------------------------
 # H2O (Zhang et al., 2023): heavy hitters by accumulated attention + recent tokens, half and half.
@@ -195,14 +179,8 @@ class H2OConfig(EvictionConfig):
             (evict once after prefill, as the PuzzleKV paper configures H2O).
     """
 
-    recent_fraction: float = 0.5
-    update_scores: bool = False
-
-    def validate(self) -> None:
-        super().validate()
-        if not (isinstance(self.recent_fraction, (int, float)) and 0.0 <= self.recent_fraction <= 1.0):
-            raise ValueError(f"recent_fraction must be in [0, 1], got {self.recent_fraction!r}")
-        require_bool(self, "update_scores")
+    recent_fraction: float = option(0.5, number(0.0, 1.0), "share of the kept tokens that are the most recent")
+    update_scores: bool = option(False, boolean(), "keep scoring and evicting during decode")
 
 
 def h2o_select(scores: torch.Tensor, n_keep: int, n_recent: int) -> torch.Tensor:
@@ -214,8 +192,11 @@ def h2o_select(scores: torch.Tensor, n_keep: int, n_recent: int) -> torch.Tensor
     return torch.cat([heavy, recent], dim=-1)
 
 
+@register_method("h2o")
 class H2OStore(EvictionStore):
-    codec_name = "h2o"
+    """H2O: heavy hitters (accumulated attention mass) + recent tokens."""
+
+    Config = H2OConfig
 
     def __init__(self, layout, config):
         super().__init__(layout, config)
@@ -266,15 +247,6 @@ class H2OStore(EvictionStore):
             self.scores = self.scores[keep].reshape(hkv, -1)
 
 
-@register_codec("h2o")
-class H2O(Codec):
-    """H2O: heavy hitters (accumulated attention mass) + recent tokens."""
-
-    Config = H2OConfig
-
-    def new_store(self, layout):
-        return H2OStore(layout, self.config)
-
 
 # ------------------------------------------------------------------------------------------------
 # SnapKV (Li et al., 2024): votes of an observation window, pooled, top tokens + the window.
@@ -286,13 +258,8 @@ class SnapKVConfig(EvictionConfig):
     """Attributes: window: observation window of the last prompt queries, kept (default 32);
     kernel: average-pooling kernel over the votes (default 7)."""
 
-    window: int = 32
-    kernel: int = 7
-
-    def validate(self) -> None:
-        super().validate()
-        require_int(self, "window", minimum=1)
-        require_int(self, "kernel", minimum=1)
+    window: int = option(32, integer(minimum=1), "observation window of the last prompt queries, kept")
+    kernel: int = option(7, integer(minimum=1), "average-pooling kernel over the votes")
 
 
 def snapkv_select(votes: torch.Tensor, n_keep: int, window: int) -> torch.Tensor:
@@ -303,8 +270,11 @@ def snapkv_select(votes: torch.Tensor, n_keep: int, window: int) -> torch.Tensor
     return torch.cat([top, win], dim=-1)
 
 
+@register_method("snapkv")
 class SnapKVStore(EvictionStore):
-    codec_name = "snapkv"
+    """SnapKV: observation-window votes, pooled, top tokens kept plus the window."""
+
+    Config = SnapKVConfig
 
     def min_tokens(self) -> int:
         return self.config.window
@@ -315,13 +285,3 @@ class SnapKVStore(EvictionStore):
             return torch.arange(S, device=k.device)[None].expand(k.shape[0], -1)[:, :n_keep]
         votes = observation_scores(q, k, self.scaling, W, self.config.kernel)
         return snapkv_select(votes, n_keep, W)
-
-
-@register_codec("snapkv")
-class SnapKV(Codec):
-    """SnapKV: observation-window votes, pooled, top tokens kept plus the window."""
-
-    Config = SnapKVConfig
-
-    def new_store(self, layout):
-        return SnapKVStore(layout, self.config)

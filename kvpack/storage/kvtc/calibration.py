@@ -2,13 +2,13 @@
 
 Steps (kvtc paper §3; ../shared/notes/kvtc.md):
 
-1. Run the model over the calibration corpus (``kvpack.kvtc.corpus``) in chunks of
+1. Run the model over the calibration corpus (``kvpack.storage.kvtc.corpus``) in chunks of
    ``chunk_tokens`` with exact attention and collect each chunk's cache.
 2. Per chunk, drop the first ``sinks`` tokens (attention sinks) and the last ``window`` tokens
    (kvtc never codes either), undo RoPE on keys, and turn each remaining position into one key
    vector and one value vector over all full-attention layers and KV heads (``features.py``).
 3. Sample ``samples`` positions from the pool (seeded), subtract the mean, and compute the
-   leading ``pca_dim`` principal directions with a randomized SVD (``torch.svd_lowrank``).
+   leading ``pca_dim`` principal directions with a randomized SVD (``ops.lowrank.randomized_svd``, its own seeded generator).
 4. Measure the error of coding every aligned group of coefficients at every width on
    ``dp_samples`` positions and solve the DP allocation for each target ratio: the per-token
    budget is ``16 · p / ratio`` bits (bf16 is 16 bits per feature).
@@ -30,11 +30,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-from ..ops.bitalloc import Allocation, aligned_group_errors, allocate_bits
-from ..hf.fingerprint import model_fingerprint
-from ..progress import status
-from ..store.atomic import atomic_write
+from ...config import integer, option, validate_fields
+from ...hf.dense import prefill
+from ...hf.fingerprint import attention_shape, full_attention_layers, model_fingerprint
+from ...ops.bitalloc import Allocation, aligned_group_errors, allocate_bits
+from ...ops.lowrank import randomized_svd
+from ...progress import status
+from ...store.atomic import atomic_write
+from .corpus import calibration_documents
 from .features import layer_rotaries, to_features
 
 FORMAT = "kvpack-kvtc-calibration"
@@ -67,28 +72,19 @@ class CalibrationSettings:
         svd_iters: power iterations of the randomized SVD.
     """
 
-    tokens: int = 65536
-    chunk_tokens: int = 2048
-    sinks: int = 4
-    window: int = 128
-    samples: int | None = None
-    pca_dim: int = 2048
-    dp_samples: int = 4096
+    tokens: int = option(32768, integer(minimum=1), "calibration tokens")
+    chunk_tokens: int = option(2048, integer(minimum=1), "tokens per calibration sequence")
+    sinks: int = option(4, integer(minimum=0), "leading tokens kept lossless")
+    window: int = option(128, integer(minimum=0), "most recent tokens kept lossless")
+    samples: int | None = option(None, integer(minimum=2, optional=True), "positions sampled for the PCA (none: all)")
+    pca_dim: int = option(3072, integer(minimum=1), "principal components computed")
+    dp_samples: int = option(4096, integer(minimum=1), "positions whose coefficients measure the DP's group errors")
     ratios: tuple[float, ...] = DEFAULT_RATIOS
-    seed: int = 0
-    svd_iters: int = 3
+    seed: int = option(0, integer(minimum=0), "sampling and randomized-SVD seed")
+    svd_iters: int = option(3, integer(minimum=0), "power iterations of the randomized SVD")
 
     def __post_init__(self) -> None:
-        for name in ("tokens", "chunk_tokens", "pca_dim", "dp_samples"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("sinks", "window", "seed", "svd_iters"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-        if self.samples is not None and (not isinstance(self.samples, int) or self.samples < 2):
-            raise ValueError(f"samples must be None or an integer >= 2, got {self.samples!r}")
+        validate_fields(self)
         if self.chunk_tokens <= self.sinks + self.window:
             raise ValueError(f"chunk_tokens ({self.chunk_tokens}) must exceed sinks + window "
                              f"({self.sinks} + {self.window}) or no position is eligible")
@@ -273,8 +269,6 @@ class Calibration:
 
 
 def _calibration_chunks(tokenizer, settings: CalibrationSettings, documents: list[str] | None) -> list[torch.Tensor]:
-    from .corpus import calibration_documents
-
     docs = documents if documents is not None else calibration_documents()
     ids: list[int] = []
     for doc in docs:
@@ -292,10 +286,6 @@ def _calibration_chunks(tokenizer, settings: CalibrationSettings, documents: lis
 def collect_features(model, chunks: list[torch.Tensor], layers: list[int], head_dim: int, sinks: int,
                      window: int, progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Key and value features ``[positions, p]`` of every chunk's eligible positions (fp32)."""
-    from tqdm import tqdm
-
-    from .session import prefill
-
     rotaries = layer_rotaries(model, layers, head_dim)
     keys, values = [], []
     for chunk in tqdm(chunks, desc="[kvpack] calibration prefill", unit="chunk", disable=not progress):
@@ -311,15 +301,10 @@ def collect_features(model, chunks: list[torch.Tensor], layers: list[int], head_
 
 def pca(data: torch.Tensor, dim: int, iters: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean ``[p]``, leading principal directions ``[p, dim]`` and singular values ``[dim]`` of
-    ``data [n, p]`` by randomized SVD (Halko et al., via ``torch.svd_lowrank``)."""
+    ``data [n, p]`` by randomized SVD (Halko et al.; a seeded generator, the global RNG untouched)."""
     mean = data.mean(0)
     dim = min(dim, data.shape[0], data.shape[1])
-    gen_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        _, s, v = torch.svd_lowrank(data - mean, q=dim, niter=iters)
-    finally:
-        torch.random.set_rng_state(gen_state)
+    _, s, v = randomized_svd(data - mean, dim, iters, torch.Generator().manual_seed(seed))
     order = torch.argsort(s, descending=True)
     return mean, v[:, order].contiguous(), s[order]
 
@@ -329,11 +314,10 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, doc
     """Calibrate kvtc for ``model`` (see the module docstring for the steps).
 
     Args:
-        documents: calibration texts (default: the standard-library corpus of ``kvpack.kvtc.corpus``).
+        documents: calibration texts (default: the standard-library corpus of ``kvpack.storage.kvtc.corpus``).
         chunks: token-id sequences ``[chunk_tokens]`` to use instead of tokenizing ``documents``
             (``tokenizer`` may then be None).
     """
-    from ..hf.fingerprint import attention_shape, full_attention_layers
 
     settings = settings or CalibrationSettings()
     shape = attention_shape(model)

@@ -16,27 +16,22 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.pages import factorized_pages_partial
-from .base import Codec, CodecConfig, LayerLayout, dense_bf16_bytes, register_codec, require_int
+from ..config import MethodConfig, integer, number, option
+from ..ops.accounting import dense_bf16_bytes
+from ..registry import register_method
+from .base import LayerLayout
 from .segmented import SegmentedStore
 
 
 @dataclass
-class SVDConfig(CodecConfig):
+class SVDConfig(MethodConfig):
     """Attributes: budget (default 0.6); page_size: the sink and window unit, as PuzzleKV (32);
     sink_pages, window_pages: dense pages at the start and the end (1 and 1)."""
 
-    budget: float | None = 0.6
-    page_size: int = 32
-    sink_pages: int = 1
-    window_pages: int = 1
-
-    def validate(self) -> None:
-        super().validate()
-        if self.budget is None:
-            raise ValueError("svd: budget is required (it picks the rank)")
-        require_int(self, "page_size", minimum=1)
-        require_int(self, "sink_pages", minimum=0)
-        require_int(self, "window_pages", minimum=0)
+    budget: float | None = option(0.6, number(0.0, 1.0, low_open=True), "fraction of the dense bf16 bytes (picks the rank)")
+    page_size: int = option(32, integer(minimum=1), "the sink and window unit, as PuzzleKV")
+    sink_pages: int = option(1, integer(minimum=0), "dense pages at the start")
+    window_pages: int = option(1, integer(minimum=0), "dense pages at the end")
 
 
 def svd_rank_for_budget(seq_len: int, compressed: int, head_dim: int, budget: float, elem_bytes: int) -> int:
@@ -47,8 +42,11 @@ def svd_rank_for_budget(seq_len: int, compressed: int, head_dim: int, budget: fl
     return max(0, min(rank, compressed, head_dim))
 
 
+@register_method("svd")
 class SVDStore(SegmentedStore):
     """Dense sink + global factors ``uk [H, N, r]``, ``bk [H, r, d]``, ``uv``, ``bv`` + dense tail."""
+
+    Config = SVDConfig
 
     def __init__(self, layout: LayerLayout, config: SVDConfig):
         super().__init__(layout, config)
@@ -92,13 +90,3 @@ class SVDStore(SegmentedStore):
         # The whole compressed region as a single "page" of n tokens.
         return [factorized_pages_partial(qg, f["uk"][:, None], f["bk"][:, None], f["uv"][:, None], f["bv"][:, None],
                                          scaling)]
-
-
-@register_codec("svd")
-class GlobalSVD(Codec):
-    """Global SVD per layer and KV head, rank matched to the budget."""
-
-    Config = SVDConfig
-
-    def new_store(self, layout):
-        return SVDStore(layout, self.config)

@@ -13,23 +13,26 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Codec, CodecConfig, LayerLayout, LayerStore, register_codec
+from ..config import MethodConfig, choice, number, option
+from ..config import STORAGE_DTYPE_NAMES
+from ..registry import register_method
+from .base import LayerLayout, LayerStore
 
 
 @dataclass
-class FullConfig(CodecConfig):
+class FullConfig(MethodConfig):
     """FullKV has no parameters besides the shared ones; ``budget`` must be None or 1."""
 
-    storage_dtype: str = "auto"
-
-    def validate(self) -> None:
-        super().validate()
-        if self.budget is not None and self.budget != 1.0:
-            raise ValueError(f"full keeps every byte: budget must be 1 or unset, got {self.budget}")
+    budget: float | None = option(None, number(1.0, 1.0, optional=True), "full keeps every byte: 1 or unset")
+    storage_dtype: str = option("auto", choice(*STORAGE_DTYPE_NAMES), "dtype of the dense cache (auto: the model's)")
 
 
+@register_method("full")
 class FullStore(LayerStore):
-    """Dense keys/values ``[kv_heads, tokens, d]``."""
+    """FullKV, the identity: dense keys/values ``[kv_heads, tokens, d]``."""
+
+    Config = FullConfig
+    budgeted = False
 
     def __init__(self, layout: LayerLayout, config: FullConfig):
         super().__init__(layout, config)
@@ -60,13 +63,3 @@ class FullStore(LayerStore):
         self.k = torch.cat([self.k, k.to(self.storage_dtype)], dim=1)
         self.v = torch.cat([self.v, v.to(self.storage_dtype)], dim=1)
         self.seq_len += k.shape[1]
-
-
-@register_codec("full")
-class FullKV(Codec):
-    """The identity: no compression."""
-
-    Config = FullConfig
-
-    def new_store(self, layout: LayerLayout) -> FullStore:
-        return FullStore(layout, self.config)

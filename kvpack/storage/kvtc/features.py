@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.rope import RotaryTable, apply_rope, invert_rope, shared_rotary_tables
+from ...hf.rotary import find_rotary
+from ...ops.rope import RotaryTable, apply_rope, invert_rope, shared_rotary_tables
 
 
 def layer_rotaries(model: torch.nn.Module, layers: list[int], head_dim: int) -> dict[int, RotaryTable | None]:
     """The RoPE table of each listed layer (None for every layer of a model without RoPE)."""
-    from ..hf.cache import _find_rotary
 
-    rotary = _find_rotary(model)
+    rotary = find_rotary(model)
     text = model.config.get_text_config(decoder=True)
     layer_types = getattr(text, "layer_types", None)
     tables = shared_rotary_tables(rotary, head_dim, [layer_types[i] if layer_types else None for i in layers])

@@ -1,0 +1,58 @@
+"""Greedy generation from a prepared cache, with the prefill timed and decode progress shown."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from .cache import cache_kwargs
+
+
+class ProgressStreamer(BaseStreamer):
+    """Times the prefill (up to the first generated token) and counts decode steps on stderr.
+
+    ``start`` is when it was created: create it before any work that should count as prefill (a
+    decompression, say).
+    """
+
+    def __init__(self, n_prompt: int, max_new_tokens: int, enabled: bool):
+        self.n_prompt, self.max_new, self.enabled = n_prompt, max_new_tokens, enabled
+        self.calls = 0
+        self.start = time.perf_counter()
+        self.prefill_s: float | None = None
+        self.bar = None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 1:
+            if self.enabled:
+                print(f"[kvpack] prefill of {self.n_prompt} tokens ...", file=sys.stderr, flush=True)
+            return
+        if self.calls == 2:
+            self.prefill_s = time.perf_counter() - self.start
+            if self.enabled:
+                from tqdm import tqdm
+
+                print(f"[kvpack] prefill done in {self.prefill_s:.1f} s", file=sys.stderr, flush=True)
+                self.bar = tqdm(total=self.max_new, desc="[kvpack] decode", unit="tok", file=sys.stderr, leave=False)
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def end(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+@torch.no_grad()
+def greedy_generate(model, tokenizer, cache, token_ids: list[int], max_new_tokens: int, min_new_tokens: int = 0,
+                    streamer: BaseStreamer | None = None) -> list[int]:
+    """Greedy continuation of ``token_ids`` with ``cache`` (which may already hold a prefix of them:
+    only the rest is prefilled); returns the new token ids."""
+    ids = torch.tensor([token_ids], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         min_new_tokens=min_new_tokens, do_sample=False, streamer=streamer,
+                         pad_token_id=tokenizer.pad_token_id, **cache_kwargs(model, cache))
+    return out[0, ids.shape[1]:].tolist()

@@ -1,0 +1,99 @@
+"""The one protocol above both method families: what ``generate``, ``eval`` and the CLI talk to.
+
+A :class:`Method` is a resident method (the cache stays compressed while attention runs) or a
+storage method (the cache becomes bytes and a plain cache again); callers never ask which. Two
+operations cover every use:
+
+* :meth:`Method.generate` — greedy generation of a prompt with the method's cache, measured;
+* :meth:`Method.from_prefill` — the method's cache built from one exact prefill (the evaluation
+  harness builds every method from the same run), ready to continue from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config import MethodConfig
+from ..hf.prefill import ExactPrefill
+
+
+@dataclass
+class GenerationResult:
+    """One measured generation (``kvpack generate``'s ``--json`` fields, plus the new token ids)."""
+
+    text: str
+    method: str
+    config: dict[str, Any]
+    prompt_tokens: int
+    new_tokens: int
+    kv_bytes: int
+    dense_kv_bytes: int
+    prefill_s: float
+    total_s: float
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        return self.kv_bytes / self.dense_kv_bytes if self.dense_kv_bytes else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text, "method": self.method, "config": self.config, "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens, "kv_bytes": self.kv_bytes, "dense_kv_bytes": self.dense_kv_bytes,
+            "ratio": self.ratio, "prefill_s": self.prefill_s, "total_s": self.total_s,
+        }
+
+
+@dataclass
+class PreparedCache:
+    """A method's cache holding a compressed prefix, ready to continue from.
+
+    Attributes:
+        cache: the transformers cache; use it inside :meth:`active`.
+        kv_bytes: what the method holds right after compression (for a storage method: the blob's size).
+        dense_kv_bytes: the same tokens in bf16.
+        seconds: time to build it from the prefill.
+        config: the method's config plus what it derived from the input (e.g. PuzzleKV's ranks).
+    """
+
+    cache: Any
+    kv_bytes: int
+    dense_kv_bytes: int
+    seconds: float
+    config: dict[str, Any]
+    scope: Any = None  # (model -> context manager) that the cache needs while the model runs
+
+    @contextlib.contextmanager
+    def active(self, model: torch.nn.Module) -> Iterator[Any]:
+        """The block inside which ``model`` may run with :attr:`cache`."""
+        with (self.scope(model) if self.scope is not None else contextlib.nullcontext()):
+            yield self.cache
+
+
+class Method(ABC):
+    """A compression method with a validated config (see the module doc)."""
+
+    name: str
+    config: MethodConfig
+    family: str  # "resident" or "storage" (descriptive: callers never branch on it)
+
+    def check_ready(self) -> None:
+        """Refuse now what would fail after loading a model (e.g. a missing calibration)."""
+
+    @abstractmethod
+    def generate(self, model, tokenizer, token_ids: list[int], max_new_tokens: int, min_new_tokens: int = 0,
+                 progress: bool = False) -> GenerationResult:
+        """Greedy generation after ``token_ids`` with this method's cache, with measured bytes."""
+
+    @abstractmethod
+    def from_prefill(self, model, prefill: ExactPrefill) -> PreparedCache:
+        """This method's cache of the prefilled tokens."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"method": self.name, "config": self.config.to_dict()}

@@ -1,0 +1,58 @@
+"""Resident methods under the :class:`Method` protocol: a ``KVPackCache`` attached to the model."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from ..hf.attach import attach
+from ..hf.cache import KVPackCache
+from ..hf.generation import ProgressStreamer, greedy_generate
+from ..hf.prefill import ExactPrefill, resident_cache_from
+from ..resident import ResidentCodec
+from .protocol import GenerationResult, Method, PreparedCache
+
+
+class ResidentMethod(Method):
+    """A resident method (``kvpack.resident``): its stores hold the cache while attention runs."""
+
+    family = "resident"
+
+    def __init__(self, codec: ResidentCodec):
+        self.codec = codec
+        self.name = codec.name
+        self.config = codec.config
+
+    def resolved_config(self, cache: KVPackCache) -> dict:
+        """The config plus what the stores decided from the input (e.g. PuzzleKV's ranks)."""
+        config = self.config.to_dict()
+        for layer in cache.kvpack_layers:
+            for store in layer.rows:
+                config.update(store.resolved_params())
+                return config
+        return config
+
+    @torch.no_grad()
+    def generate(self, model, tokenizer, token_ids, max_new_tokens, min_new_tokens=0, progress=False):
+        streamer = ProgressStreamer(len(token_ids), max_new_tokens, progress)
+        start = time.perf_counter()
+        with attach(model, self.codec) as cache:
+            new = greedy_generate(model, tokenizer, cache, token_ids, max_new_tokens, min_new_tokens, streamer)
+        total = time.perf_counter() - start
+        return GenerationResult(
+            text=tokenizer.decode(new, skip_special_tokens=True), method=self.name,
+            config=self.resolved_config(cache), prompt_tokens=len(token_ids), new_tokens=len(new),
+            kv_bytes=cache.kv_bytes(), dense_kv_bytes=cache.dense_kv_bytes(),
+            prefill_s=streamer.prefill_s if streamer.prefill_s is not None else total, total_s=total, token_ids=new)
+
+    def from_prefill(self, model, prefill: ExactPrefill) -> PreparedCache:
+        start = time.perf_counter()
+        cache = resident_cache_from(model, self.codec, prefill)
+        return PreparedCache(cache, cache.kv_bytes(), cache.dense_kv_bytes(), time.perf_counter() - start,
+                             self.resolved_config(cache), scope=functools.partial(_attached_scope, cache=cache))
+
+
+def _attached_scope(model, cache: KVPackCache):
+    return attach(model, cache=cache)

@@ -1,0 +1,39 @@
+"""Resident methods: each keeps one layer's KV of one sequence compressed in a store attention reads.
+
+One module per method (``anchor/`` is a package), each registering its store class with
+``@register_method("name")``; :func:`get_codec` finds them all (no list of modules to extend).
+"""
+
+from __future__ import annotations
+
+from ..config import MethodConfig
+from ..registry import discover, registered, unknown_method
+from .base import LayerLayout, LayerStore, ResidentCodec
+
+
+def resident_methods() -> dict[str, type[LayerStore]]:
+    """Every registered resident method's store class, by name."""
+    discover(__name__)
+    return registered(LayerStore)
+
+
+def available_codecs() -> list[str]:
+    return sorted(resident_methods())
+
+
+def get_codec(name: str, config: MethodConfig | dict | None = None, **overrides) -> ResidentCodec:
+    """A registered resident method with its config.
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones) or invalid config field.
+    """
+    methods = resident_methods()
+    if name not in methods:
+        raise unknown_method(name, list(methods))
+    cls = methods[name]
+    if isinstance(config, dict):
+        config = cls.Config.from_dict(config)
+    return ResidentCodec(cls, config, **overrides)
+
+
+__all__ = ["LayerLayout", "LayerStore", "ResidentCodec", "available_codecs", "get_codec", "resident_methods"]

@@ -1,0 +1,31 @@
+"""Storage methods: each turns one sequence's filled cache into bytes (to keep or move) and back.
+
+One module (or subpackage) per method, each registering its :class:`StorageCodec` subclass with
+``@register_method("name")``; :func:`get_storage_codec` finds them all. kvtc is the one today.
+"""
+
+from __future__ import annotations
+
+from ..config import MethodConfig
+from ..registry import discover, registered, unknown_method
+from .base import DenseKV, DenseLayer, StorageCodec
+
+
+def storage_methods() -> dict[str, type[StorageCodec]]:
+    """Every registered storage method's class, by name."""
+    discover(__name__)
+    return registered(StorageCodec)
+
+
+def get_storage_codec(name: str, config: MethodConfig | dict | None = None, **overrides) -> StorageCodec:
+    """A registered storage method with its config (``ValueError`` for an unknown name or field)."""
+    methods = storage_methods()
+    if name not in methods:
+        raise unknown_method(name, list(methods))
+    cls = methods[name]
+    if isinstance(config, dict):
+        config = cls.Config.from_dict(config)
+    return cls(config, **overrides)
+
+
+__all__ = ["DenseKV", "DenseLayer", "StorageCodec", "get_storage_codec", "storage_methods"]

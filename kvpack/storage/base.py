@@ -1,0 +1,72 @@
+"""The storage family's interface: a codec that turns a one-sequence cache into bytes and back.
+
+Storage methods keep nothing resident: the cache is exact while the model runs and is compressed
+only to be kept (a prefix store, disk, a shared server) or moved, then restored to a plain cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..config import MethodConfig
+
+
+@dataclass
+class DenseLayer:
+    """One layer of one sequence: ``keys``/``values`` ``[1, kv_heads, T, d]`` (keys post-RoPE)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass
+class DenseKV:
+    """Every layer of one sequence's cache as plain tensors (a sliding-window layer holds its window).
+
+    It reads like a transformers cache (``layers[i].keys``); ``kvpack.hf.dense.to_dynamic_cache``
+    turns it into one to continue generating from.
+    """
+
+    layers: list[DenseLayer]
+
+
+class StorageCodec(ABC):
+    """A storage method with a validated config.
+
+    Subclasses set ``Config`` and implement :meth:`compress` and :meth:`decompress`; register them with
+    ``@register_method("name")``.
+    """
+
+    name: ClassVar[str] = ""  # set by @register_method
+    Config: ClassVar[type[MethodConfig]] = MethodConfig
+    budgeted: ClassVar[bool] = True  # a budget (fraction of the dense bytes) sets the target size
+
+    def __init__(self, config: MethodConfig | None = None, **overrides):
+        if config is None:
+            config = self.Config(**overrides)
+        elif overrides:
+            config = dataclasses.replace(config, **overrides)
+        if not isinstance(config, self.Config):
+            raise TypeError(f"method {self.name!r} expects a {self.Config.__name__}, got {type(config).__name__}")
+        self.config = config
+
+    def check_ready(self) -> None:
+        """Refuse now what would fail after loading a model (e.g. a missing calibration)."""
+
+    @abstractmethod
+    def compress(self, model: torch.nn.Module, cache, token_ids: list[int]) -> bytes:
+        """Bytes of a filled one-sequence cache (``cache.layers[i].keys [1, H, T, d]``) of ``token_ids``."""
+
+    @abstractmethod
+    def decompress(self, model: torch.nn.Module, blob: bytes) -> tuple[DenseKV, list[int]]:
+        """The cache and the token ids it holds, back from :meth:`compress`'s bytes (refused when
+        corrupted or made for another model)."""
+
+    def describe(self) -> dict[str, Any]:
+        """The config, plus what the codec derived (e.g. a calibration's id)."""
+        return self.config.to_dict()
