@@ -23,9 +23,9 @@ import torch  # noqa: E402
 from _util import machine  # noqa: E402
 
 from kvpack.eval.runner import teacher_forced_logprobs  # noqa: E402
+from kvpack.hf.models import load_model  # noqa: E402
 from kvpack.hf.prefill import exact_prefill  # noqa: E402
 from kvpack.methods import get_method  # noqa: E402
-from kvpack.hf.models import load_model  # noqa: E402
 from kvpack.storage.kvtc.corpus import calibration_documents  # noqa: E402
 
 CONFIGS = [

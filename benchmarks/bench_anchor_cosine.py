@@ -1,6 +1,7 @@
 """Median |cos| between each token and its nearest anchor, pre-RoPE vs post-RoPE keys (AnchorKV Fig. 7).
 
-SmolLM2 on ~2K tokens of Python's pydoc topics (or the repetitive needle noise, --text noise); per layer and KV head the anchors are AnchorKV's default
+SmolLM2 on ~2K tokens of Python's pydoc topics (or the repetitive needle noise, --text noise); per layer and KV
+head the anchors are AnchorKV's default
 selection for this length (the last W positions plus seeded random positions; the same positions
 for both key forms), and every non-anchor key's largest |cos| to an anchor is taken. Prints the
 median per band of layers and overall, and the pre − post difference (the paper reports ≈ 0.27).
@@ -20,8 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import DynamicCache  # noqa: E402
 
 from kvpack.hf.cache import cache_kwargs  # noqa: E402
-from kvpack.hf.rotary import find_rotary  # noqa: E402
 from kvpack.hf.models import load_model  # noqa: E402
+from kvpack.hf.rotary import find_rotary  # noqa: E402
 from kvpack.ops.rope import RotaryTable, invert_rope  # noqa: E402
 from kvpack.prompts import needle_prompt  # noqa: E402
 

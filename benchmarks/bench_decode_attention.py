@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from _util import machine, median_seconds
 
-from kvpack.resident import LayerLayout, get_codec
 from kvpack.ops.rope import LlamaRotary, RotaryTable
+from kvpack.resident import LayerLayout, get_codec
 
 
 def synthetic_kv(H: int, T: int, d: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +53,8 @@ def main() -> None:
             dense[name] = (t, (kd.numel() + vd.numel()) * kd.element_size())
         ref_bytes = dense["dense-bf16"][1]
         rows = [(name, t, b) for name, (t, b) in dense.items()]
-        layout = LayerLayout(layer_idx=0, kv_heads=H, q_heads=Hq, head_dim=d, rope=RotaryTable(LlamaRotary(d, theta=500000.0), d))
+        layout = LayerLayout(layer_idx=0, kv_heads=H, q_heads=Hq, head_dim=d,
+                             rope=RotaryTable(LlamaRotary(d, theta=500000.0), d))
         for label, method, cfg in (("puzzle (16,14)", "puzzle", {}), ("puzzle int4", "puzzle", {"int4": True}),
                                    ("anchor θ=0.1", "anchor", {"budget": 0.1}),
                                    ("anchor θ=0.05", "anchor", {"budget": 0.05})):

@@ -23,7 +23,6 @@ import warnings
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the launchers run on CPU tensors; the kernels are stubbed
 
 import torch  # noqa: E402
-
 from gpu_check import build_store  # noqa: E402
 
 _KERNELS = [("kvpack.attention.triton.puzzle_decode", "puzzle_split_kernel"),
@@ -40,7 +39,8 @@ class _RecordOps(torch.utils._python_dispatch.TorchDispatchMode):
         self.ops = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.__name__.split(".")[0] if func.namespace == "aten" else f"{func.namespace}::{func.__name__}")
+        name = func.__name__.split(".")[0] if func.namespace == "aten" else f"{func.namespace}::{func.__name__}"
+        self.ops.append(name)
         return func(*args, **(kwargs or {}))
 
 
@@ -65,7 +65,8 @@ def main() -> int:
         store, _, _ = build_store(method, {**cfg, "attention_backend": "triton", "check_finite": False}, H, G, d, 2048,
                                   torch.device("cpu"))
         g = torch.Generator().manual_seed(0)
-        toks = [tuple(torch.randn(n, 1, d, generator=g).bfloat16() for n in (H * G, H, H)) for _ in range(8)]  # bf16, as a model's
+        # bf16, as a model's
+        toks = [tuple(torch.randn(n, 1, d, generator=g).bfloat16() for n in (H * G, H, H)) for _ in range(8)]
         for q, k, v in toks[:4]:  # a tail of a few tokens, as while decoding
             store.append(k, v, q, store.attend(q, k, v, d ** -0.5))
         q, k, v = toks[4]

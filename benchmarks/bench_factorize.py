@@ -19,12 +19,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from _util import machine, median_seconds  # noqa: E402
 
-from kvpack.resident.puzzle import PuzzleConfig, default_ranks  # noqa: E402
 from kvpack import attach  # noqa: E402
 from kvpack.hf.cache import cache_kwargs  # noqa: E402
 from kvpack.hf.models import load_model  # noqa: E402
 from kvpack.ops.lowrank import gram_eigh_factors  # noqa: E402
 from kvpack.prompts import needle_prompt  # noqa: E402
+from kvpack.resident.puzzle import PuzzleConfig, default_ranks  # noqa: E402
 
 
 @torch.no_grad()

@@ -26,7 +26,8 @@ from kvpack.hf.cache import KVPackCache, cache_kwargs  # noqa: E402
 from kvpack.hf.models import load_model  # noqa: E402
 from kvpack.prompts import needle_prompt  # noqa: E402
 
-METHODS = [("full", {}), ("puzzle", {}), ("anchor", {"budget": None}), ("svd", {"budget": None}), ("kivi", {"budget": None}),
+METHODS = [("full", {}), ("puzzle", {}), ("anchor", {"budget": None}), ("svd", {"budget": None}),
+           ("kivi", {"budget": None}),
            ("streaming", {"budget": None}), ("h2o", {"budget": None}), ("snapkv", {"budget": None})]
 
 

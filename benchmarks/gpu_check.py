@@ -50,8 +50,8 @@ if "--cpu-smoke" in sys.argv:
 import torch  # noqa: E402
 
 from kvpack.attention.softmax_merge import finalize, group_queries, merge_partials  # noqa: E402
-from kvpack.resident import LayerLayout, get_codec  # noqa: E402
 from kvpack.ops.rope import LlamaRotary, RotaryTable  # noqa: E402
+from kvpack.resident import LayerLayout, get_codec  # noqa: E402
 
 
 def _timer(fn, device, repeats=20, warmup=3) -> float:
@@ -388,12 +388,13 @@ class Run:
                     q = torch.randn(batch, H * G, 1, d, device=device, dtype=torch.bfloat16)
                     qgs = [group_queries(q[b].float(), H) for b in range(batch)]
 
+                    # The closures run only inside this iteration, before the `del` below.
                     def dense():
-                        return torch.nn.functional.scaled_dot_product_attention(q, kd, vd, scale=scaling,
+                        return torch.nn.functional.scaled_dot_product_attention(q, kd, vd, scale=scaling,  # noqa: F821
                                                                                 enable_gqa=True)
 
                     def packed():
-                        return [_store_output(r, qg, scaling, "triton") for r, qg in zip(rows, qgs)]
+                        return [_store_output(r, qg, scaling, "triton") for r, qg in zip(rows, qgs)]  # noqa: F821
 
                     eager_d, eager_k = _timer(dense, device), _timer(packed, device)
                     graph_d, graph_k = _graph_timer(dense, device), _graph_timer(packed, device)

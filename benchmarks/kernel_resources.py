@@ -19,13 +19,12 @@ import json
 import sys
 
 import torch
-
 from gpu_check import CONFIGS, build_store
 
 from kvpack.attention.softmax_merge import PartialAttention, group_queries
 from kvpack.attention.triton import FUSED_CHUNK_MAX
-from kvpack.attention.triton.chunk_attend import fused_history_and_chunk
 from kvpack.attention.triton.anchor_op import anchor_partials
+from kvpack.attention.triton.chunk_attend import fused_history_and_chunk
 from kvpack.attention.triton.cross_compile import compile_only
 from kvpack.attention.triton.puzzle_op import puzzle_partial
 
@@ -73,7 +72,8 @@ def main() -> int:
                     fused_history_and_chunk(states, *chunk, d ** -0.5, H * G, tail=(torch.randn(H, 40, d),) * 2)
             except Exception as e:
                 failed = True
-                print(f"sm_{arch} chunk attend ({n_c} queries): compile FAILED: {type(e).__name__}: {e}", file=sys.stderr)
+                print(f"sm_{arch} chunk attend ({n_c} queries): compile FAILED: {type(e).__name__}: {e}",
+                      file=sys.stderr)
                 continue
             rows += [{"config": "chunk attend", "queries": n_c, **dataclasses.asdict(b)} for b in builds]
     if args.json:
@@ -82,7 +82,8 @@ def main() -> int:
         print("| arch | config | queries | kernel | registers | spilled bytes | shared KiB | warps | stages |")
         print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| sm_{r['arch']} | {r['config']} | {r['queries']} | {r['name']} | {r['registers']} | {r['spill_bytes']} "
+            print(f"| sm_{r['arch']} | {r['config']} | {r['queries']} | {r['name']} | {r['registers']} "
+                  f"| {r['spill_bytes']} "
                   f"| {r['shared_bytes'] / 1024:.1f} | {r['num_warps']} | {r['num_stages']} |")
     return 1 if failed else 0
 

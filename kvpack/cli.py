@@ -23,7 +23,7 @@ from .eval.runner import EvalPlan, method_specs, rows_in_plan, run_eval
 from .eval.tasks import NIAH_TASKS, RULER_TASKS
 from .generate import encode_prompt, generate
 from .hf.fingerprint import model_fingerprint
-from .hf.models import DEFAULT_MODEL, load_model
+from .hf.models import load_model
 from .methods import available_methods, get_method, method_config_class
 from .prompts import needle_prompt
 from .storage.kvtc.calibration import CalibrationSettings, calibrate
@@ -239,7 +239,8 @@ def cmd_eval(args) -> int:
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
     settings = ["query-aware", "query-agnostic"] if args.setting == "both" else [args.setting]
     plan = EvalPlan(tasks=_task_list(args.tasks), lengths=[int(n) for n in args.lengths.split(",")],
-                    samples=args.samples, specs=method_specs(methods, budgets, _eval_overrides(args.set, args.calibration)),
+                    samples=args.samples,
+                    specs=method_specs(methods, budgets, _eval_overrides(args.set, args.calibration)),
                     settings=settings, seed=args.seed, fidelity=not args.no_fidelity)
     model, tokenizer = _load(args.model, args.dtype)
     rows = rows_in_plan(run_eval(model, tokenizer, plan, args.out, progress=not args.quiet), plan)
@@ -297,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tokens", type=int, default=cal.tokens, help="calibration tokens (default %(default)s)")
     c.add_argument("--chunk-tokens", type=int, default=cal.chunk_tokens,
                    help="tokens per calibration sequence (default %(default)s)")
-    c.add_argument("--pca-dim", type=int, default=cal.pca_dim, help="principal components computed (default %(default)s)")
+    c.add_argument("--pca-dim", type=int, default=cal.pca_dim,
+                   help="principal components computed (default %(default)s)")
     c.add_argument("--ratios", default=",".join(f"{r:g}" for r in cal.ratios),
                    help="target ratios to allocate bits for (default %(default)s)")
     c.add_argument("--seed", type=int, default=cal.seed, help="(default %(default)s)")
@@ -307,15 +309,18 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("compress", help="kvtc: prefill a prompt and compress its cache to a blob or the store")
     _add_model_args(k, "bfloat16")
     k.add_argument("--calibration", required=True, help="directory written by `kvpack calibrate`")
-    k.add_argument("--ratio", type=float, default=KVTC_DEFAULTS.ratio, help="a calibrated target ratio (default %(default)g)")
-    k.add_argument("--backend", default=KVTC_DEFAULTS.backend, choices=BACKENDS, help="entropy coder (default %(default)s)")
+    k.add_argument("--ratio", type=float, default=KVTC_DEFAULTS.ratio,
+                   help="a calibrated target ratio (default %(default)g)")
+    k.add_argument("--backend", default=KVTC_DEFAULTS.backend, choices=BACKENDS,
+                   help="entropy coder (default %(default)s)")
     k.add_argument("--level", type=int, default=KVTC_DEFAULTS.level,
                    help="entropy coder level (default %(default)s; zlib 0-9, zstd 0-22)")
     _add_prompt_args(k)
     k.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     dest = k.add_mutually_exclusive_group()
     dest.add_argument("--out", help="blob file to write")
-    dest.add_argument("--store", nargs="?", const=True, help="put the blob in the prefix store (default location or DIR)")
+    dest.add_argument("--store", nargs="?", const=True,
+                      help="put the blob in the prefix store (default location or DIR)")
     k.set_defaults(func=cmd_compress)
 
     x = sub.add_parser("decompress", help="kvtc: a blob back to dense cache tensors (safetensors)")

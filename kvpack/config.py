@@ -204,7 +204,7 @@ class MethodConfig:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "MethodConfig":
+    def from_dict(cls, data: dict[str, Any]) -> MethodConfig:
         data = dict(data)
         version = data.pop("version", cls.VERSION)
         if version != cls.VERSION:

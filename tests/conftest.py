@@ -1,38 +1,23 @@
-"""Shared fixtures: tiny random models for mechanics, the packaged SmolLM2 for end-to-end checks."""
+"""Shared fixtures and the test session's environment (the packaged SmolLM2 for end-to-end checks;
+tiny random models and synthetic tensors live in ``helpers.py``)."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Tests never write to the user's home: kvpack's cache (the converted default model, the default
+# prefix store) goes to a directory of the checkout (git-ignored), kept between runs so that the
+# GGUF is converted once, unless the caller chose one.
+os.environ.setdefault("KVPACK_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".kvpack-test-cache"))
 # Without a GPU, Triton kernels are checked on CPU tensors by the Triton interpreter; the variable
 # must be set before triton is first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def tiny_llama(q_heads: int = 6, kv_heads: int = 2, head_dim: int = 16, layers: int = 2, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=q_heads * head_dim, intermediate_size=128,
-                      num_hidden_layers=layers, num_attention_heads=q_heads, num_key_value_heads=kv_heads,
-                      head_dim=head_dim, max_position_embeddings=1024)
-    return LlamaForCausalLM(cfg).eval()
-
-
-def tiny_gemma3(seed: int = 0):
-    """A random 4-layer Gemma3 with sliding-window layers (window 16) at 0 and 2, full attention at 1 and 3."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(seed)
-    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
-                           max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"] * 2)
-    return Gemma3ForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="session")

@@ -6,18 +6,16 @@ import math
 import pytest
 import torch
 
-from kvpack.attention.reference import reference_attention
-from kvpack.resident import LayerLayout, get_codec
-from kvpack.resident.anchor import AnchorConfig, base_bytes, residual_bytes, residual_slots, utilities
 from kvpack import attach
+from kvpack.attention.reference import reference_attention
 from kvpack.hf.cache import cache_kwargs
 from kvpack.ops import lloyd_max
 from kvpack.ops.hadamard import hadamard_matrix
 from kvpack.ops.residual_codec import HadamardLloydMax
-from kvpack.ops.rope import LlamaRotary, RotaryTable
+from kvpack.resident import get_codec
+from kvpack.resident.anchor import AnchorConfig, base_bytes, residual_bytes, residual_slots, utilities
 
-from .conftest import tiny_llama
-from .test_puzzle import _kv
+from .helpers import anchor_layout, clustered_kv, correlated_kv, tiny_llama
 
 
 def test_lloyd_max_gaussian_codebook_is_the_known_optimum():
@@ -53,13 +51,8 @@ def test_paper_worked_example_within_a_few_percent():
     assert residual_bytes(D) == 36
 
 
-def _layout(H=2, group=3, d=64, rope=True):
-    return LayerLayout(layer_idx=1, kv_heads=H, q_heads=H * group, head_dim=d,
-                       rope=RotaryTable(LlamaRotary(d), d) if rope else None)
-
-
 def _prefill(store, H, group, S, d, seed=0):
-    k, v = _kv(H, S, d, seed=seed)
+    k, v = correlated_kv(H, S, d, seed=seed)
     q = torch.randn(H * group, S, d, generator=torch.Generator().manual_seed(seed + 1))
     out = store.attend(q, k, v, d ** -0.5)
     store.append(k, v, q, out)
@@ -69,7 +62,7 @@ def _prefill(store, H, group, S, d, seed=0):
 @pytest.mark.parametrize("theta", [0.05, 0.1, 0.3])
 def test_bytes_are_the_tensors_held_and_obey_the_budget(theta):
     H, group, S, d = 3, 3, 4096, 64
-    store = get_codec("anchor", budget=theta).new_store(_layout(H, group, d))
+    store = get_codec("anchor", budget=theta).new_store(anchor_layout(H, group, d))
     _prefill(store, H, group, S, d)
     assert store.nbytes() == sum(t.numel() * t.element_size() for t in store.tensors().values())
     n_k, n_v = store.n_residuals
@@ -85,16 +78,16 @@ def test_bytes_are_the_tensors_held_and_obey_the_budget(theta):
 
 
 def test_budget_below_fixed_cost_and_other_bad_input():
-    store = get_codec("anchor", budget=0.02).new_store(_layout())
+    store = get_codec("anchor", budget=0.02).new_store(anchor_layout())
     with pytest.raises(ValueError, match=r"budget θ = 0.02 is below AnchorKV's fixed cost"):
         _prefill(store, 2, 3, 600, 64)
-    store = get_codec("anchor", budget=0.1, window=64).new_store(_layout())
+    store = get_codec("anchor", budget=0.1, window=64).new_store(anchor_layout())
     with pytest.raises(ValueError, match="window W = 64 must be shorter than the prompt"):
         _prefill(store, 2, 3, 64, 64)
     with pytest.raises(ValueError, match="power-of-two head_dim"):
-        get_codec("anchor").new_store(_layout(d=48))
+        get_codec("anchor").new_store(anchor_layout(d=48))
     with pytest.raises(ValueError, match="needs the model's rotary embedding"):
-        get_codec("anchor").new_store(_layout(rope=False))
+        get_codec("anchor").new_store(anchor_layout(rope=False))
 
 
 @pytest.mark.parametrize("fields,match", [
@@ -146,36 +139,26 @@ def test_utility_matches_direct_first_order_output_change():
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_tile_attention_equals_attention_over_reconstruction(group):
     H, S, d = 2, 333, 64
-    store = get_codec("anchor", budget=0.15, tile=64).new_store(_layout(H, group, d))
+    store = get_codec("anchor", budget=0.15, tile=64).new_store(anchor_layout(H, group, d))
     _prefill(store, H, group, S, d)
     q = torch.randn(H * group, 3, d)
-    kn, vn = _kv(H, 3, d, seed=9)
+    kn, vn = correlated_kv(H, 3, d, seed=9)
     out = store.attend(q, kn, vn, 0.125)
     k_hat, v_hat = store.reconstruct()
     ref = reference_attention(q, torch.cat([k_hat, kn], 1), torch.cat([v_hat, vn], 1), 0.125, causal_offset=S)
     torch.testing.assert_close(out, ref.float(), rtol=1e-4, atol=1e-4)
 
 
-def _clustered_kv(H, S, d, seed=0, clusters=6, noise=0.1):
-    """Tokens near a few directions (scaled), as real KV heads are: anchors can cover them."""
-    g = torch.Generator().manual_seed(seed)
-    centers = torch.randn(H, clusters, d, generator=g)
-    pick = torch.randint(0, clusters, (H, S), generator=g)
-    scale = 0.5 + torch.rand(H, S, 1, generator=g)
-    x = torch.gather(centers, 1, pick[..., None].expand(-1, -1, d)) * scale
-    return x + noise * torch.randn(H, S, d, generator=g)
-
-
 def test_anchors_exact_and_full_residuals_close_to_exact():
     H, group, S, d = 2, 3, 400, 64
-    k, v = _clustered_kv(H, S, d, seed=1), _clustered_kv(H, S, d, seed=2)
+    k, v = clustered_kv(H, S, d, seed=1), clustered_kv(H, S, d, seed=2)
     q = torch.randn(H * group, S, d, generator=torch.Generator().manual_seed(3))
     qn = torch.randn(H * group, 1, d)
-    kn, vn = _kv(H, 1, d, seed=4)
+    kn, vn = correlated_kv(H, 1, d, seed=4)
     exact = reference_attention(qn, torch.cat([k, kn], 1), torch.cat([v, vn], 1), 0.125).float()
     snr = {}
     for theta in (1.0, 0.22):
-        store = get_codec("anchor", budget=theta, storage_dtype="float32").new_store(_layout(H, group, d))
+        store = get_codec("anchor", budget=theta, storage_dtype="float32").new_store(anchor_layout(H, group, d))
         store.append(k, v, q, store.attend(q, k, v, 0.125))
         out = store.attend(qn, kn, vn, 0.125)
         snr[theta] = 20 * math.log10(exact.norm() / (exact - out).norm())
@@ -202,9 +185,9 @@ def test_recompression_of_the_dense_tail():
     H, group, S, d = 2, 3, 600, 64
     stores = {}
     for every in (None, 64):
-        store = get_codec("anchor", budget=0.15, recompress_every=every).new_store(_layout(H, group, d))
+        store = get_codec("anchor", budget=0.15, recompress_every=every).new_store(anchor_layout(H, group, d))
         _prefill(store, H, group, S, d)
-        k, v = _kv(H, 300, d, seed=11)
+        k, v = correlated_kv(H, 300, d, seed=11)
         for t in range(300):
             q = torch.randn(H * group, 1, d, generator=torch.Generator().manual_seed(100 + t))
             out = store.attend(q, k[:, t:t + 1], v[:, t:t + 1], 0.125)
@@ -217,7 +200,7 @@ def test_recompression_of_the_dense_tail():
     assert recompressed.nbytes() < plain.nbytes()
     # Attention still equals attention over what is stored (segments reconstructed at their positions).
     q = torch.randn(H * group, 1, d)
-    kn, vn = _kv(H, 1, d, seed=12)
+    kn, vn = correlated_kv(H, 1, d, seed=12)
     k_hat, v_hat = recompressed.reconstruct()
     assert k_hat.shape[1] == S + 300
     ref = reference_attention(q, torch.cat([k_hat, kn], 1), torch.cat([v_hat, vn], 1), 0.125)
@@ -231,18 +214,18 @@ def test_budget_just_above_fixed_cost_stores_no_residuals_and_still_attends():
     # A budget that buys zero residual slots must not crash (the empty residual tensors are packed).
     H, group, S, d = 1, 2, 130, 32
     store = get_codec("anchor", budget=0.252, storage_dtype="float32", window=8, anchors=12,
-                      attention_backend="torch").new_store(_layout(H, group, d))
+                      attention_backend="torch").new_store(anchor_layout(H, group, d))
     _prefill(store, H, group, S, d)
     assert store.n_residuals == (0, 0)
     q = torch.randn(H * group, 1, d)
-    kn, vn = _kv(H, 1, d, seed=3)
+    kn, vn = correlated_kv(H, 1, d, seed=3)
     k_hat, v_hat = store.reconstruct()
     ref = reference_attention(q, torch.cat([k_hat, kn], 1), torch.cat([v_hat, vn], 1), 0.125)
     torch.testing.assert_close(store.attend(q, kn, vn, 0.125), ref.float(), rtol=1e-4, atol=1e-4)
 
 
 def test_nearest_anchor_is_the_largest_abs_cosine_in_any_block_size(monkeypatch):
-    import kvpack.resident.anchor as anchor_mod
+    import kvpack.resident.anchor.selection as anchor_mod
 
     g = torch.Generator().manual_seed(0)
     x, anchors = torch.randn(3, 1000, 32, generator=g), torch.randn(3, 40, 32, generator=g)

@@ -7,26 +7,27 @@ import pytest
 import torch
 
 from kvpack.attention.reference import reference_attention
-from kvpack.resident import get_codec
-from kvpack.resident.anchor import AnchorConfig, anchors_for_budget, base_bytes, pool_neighbourhood, residual_bytes
 from kvpack.ops.bitpack import unpack_bits
 from kvpack.ops.residual_codec import HadamardLloydMax, NaiveTwoBit
 from kvpack.ops.rope import invert_rope
+from kvpack.resident import get_codec
+from kvpack.resident.anchor import AnchorConfig, anchors_for_budget, base_bytes, pool_neighbourhood, residual_bytes
 
-from .test_anchor import _clustered_kv, _layout
+from .helpers import anchor_layout, clustered_kv
 
 H, GROUP, S, D, SCALING = 2, 3, 1024, 64, 0.125
 
 
 def _inputs(seed=0, value_scale=(1.0, 1.0)):
-    k, v = _clustered_kv(H, S, D, seed=seed), _clustered_kv(H, S, D, seed=seed + 1)
+    k, v = clustered_kv(H, S, D, seed=seed), clustered_kv(H, S, D, seed=seed + 1)
     v = v * torch.tensor(value_scale)[:, None, None]
     q = torch.randn(H * GROUP, S, D, generator=torch.Generator().manual_seed(seed + 2))
     return k, v, q
 
 
 def _compressed(k, v, q, **cfg):
-    store = get_codec("anchor", **{"storage_dtype": "float32", "budget": 0.15, **cfg}).new_store(_layout(H, GROUP, D))
+    codec = get_codec("anchor", **{"storage_dtype": "float32", "budget": 0.15, **cfg})
+    store = codec.new_store(anchor_layout(H, GROUP, D))
     store.append(k, v, q, store.attend(q, k, v, SCALING))
     return store
 
@@ -196,7 +197,7 @@ def test_residual_pooling_ranks_by_the_neighbourhood_maximum():
     plain, pooled = _compressed(k, v, q, ranking="residual_norm"), \
         _compressed(k, v, q, ranking="residual_norm", residual_pooling=5)
     assert plain.n_residuals == pooled.n_residuals
-    for chosen, (x, r, is_anchor) in zip(_masks(pooled), _true_residuals(pooled, k, v)):
+    for chosen, (_, r, is_anchor) in zip(_masks(pooled), _true_residuals(pooled, k, v)):
         score = pool_neighbourhood(r.square().sum(-1).masked_fill(is_anchor, -math.inf), 5)
         _assert_top_by(score, chosen, is_anchor)
     assert not torch.equal(_masks(plain)[0], _masks(pooled)[0])

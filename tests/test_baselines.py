@@ -3,15 +3,14 @@
 import pytest
 import torch
 
-from kvpack.attention.scores import accumulated_attention, observation_scores
-from kvpack.resident import LayerLayout, get_codec
-from kvpack.resident.quant import dequantize_minmax, quantize_minmax
 from kvpack import attach
+from kvpack.attention.scores import accumulated_attention, observation_scores
 from kvpack.hf.cache import cache_kwargs
 from kvpack.ops.bitpack import pack_bits, unpack_bits
+from kvpack.resident import LayerLayout, get_codec
+from kvpack.resident.quant import dequantize_minmax, quantize_minmax
 
-from .conftest import tiny_llama
-from .test_puzzle import _kv
+from .helpers import correlated_kv, tiny_llama
 
 
 def _layout(kv_heads=2, group=3, d=64):
@@ -101,7 +100,7 @@ def test_chunked_scores_equal_full_matrix():
 
 def test_streaming_keeps_sinks_and_rolling_window():
     H, d = 2, 16
-    k, v = _kv(H, 120, d)
+    k, v = correlated_kv(H, 120, d)
     store = get_codec("streaming", budget=0.25, sink_tokens=4).new_store(_layout(H, 1, d))
     k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
     store.append(k[:, :100], v[:, :100], torch.randn(2, 100, d))
@@ -113,7 +112,7 @@ def test_streaming_keeps_sinks_and_rolling_window():
 
 def test_h2o_update_keeps_a_fixed_size():
     H, d = 2, 16
-    k, v = _kv(H, 150, d)
+    k, v = correlated_kv(H, 150, d)
     store = get_codec("h2o", budget=0.25, update_scores=True).new_store(_layout(H, 2, d))
     store.attend(torch.randn(4, 100, d), k[:, :100], v[:, :100], 0.25)
     store.append(k[:, :100], v[:, :100], torch.randn(4, 100, d))
@@ -149,7 +148,7 @@ def test_kivi_quantization_error_within_half_step(bits, dim):
 
 def test_kivi_codes_survive_storage_exactly():
     H, d = 2, 64
-    k, v = _kv(H, 300, d)
+    k, v = correlated_kv(H, 300, d)
     store = get_codec("kivi", bits=2, group_size=32, residual=64).new_store(_layout(H, 1, d))
     store.append(k, v)
     assert store.n_blocks == (300 - 64) // 32 and store.tail_k.shape[1] == 300 - store.n_blocks * 32
@@ -166,7 +165,7 @@ CODECS = ["streaming", "h2o", "snapkv", "svd", "kivi", "puzzle"]
 def test_budget_met_after_prefill_or_refused(method, budget):
     """After prefill: bytes ≤ budget × dense and within a few percent of it, or a clear refusal."""
     H, d, S = 3, 64, 2000
-    k, v = _kv(H, S, d)
+    k, v = correlated_kv(H, S, d)
     q = torch.randn(H * 3, S, d)
     store = get_codec(method, budget=budget).new_store(_layout(H, 3, d))
     unreachable = {("kivi", 0.1)}
@@ -212,6 +211,6 @@ def test_invalid_baseline_configs(method, fields, match):
 
 def test_eviction_budget_too_small_for_window_is_refused():
     store = get_codec("snapkv", budget=0.01, window=32).new_store(_layout(2, 1, 16))
-    k, v = _kv(2, 200, 16)
+    k, v = correlated_kv(2, 200, 16)
     with pytest.raises(ValueError, match="snapkv: budget 0.01 keeps 2 of 200 tokens, fewer than the 32"):
         store.append(k, v, torch.randn(2, 200, 16))

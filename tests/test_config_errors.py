@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvpack.cli import main
+from kvpack.hf.models import load_model
 from kvpack.resident import LayerLayout, available_codecs, get_codec
 from kvpack.resident.puzzle import PuzzleConfig
-from kvpack.hf.models import load_model
 
 
 @pytest.mark.parametrize("fields,match", [

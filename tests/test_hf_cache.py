@@ -7,7 +7,7 @@ from kvpack import attach
 from kvpack.hf.attention import active_cache
 from kvpack.hf.cache import KVPackCache, KVPackLayer, cache_kwargs
 
-from .conftest import tiny_gemma3, tiny_llama
+from .helpers import tiny_gemma3, tiny_llama
 
 
 @pytest.mark.parametrize("q_heads,kv_heads", [(6, 2), (4, 4), (8, 2)])
@@ -89,7 +89,8 @@ def test_batch_with_left_padding_matches_batch_of_one(method, config):
         ids[i, width - len(p):] = p
         mask[i, width - len(p):] = 1
     with attach(model, method, **config) as cache:
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, **cache_kwargs(model, cache))
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                             **cache_kwargs(model, cache))
     for i, p in enumerate(prompts):
         assert torch.equal(out[i, width:], singles[i]), f"row {i}"
         assert cache.kvpack_layers[0].rows[i].seq_len == len(p) + 11  # padding is never stored
@@ -136,9 +137,9 @@ def test_attach_restores_the_attention_implementation_also_on_errors():
         out = model.generate(ids, max_new_tokens=5, do_sample=False, **cache_kwargs(model, cache))
     assert torch.equal(out, ref)
     assert model.config._attn_implementation == before == "sdpa" and active_cache() is None
-    with pytest.raises(ZeroDivisionError):
+    with pytest.raises(RuntimeError, match="raised inside the block"):
         with attach(model, "puzzle", page_size=8):
-            1 / 0
+            raise RuntimeError("raised inside the block")
     assert model.config._attn_implementation == before and active_cache() is None
     assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), ref)  # plain DynamicCache again
 

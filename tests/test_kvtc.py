@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from kvpack.storage.kvtc.calibration import Calibration, CalibrationSettings, calibrate
 from kvpack.hf.dense import to_dynamic_cache
-from kvpack.storage.kvtc.coder import compress_cache, decompress_cache, iter_decompressed_layers
-from kvpack.storage.kvtc.session import compress_tokens, continue_from_blob, prefill
 from kvpack.ops.bitalloc import Allocation, aligned_group_errors, allocate_bits, group_cost
 from kvpack.ops.bitpack import pack_bitstream, unpack_bitstream
 from kvpack.ops.group_quant import dequantize_groups, quantize_groups
+from kvpack.storage.kvtc.calibration import Calibration, CalibrationSettings, calibrate
+from kvpack.storage.kvtc.coder import compress_cache, decompress_cache, iter_decompressed_layers
+from kvpack.storage.kvtc.session import compress_tokens, continue_from_blob, prefill
 from kvpack.store.format import MAGIC, Blob, BlobError, pack_blob
 from kvpack.store.prefix import CorruptEntryError, PrefixStore
 
-from .conftest import tiny_gemma3, tiny_llama
+from .helpers import tiny_gemma3, tiny_llama
 
 # ------------------------------------------------------------------------------------------------
 # Pure functions
@@ -188,7 +188,8 @@ def test_sinks_and_window_are_lossless(tiny):
     restored, got_ids = decompress_cache(compress_cache(cache, calib, 16, ids, model=model), calib, model)
     assert got_ids == ids
     for i in range(2):
-        for a, b in ((restored.layers[i].keys, cache.layers[i].keys), (restored.layers[i].values, cache.layers[i].values)):
+        for a, b in ((restored.layers[i].keys, cache.layers[i].keys),
+                     (restored.layers[i].values, cache.layers[i].values)):
             assert torch.equal(a[:, :, :2], b[:, :, :2]) and torch.equal(a[:, :, -8:], b[:, :, -8:])
             assert not torch.equal(a[:, :, 2:-8], b[:, :, 2:-8])  # the middle is coded (lossy)
 

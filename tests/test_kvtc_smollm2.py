@@ -14,10 +14,10 @@ import torch
 
 from kvpack.generate import encode_prompt, generate
 from kvpack.hf.fingerprint import model_fingerprint
+from kvpack.prompts import needle_prompt
 from kvpack.storage.kvtc.calibration import CalibrationSettings, calibrate
 from kvpack.storage.kvtc.coder import compress_cache, decompress_cache
 from kvpack.storage.kvtc.session import compress_tokens, continue_from_blob, prefill
-from kvpack.prompts import needle_prompt
 from kvpack.store.prefix import PrefixStore
 
 pytestmark = pytest.mark.model
@@ -42,7 +42,7 @@ def test_calibration_on_offline_corpus(calibrated, smollm2):
     assert calib.features == 30 * 3 * 64
     assert calib.stats["positions_sampled"] == 4 * (2048 - 4 - 128)
     assert calib.fingerprint["hash"] == model_fingerprint(smollm2[0])["hash"]
-    for key, summary in calib.stats["widths"].items():
+    for summary in calib.stats["widths"].values():
         for kind in ("keys", "values"):
             assert summary[kind]["used_bits"] <= summary[kind]["budget_bits"]
     # Widths fall with the component index where the budget binds (monotonicity itself is reported
@@ -123,7 +123,8 @@ def test_cli_compress_continue_decompress_and_store(calibrated, tmp_path, capsys
     tensors = load_file(str(dense))
     assert tensors["layer0.keys"].shape[1] == out["prefix_tokens"] and len(tensors) == 1 + 2 * 30
     store = tmp_path / "store"
-    assert main(["compress", "--calibration", directory, "--ratio", "16", "--prompt", prompt, "--store", str(store)]) == 0
+    assert main(["compress", "--calibration", directory, "--ratio", "16", "--prompt", prompt,
+                 "--store", str(store)]) == 0
     assert main(["continue", "--calibration", directory, "--store", str(store), "--prompt",
                  prompt + " Question: where is the spare key?", "--max-new-tokens", "4", "--json"]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

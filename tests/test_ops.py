@@ -5,6 +5,8 @@ from kvpack.ops.int4 import INT4_MAX, dequantize_int4, pack_nibbles, quantize_in
 from kvpack.ops.lowrank import gram_eigh_factors
 from kvpack.ops.rope import apply_rope, invert_rope
 
+from .helpers import tiny_gemma3, tiny_llama
+
 
 @pytest.mark.parametrize("P,d,rank", [(32, 64, 13), (17, 40, 5), (16, 16, 16), (8, 64, 1)])
 def test_gram_eigh_matches_truncated_svd(P, d, rank):
@@ -108,7 +110,6 @@ def test_rotary_table_keeps_full_rows_when_halves_differ():
 def test_cache_layers_share_one_rotary_table_per_layer_type():
     from kvpack.hf.cache import KVPackCache
 
-    from .conftest import tiny_gemma3, tiny_llama
 
     llama = KVPackCache(tiny_llama(layers=3), "full")
     tables = {id(layer.layout.rope) for layer in llama.kvpack_layers}

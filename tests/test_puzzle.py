@@ -8,23 +8,15 @@ import torch
 from kvpack.attention.pages import factorized_pages_partial
 from kvpack.attention.reference import reference_attention
 from kvpack.attention.softmax_merge import dense_partial, finalize, group_queries, merge_partials, ungroup_output
+from kvpack.ops.rope import LlamaRotary, RotaryTable
 from kvpack.resident import LayerLayout, get_codec
 from kvpack.resident.puzzle import default_ranks, expected_bytes, layout_at, page_ratio
-from kvpack.ops.rope import LlamaRotary, RotaryTable
+
+from .helpers import correlated_kv
 
 
 def _layout(kv_heads, group, d, rope=None):
     return LayerLayout(layer_idx=0, kv_heads=kv_heads, q_heads=kv_heads * group, head_dim=d, rope=rope)
-
-
-def _kv(H, T, d, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    # Correlated tokens (low-rank-ish), like real KV.
-    base = torch.randn(H, T, 6, generator=g, dtype=dtype) @ torch.randn(H, 6, d, generator=g, dtype=dtype)
-    k = base + 0.3 * torch.randn(H, T, d, generator=g, dtype=dtype)
-    v = torch.randn(H, T, 4, generator=g, dtype=dtype) @ torch.randn(H, 4, d, generator=g, dtype=dtype)
-    v = v + 0.3 * torch.randn(H, T, d, generator=g, dtype=dtype)
-    return k, v
 
 
 @pytest.mark.parametrize("P,n_pages,rk,rv", [(8, 5, 3, 2), (16, 3, 16, 16), (5, 7, 1, 4)])
@@ -68,7 +60,7 @@ def _run_store(store, k, v, group, prefill, scaling=0.25, seed=1):
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_full_rank_store_matches_original_attention(T, prefill, group):
     H, d, P = 2, 16, 8
-    k, v = _kv(H, T, d)
+    k, v = correlated_kv(H, T, d)
     store = get_codec("puzzle", page_size=P, rank_k=P, rank_v=P, storage_dtype="float32").new_store(
         _layout(H, group, d))
     qs, outs = _run_store(store, k, v, group, prefill)
@@ -84,12 +76,12 @@ def test_full_rank_store_matches_original_attention(T, prefill, group):
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_low_rank_store_matches_attention_over_its_reconstruction(group):
     H, d, P, T = 3, 16, 8, 83
-    k, v = _kv(H, T, d, seed=4)
+    k, v = correlated_kv(H, T, d, seed=4)
     store = get_codec("puzzle", page_size=P, rank_k=3, rank_v=2, storage_dtype="float32").new_store(
         _layout(H, group, d))
     store.append(k, v)
     q = torch.randn(H * group, 4, d)
-    k_new, v_new = _kv(H, 4, d, seed=5)
+    k_new, v_new = correlated_kv(H, 4, d, seed=5)
     out = store.attend(q, k_new, v_new, 0.25)
     k_hat, v_hat = store.reconstruct()
     ref = reference_attention(q, torch.cat([k_hat, k_new], 1), torch.cat([v_hat, v_new], 1), 0.25, causal_offset=T)
@@ -102,13 +94,13 @@ def test_low_rank_store_matches_attention_over_its_reconstruction(group):
 def test_pre_rope_keys_full_rank_exact_and_low_rank_consistent():
     H, d, P, T = 2, 16, 8, 70
     rope = RotaryTable(LlamaRotary(d), d)
-    k, v = _kv(H, T, d, seed=6)
+    k, v = correlated_kv(H, T, d, seed=6)
     layout = _layout(H, 2, d, rope=rope)
     full = get_codec("puzzle", page_size=P, rank_k=P, rank_v=P, key_rope="pre", storage_dtype="float32")
     store = full.new_store(layout)
     store.append(k, v)
     q = torch.randn(4, 1, d)
-    kn, vn = _kv(H, 1, d, seed=7)
+    kn, vn = correlated_kv(H, 1, d, seed=7)
     ref = reference_attention(q, torch.cat([k, kn], 1), torch.cat([v, vn], 1), 0.25).float()
     torch.testing.assert_close(store.attend(q, kn, vn, 0.25), ref, rtol=1e-4, atol=1e-4)
     low = get_codec("puzzle", page_size=P, rank_k=3, rank_v=3, key_rope="pre", storage_dtype="float32")
@@ -123,7 +115,7 @@ def test_incremental_decode_factorizes_each_page_once():
     H, d, P = 2, 16, 8
     codec = get_codec("puzzle", page_size=P, rank_k=4, rank_v=4)
     store = codec.new_store(_layout(H, 2, d))
-    k, v = _kv(H, 200, d)
+    k, v = correlated_kv(H, 200, d)
     store.append(k[:, :45], v[:, :45])  # sink 8 | pages | window: last complete page + partial
     assert (store.sink_k.shape[1], store.n_pages, store.tail_k.shape[1]) == (8, 3, 13)
     seen = [store.factorizations]
@@ -145,7 +137,7 @@ def test_bytes_are_the_tensors_held_and_match_formula(T, int4):
     H, d, P = 3, 64, 32
     codec = get_codec("puzzle", page_size=P, int4=int4)
     store = codec.new_store(_layout(H, 3, d))
-    k, v = _kv(H, T, d)
+    k, v = correlated_kv(H, T, d)
     store.append(k, v)
     held = sum(t.numel() * t.element_size() for t in store.tensors().values())
     assert store.nbytes() == held
@@ -167,7 +159,7 @@ def test_default_ranks_match_paper_ratio():
 def test_budget_picks_ranks_within_budget_through_decode(budget, int4):
     H, d, T = 3, 64, 1000
     store = get_codec("puzzle", budget=budget, int4=int4).new_store(_layout(H, 3, d))
-    k, v = _kv(H, T + 40, d)
+    k, v = correlated_kv(H, T + 40, d)
     store.append(k[:, :T], v[:, :T])
     ratios = [store.nbytes() / store.dense_reference_bytes()]
     for t in range(T, T + 40):
@@ -181,7 +173,7 @@ def test_budget_picks_ranks_within_budget_through_decode(budget, int4):
 
 def test_budget_below_fixed_cost_is_refused():
     store = get_codec("puzzle", budget=0.1).new_store(_layout(2, 1, 64))
-    k, v = _kv(2, 200, 64)
+    k, v = correlated_kv(2, 200, 64)
     with pytest.raises(ValueError, match="budget 0.1 is below PuzzleKV's fixed cost"):
         store.append(k, v)
     assert store.seq_len == 200 and store.n_pages == 0  # nothing was lost: the tokens stay dense
@@ -189,7 +181,7 @@ def test_budget_below_fixed_cost_is_refused():
 
 def test_int4_factors_quality():
     H, d, T = 2, 64, 300
-    k, v = _kv(H, T, d, seed=9)
+    k, v = correlated_kv(H, T, d, seed=9)
     ref_store = get_codec("puzzle", storage_dtype="float32").new_store(_layout(H, 1, d))
     q_store = get_codec("puzzle", int4=True, storage_dtype="float32").new_store(_layout(H, 1, d))
     for s in (ref_store, q_store):
@@ -210,7 +202,7 @@ def test_decode_pages_go_to_a_small_recent_set_folded_every_sqrt_n_pages():
     H, d, P = 1, 16, 4
     store = get_codec("puzzle", page_size=P, rank_k=2, rank_v=2, storage_dtype="float32").new_store(
         _layout(H, 1, d))
-    k, v = _kv(H, 1400, d)
+    k, v = correlated_kv(H, 1400, d)
     store.append(k[:, :40], v[:, :40])
     main, rebuilds = store.factors.get("lk"), 0
     for t in range(40, 1400):

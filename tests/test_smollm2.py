@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from kvpack.resident.puzzle import PuzzleConfig, expected_bytes
-from kvpack.generate import encode_prompt, generate
 from kvpack import attach
+from kvpack.generate import encode_prompt, generate
 from kvpack.hf.cache import cache_kwargs
 from kvpack.prompts import needle_prompt
+from kvpack.resident.puzzle import PuzzleConfig, expected_bytes
 
 pytestmark = pytest.mark.model
 

@@ -22,9 +22,9 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in 
 
 from kvpack.attention.reference import reference_attention  # noqa: E402
 from kvpack.attention.softmax_merge import finalize, group_queries, ungroup_output  # noqa: E402
+from kvpack.ops.rope import LlamaRotary, RotaryTable, apply_rope  # noqa: E402
 from kvpack.resident.base import LayerLayout  # noqa: E402
 from kvpack.resident.puzzle import PuzzleConfig, PuzzleStore  # noqa: E402
-from kvpack.ops.rope import LlamaRotary, RotaryTable, apply_rope  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -81,12 +81,14 @@ def test_puzzle_kernel_matches_fp64_reference(kv_heads, group, seq):
 
 @pytest.mark.parametrize("ranks", [(1, 1), (16, 16)])
 def test_puzzle_kernel_rank_one_and_full(ranks):
-    cfg = PuzzleConfig(page_size=16, rank_k=ranks[0], rank_v=ranks[1], storage_dtype="float32", attention_backend="triton")
+    cfg = PuzzleConfig(page_size=16, rank_k=ranks[0], rank_v=ranks[1], storage_dtype="float32",
+                       attention_backend="triton")
     _check(_store(1, 3, 16, 75, cfg), pages_per_split=1)
 
 
 def test_puzzle_kernel_pre_rope_keys():
-    cfg = PuzzleConfig(page_size=16, rank_k=6, rank_v=6, storage_dtype="float32", key_rope="pre", attention_backend="triton")
+    cfg = PuzzleConfig(page_size=16, rank_k=6, rank_v=6, storage_dtype="float32", key_rope="pre",
+                       attention_backend="triton")
     _check(_store(2, 2, 32, 83, cfg), pages_per_split=3)
 
 

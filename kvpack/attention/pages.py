@@ -93,7 +93,7 @@ class PageSet:
         """``(lk, rk, lv, rv)`` then, in INT4 form, their four scales (the kernel's argument order)."""
         return (self.lk, self.rk, self.lv, self.rv, *(self.scales or ()))
 
-    def pages(self, lo: int, hi: int) -> "PageSet":
+    def pages(self, lo: int, hi: int) -> PageSet:
         """Pages ``[lo, hi)`` of this set (views)."""
         cut = lambda t: t[:, lo:hi]  # noqa: E731
         return PageSet(*map(cut, (self.lk, self.rk, self.lv, self.rv)),

@@ -58,5 +58,6 @@ def observation_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, window:
     votes = torch.softmax(s, dim=-1)[..., : S - window].sum(dim=(1, 2))  # [H, S - W]
     if kernel > 1:
         # As SnapKV's reference code: zero padding counted in the average at the ends.
-        votes = torch.nn.functional.avg_pool1d(votes[:, None], kernel, stride=1, padding=kernel // 2)[:, 0, : S - window]
+        votes = torch.nn.functional.avg_pool1d(votes[:, None], kernel, stride=1,
+                                               padding=kernel // 2)[:, 0, : S - window]
     return votes

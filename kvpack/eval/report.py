@@ -14,6 +14,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from .tasks import RULER_TASKS
+
 
 def _mean(values):
     values = [v for v in values if v is not None]
@@ -21,8 +23,6 @@ def _mean(values):
 
 
 def _task_order(tasks: set[str]) -> list[str]:
-    from .tasks import RULER_TASKS
-
     return sorted(tasks, key=lambda t: (RULER_TASKS.index(t) if t in RULER_TASKS else len(RULER_TASKS), t))
 
 

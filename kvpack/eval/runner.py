@@ -61,7 +61,8 @@ class MethodSpec:
         return cfg
 
 
-def method_specs(methods: list[str], budgets: list[float], overrides: dict[str, dict] | None = None) -> list[MethodSpec]:
+def method_specs(methods: list[str], budgets: list[float],
+                 overrides: dict[str, dict] | None = None) -> list[MethodSpec]:
     """Methods without a byte budget (FullKV) once; every other method at every budget."""
     overrides = overrides or {}
     specs = []

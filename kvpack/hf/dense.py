@@ -48,7 +48,8 @@ def to_dynamic_cache(model: torch.nn.Module, dense, n_tokens: int) -> DynamicCac
     """
     cache = new_dense_cache(model)
     if len(cache.layers) != len(dense.layers):
-        raise ValueError(f"the stored cache holds {len(dense.layers)} layers, the model's cache has {len(cache.layers)}")
+        raise ValueError(f"the stored cache holds {len(dense.layers)} layers, the model's cache has "
+                         f"{len(cache.layers)}")
     for layer, stored in zip(cache.layers, dense.layers):
         k, v = stored.keys.to(model.device), stored.values.to(model.device)
         missing = n_tokens - k.shape[2]

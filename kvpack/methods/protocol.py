@@ -83,7 +83,7 @@ class Method(ABC):
     config: MethodConfig
     family: str  # "resident" or "storage" (descriptive: callers never branch on it)
 
-    def check_ready(self) -> None:
+    def check_ready(self) -> None:  # noqa: B027 - a hook: most methods need nothing ready
         """Refuse now what would fail after loading a model (e.g. a missing calibration)."""
 
     @abstractmethod

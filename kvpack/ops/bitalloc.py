@@ -68,7 +68,7 @@ class Allocation:
                 "used_bits": self.used_bits, "error": self.error}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Allocation":
+    def from_dict(cls, data: dict) -> Allocation:
         groups = tuple(tuple(int(v) for v in g) for g in data["groups"])
         alloc = cls(groups=groups, budget_bits=int(data["budget_bits"]), used_bits=int(data["used_bits"]),
                     error=float(data["error"]))

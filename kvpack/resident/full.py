@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config import MethodConfig, choice, number, option
-from ..config import STORAGE_DTYPE_NAMES
+from ..config import STORAGE_DTYPE_NAMES, MethodConfig, choice, number, option
 from ..registry import register_method
 from .base import LayerLayout, LayerStore
 

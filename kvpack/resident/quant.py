@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.softmax_merge import dense_partial
-from ..ops.bitpack import pack_bits, unpack_bits
 from ..config import MethodConfig, choice, integer, option
 from ..ops.accounting import dense_bf16_bytes
+from ..ops.bitpack import pack_bits, unpack_bits
 from ..registry import register_method
 from .base import LayerLayout
 from .segmented import SegmentedStore

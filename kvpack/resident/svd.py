@@ -28,7 +28,8 @@ class SVDConfig(MethodConfig):
     """Attributes: budget (default 0.6); page_size: the sink and window unit, as PuzzleKV (32);
     sink_pages, window_pages: dense pages at the start and the end (1 and 1)."""
 
-    budget: float | None = option(0.6, number(0.0, 1.0, low_open=True), "fraction of the dense bf16 bytes (picks the rank)")
+    budget: float | None = option(0.6, number(0.0, 1.0, low_open=True),
+                                  "fraction of the dense bf16 bytes (picks the rank)")
     page_size: int = option(32, integer(minimum=1), "the sink and window unit, as PuzzleKV")
     sink_pages: int = option(1, integer(minimum=0), "dense pages at the start")
     window_pages: int = option(1, integer(minimum=0), "dense pages at the end")

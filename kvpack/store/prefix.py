@@ -21,8 +21,8 @@ import os
 import warnings
 from pathlib import Path
 
-from .atomic import atomic_write_bytes
 from ..paths import cache_dir
+from .atomic import atomic_write_bytes
 from .format import Blob, BlobError, tokens_digest
 
 SUFFIX = ".kvtc"

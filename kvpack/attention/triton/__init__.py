@@ -43,7 +43,8 @@ def use_triton(choice: str, device: torch.device) -> bool:
         if not triton_installed():
             raise ValueError("attention_backend='triton' needs the triton package (pip install triton)")
         if not runnable:
-            raise ValueError("attention_backend='triton' on CPU tensors needs TRITON_INTERPRET=1 (the Triton interpreter)")
+            raise ValueError("attention_backend='triton' on CPU tensors needs TRITON_INTERPRET=1 "
+                             "(the Triton interpreter)")
         return True
     return runnable and device.type == "cuda"
 

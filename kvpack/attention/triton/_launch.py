@@ -7,7 +7,6 @@ import math
 
 import torch
 
-
 # Query rows per program. A decode step's rows (its GQA group: 1 to 16 query heads per KV head) fit
 # one block; a longer chunk (a prefill over the stored history) gets one program per block of rows
 # (grid axis 2). Tiles with more rows spill: compiled for sm_90, 64-row tiles took 226 registers and
@@ -26,7 +25,7 @@ def pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << max(0, math.ceil(math.log2(max(1, n)))))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _placeholder(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, device=device)
 

@@ -1,7 +1,8 @@
 """The AnchorKV decode kernel as a PyTorch custom op (``kvpack::anchor_segment_attention``), plus its launcher.
 
-:func:`anchor_partials` is what ``AnchorStore`` calls with its :class:`AnchorSegment` views: one launch per compressed segment (one
-segment unless re-compression is on), returning each segment's merged softmax state.
+:func:`anchor_partials` is what ``AnchorStore`` calls with its :class:`AnchorSegment` views: one
+launch per compressed segment (one segment unless re-compression is on), returning each segment's
+merged softmax state.
 """
 
 from __future__ import annotations

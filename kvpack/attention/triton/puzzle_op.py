@@ -1,7 +1,8 @@
 """The PuzzleKV decode kernel as a PyTorch custom op (``kvpack::puzzle_attention``), plus its launcher.
 
 Registered with ``torch.library.custom_op`` and a fake (meta) implementation, so ``torch.compile``
-traces around the Triton launch. :func:`puzzle_partial` is what ``PuzzleStore`` calls with its :class:`PuzzlePages` view: it returns
+traces around the Triton launch. :func:`puzzle_partial` is what ``PuzzleStore`` calls with its
+:class:`PuzzlePages` view: it returns
 the merged softmax state of the grouped queries over the layer's sink, factorized pages and tail.
 """
 

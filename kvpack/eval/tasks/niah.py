@@ -22,8 +22,17 @@ from __future__ import annotations
 
 import random
 
-from .base import (Sample, essay_units, fit_to_length, insert_at_depths, noise_units, random_key, random_number,
-                   random_uuid, register_task)
+from .base import (
+    Sample,
+    essay_units,
+    fit_to_length,
+    insert_at_depths,
+    noise_units,
+    random_key,
+    random_number,
+    random_uuid,
+    register_task,
+)
 
 INSTRUCTION = ("Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
                "I will quiz you about the {kind} afterwards.\n")

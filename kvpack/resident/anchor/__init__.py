@@ -19,7 +19,8 @@ from .selection import (
 )
 from .store import AnchorPlusStore, AnchorStore
 
-__all__ = ["ASSIGN_BLOCK_ELEMENTS", "RANKINGS", "RESIDUAL_SPLITS", "AnchorConfig", "AnchorPlusConfig", "AnchorPlusStore",
-           "AnchorStore", "anchors_for_budget", "assign_and_project", "base_bytes", "index_bytes_for",
-           "nearest_anchor", "observation_weights", "pool_neighbourhood", "project_onto_anchors", "residual_bytes",
-           "residual_slots", "select_anchors", "top_per_head", "top_pooled", "utilities"]
+__all__ = ["ASSIGN_BLOCK_ELEMENTS", "RANKINGS", "RESIDUAL_SPLITS", "AnchorConfig", "AnchorPlusConfig",
+           "AnchorPlusStore", "AnchorStore", "anchors_for_budget", "assign_and_project", "base_bytes",
+           "index_bytes_for", "nearest_anchor", "observation_weights", "pool_neighbourhood",
+           "project_onto_anchors", "residual_bytes", "residual_slots", "select_anchors", "top_per_head",
+           "top_pooled", "utilities"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+
 def select_anchors(votes: torch.Tensor, seq_len: int, n_anchors: int, window: int, rho: float,
                    generator: torch.Generator) -> torch.Tensor:
     """Anchor positions ``[H, k]`` (sorted): window + top-``ρ(k−W)`` by ``votes [H, S−W]`` + random rest.

@@ -19,7 +19,8 @@ Once, at the end of prefill, per layer and KV head:
 
 The package: ``config.py`` (parameters and ablation switches), ``budget.py`` (Eq. 9),
 ``selection.py`` (Eq. 1, 2, 6), this store (compression and re-compression). Attention
-(``kvpack.attention.anchor``, over the :class:`AnchorSegment` views the store hands out) reconstructs keys tile by tile, ``x̂ = γ a + r̃`` where a
+(``kvpack.attention.anchor``, over the :class:`AnchorSegment` views the store hands out)
+reconstructs keys tile by tile, ``x̂ = γ a + r̃`` where a
 residual is stored, rotates them by RoPE at their positions, takes each tile's weighted sum of
 values on the stored form, and merges the tiles, the dense tail of generated tokens and the new
 chunk by online softmax.
@@ -43,10 +44,10 @@ import torch
 import torch.nn.functional as F
 
 from ...attention.anchor import PREFIX_BLOCK, AnchorSegment, AnchorSide, anchor_tile_partials, reconstruct_tile
+from ...attention.scores import observation_scores
 from ...attention.softmax_merge import dense_partial, group_queries, prefill_attention, ungroup_output
 from ...attention.triton import history_and_chunk, use_triton
 from ...attention.triton.anchor_op import anchor_partials
-from ...attention.scores import observation_scores
 from ...ops.accounting import dense_bf16_bytes
 from ...ops.bitpack import pack_bits
 from ...ops.residual_codec import make_residual_codec
@@ -55,8 +56,16 @@ from ...registry import register_method
 from ..base import LayerLayout, LayerStore
 from .budget import anchors_for_budget, base_bytes, index_bytes_for, residual_bytes, residual_slots
 from .config import AnchorConfig, AnchorPlusConfig
-from .selection import assign_and_project, observation_weights, pool_neighbourhood, project_onto_anchors, \
-    select_anchors, top_per_head, top_pooled, utilities
+from .selection import (
+    assign_and_project,
+    observation_weights,
+    pool_neighbourhood,
+    project_onto_anchors,
+    select_anchors,
+    top_per_head,
+    top_pooled,
+    utilities,
+)
 
 
 @register_method("anchor")
@@ -77,7 +86,8 @@ class AnchorStore(LayerStore):
     def __init__(self, layout: LayerLayout, config: AnchorConfig):
         super().__init__(layout, config)
         if layout.head_dim & (layout.head_dim - 1):
-            raise ValueError(f"anchor: the Hadamard residual codec needs a power-of-two head_dim, got {layout.head_dim}")
+            raise ValueError(f"anchor: the Hadamard residual codec needs a power-of-two head_dim, "
+                             f"got {layout.head_dim}")
         if layout.rope is None:
             raise ValueError("anchor: AnchorKV works on pre-RoPE keys and needs the model's rotary embedding")
         d = layout.head_dim
@@ -225,7 +235,8 @@ class AnchorStore(LayerStore):
         o = self.obs
         group, rows = lay.group, o["obs_q"].shape[1]
         u_k, u_v = self._ranking_scores(sides, k_pre, k, v, cos, sin, o["obs_q"].float().reshape(H, group * rows, D),
-                                        o["obs_y"].float().reshape(H, group * rows, D), o["obs_pos"].long().repeat(group),
+                                        o["obs_y"].float().reshape(H, group * rows, D),
+                                        o["obs_pos"].long().repeat(group),
                                         scaling, key_positions=pos, lse=o["obs_lse"].reshape(H, group * rows))
         self.segments.append(self._segment(sides, u_k, u_v, n_res))
         self.segment_spans.append((start, n))

@@ -8,7 +8,8 @@ Steps (kvtc paper §3; ../shared/notes/kvtc.md):
    (kvtc never codes either), undo RoPE on keys, and turn each remaining position into one key
    vector and one value vector over all full-attention layers and KV heads (``features.py``).
 3. Sample ``samples`` positions from the pool (seeded), subtract the mean, and compute the
-   leading ``pca_dim`` principal directions with a randomized SVD (``ops.lowrank.randomized_svd``, its own seeded generator).
+   leading ``pca_dim`` principal directions with a randomized SVD (``ops.lowrank.randomized_svd``,
+   its own seeded generator).
 4. Measure the error of coding every aligned group of coefficients at every width on
    ``dp_samples`` positions and solve the DP allocation for each target ratio: the per-token
    budget is ``16 · p / ratio`` bits (bf16 is 16 bits per feature).
@@ -202,7 +203,7 @@ class Calibration:
         return directory
 
     @classmethod
-    def load(cls, directory: str | os.PathLike) -> "Calibration":
+    def load(cls, directory: str | os.PathLike) -> Calibration:
         """Read an artifact written by :meth:`save`, checking that its files belong together.
 
         Raises:
@@ -223,7 +224,8 @@ class Calibration:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{meta_path} is not valid JSON: {exc}") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise ValueError(f"{meta_path} is not a kvtc calibration (format {meta.get('format') if isinstance(meta, dict) else None!r})")
+            found = meta.get("format") if isinstance(meta, dict) else None
+            raise ValueError(f"{meta_path} is not a kvtc calibration (format {found!r})")
         if meta.get("version") != FORMAT_VERSION:
             raise ValueError(f"{meta_path}: calibration format version {meta.get('version')} is not supported "
                              f"(expected {FORMAT_VERSION})")
@@ -278,7 +280,8 @@ def _calibration_chunks(tokenizer, settings: CalibrationSettings, documents: lis
     ids = ids[: settings.tokens]
     n_chunks = len(ids) // settings.chunk_tokens
     if n_chunks == 0:
-        raise ValueError(f"the calibration corpus gave {len(ids)} tokens, fewer than one chunk of {settings.chunk_tokens}")
+        raise ValueError(f"the calibration corpus gave {len(ids)} tokens, fewer than one chunk of "
+                         f"{settings.chunk_tokens}")
     return [torch.tensor(ids[i * settings.chunk_tokens:(i + 1) * settings.chunk_tokens]) for i in range(n_chunks)]
 
 

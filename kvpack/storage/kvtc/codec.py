@@ -56,7 +56,7 @@ class KvtcConfig(MethodConfig):
         return {**super().to_dict(), "target_ratio": self.target_ratio}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "KvtcConfig":
+    def from_dict(cls, data: dict) -> KvtcConfig:
         return super().from_dict({k: v for k, v in data.items() if k != "target_ratio"})
 
 

@@ -191,7 +191,8 @@ def blob_token_ids(blob: Blob) -> list[int]:
 
 
 def iter_decompressed_layers(data: bytes | Blob, calibration: Calibration, model,
-                             device: torch.device | str | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+                             device: torch.device | str | None = None
+                             ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Yield ``(layer_idx, keys [1, kv_heads, T, d], values)`` for every cache layer, in order,
     each reconstructed only when asked for (streaming decompression).
 

@@ -1,0 +1,71 @@
+"""The package's floor plan holds: layer contracts, no private names across packages, no hidden imports."""
+
+import ast
+import importlib.util
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "kvpack"
+# Function-level imports of kvpack modules are allowed only where the imported module needs Triton
+# (an optional dependency): the launchers stay importable without it.
+TRITON_MODULES = {"anchor_decode", "puzzle_decode", "split_merge", "chunk_attend"}
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        yield path, name, ast.parse(path.read_text(), filename=str(path))
+
+
+def _resolve(module: str, node: ast.ImportFrom, is_package: bool) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _subpackage(name: str) -> str:
+    parts = name.split(".")
+    return ".".join(parts[:2])
+
+
+def test_no_private_name_is_imported_across_packages():
+    offenders = []
+    for path, module, tree in _modules():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                target = _resolve(module, node, path.name == "__init__.py")
+                if not target.startswith("kvpack") or _subpackage(target) == _subpackage(module):
+                    continue
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                private += [target] if any(p.startswith("_") for p in target.split(".")[1:]) else []
+                if private:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {private} from {target}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_no_function_level_imports_of_kvpack_modules():
+    """Imports sit at the top of a module; a function-level import used to hide an import cycle."""
+    offenders = []
+    for path, module, tree in _modules():
+        for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom):
+                    target = _resolve(module, node, path.name == "__init__.py")
+                    if target.startswith("kvpack") and target.rsplit(".", 1)[-1] not in TRITON_MODULES:
+                        offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {target} inside {fn.name}")
+    assert not offenders, "\n".join(offenders)
+
+
+@pytest.mark.skipif(shutil.which("lint-imports") is None or importlib.util.find_spec("importlinter") is None,
+                    reason="import-linter is not installed (pip install -e '.[lint]')")
+def test_layer_contracts_hold():
+    run = subprocess.run(["lint-imports", "--no-cache"], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "0 broken" in run.stdout
