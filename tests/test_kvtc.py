@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import struct
-import threading
 
 import numpy as np
 import pytest
@@ -18,9 +16,8 @@ from kvpack.storage.kvtc.calibration import Calibration, CalibrationSettings, ca
 from kvpack.storage.kvtc.coder import compress_cache, decompress_cache, iter_decompressed_layers
 from kvpack.storage.kvtc.session import compress_tokens, continue_from_blob, prefill
 from kvpack.store.format import MAGIC, Blob, BlobError, pack_blob
-from kvpack.store.prefix import CorruptEntryError, PrefixStore
 
-from .helpers import tiny_gemma3, tiny_llama
+from .helpers import TINY_KVTC_SETTINGS, tiny_gemma3, tiny_kvtc, tiny_kvtc_chunks, tiny_llama, token_ids
 
 # ------------------------------------------------------------------------------------------------
 # Pure functions
@@ -109,24 +106,14 @@ def test_group_quantizer_refuses_nan_and_fp16_overflow():
 # Tiny-model pipeline
 # ------------------------------------------------------------------------------------------------
 
-SETTINGS = dict(tokens=6 * 96, chunk_tokens=96, sinks=2, window=8, pca_dim=64, dp_samples=512)
-
-
-def _chunks(n=6, length=96, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 128, (length,), generator=g) for _ in range(n)]
+SETTINGS = TINY_KVTC_SETTINGS
+_chunks = tiny_kvtc_chunks
+_ids = token_ids
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=16, layers=2)
-    calib = calibrate(model, None, CalibrationSettings(ratios=(2, 4, 8, 16), **SETTINGS), chunks=_chunks(),
-                      progress=False)
-    return model, calib
-
-
-def _ids(n, seed=9):
-    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return tiny_kvtc()
 
 
 def _kv_error(model, calib, ids, ratio):
@@ -361,105 +348,6 @@ def test_bad_calibration_settings(field, value, match):
 def test_pack_blob_refuses_unknown_backend():
     with pytest.raises(ValueError, match="backend"):
         pack_blob({}, {"x": torch.zeros(3)}, backend="lz4")
-
-
-# ------------------------------------------------------------------------------------------------
-# Prefix store
-# ------------------------------------------------------------------------------------------------
-
-
-def _entry(tiny, n):
-    model, calib = tiny
-    ids = _ids(60)[:n]
-    return ids, compress_tokens(model, calib, ids, 8)
-
-
-@pytest.fixture(scope="module")
-def prefix_entries(tiny):
-    """Blobs of the first 30 and of the first 45 tokens of one sequence (an entry and its extension)."""
-    return _entry(tiny, 30), _entry(tiny, 45)
-
-
-@pytest.fixture(scope="module")
-def other_blob_30(tiny, prefix_entries):
-    """The same 30 tokens at ratio 16: a different blob for the same store key."""
-    model, calib = tiny
-    return compress_tokens(model, calib, prefix_entries[0][0], 16)
-
-
-def test_store_put_get_longest_prefix(tiny, prefix_entries, tmp_path):
-    model, calib = tiny
-    store = PrefixStore(tmp_path)
-    (ids30, blob30), (ids45, blob45) = prefix_entries
-    store.put(blob30, ids30)
-    store.put(blob45, ids45)
-    mh, cid = calib.fingerprint["hash"], calib.calibration_id
-    assert store.get(mh, cid, ids30) == blob30
-    assert store.get(mh, cid, ids30[:-1]) is None
-    longer = _ids(60)
-    assert store.longest_prefix(mh, cid, longer) == (45, blob45)
-    assert store.longest_prefix(mh, cid, longer[:44]) == (30, blob30)
-    assert store.longest_prefix(mh, cid, _ids(60, seed=1)) is None
-    with pytest.raises(BlobError, match="does not describe"):
-        store.put(blob30, ids45)
-
-
-def test_store_corrupted_entry_reported_never_returned(tiny, prefix_entries, tmp_path):
-    model, calib = tiny
-    store = PrefixStore(tmp_path)
-    (ids30, blob30), (ids45, blob45) = prefix_entries
-    store.put(blob30, ids30)
-    path = store.put(blob45, ids45)
-    data = bytearray(path.read_bytes())
-    data[200] ^= 1
-    path.write_bytes(bytes(data))
-    mh, cid = calib.fingerprint["hash"], calib.calibration_id
-    with pytest.raises(CorruptEntryError, match="corrupted"):
-        store.get(mh, cid, ids45)
-    with pytest.warns(UserWarning, match="corrupted"):
-        assert store.longest_prefix(mh, cid, _ids(60)) == (30, blob30)
-
-
-def test_store_failed_write_keeps_previous_entry(prefix_entries, other_blob_30, tmp_path, monkeypatch):
-    store = PrefixStore(tmp_path)
-    ids, blob = prefix_entries[0]
-    path = store.put(blob, ids)
-    newer = other_blob_30
-
-    def crash(fd):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(os, "fsync", crash)
-    with pytest.raises(OSError, match="disk full"):
-        store.put(newer, ids)
-    assert path.read_bytes() == blob
-    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
-
-
-def test_store_concurrent_readers_see_whole_entries(tiny, prefix_entries, other_blob_30, tmp_path):
-    model, calib = tiny
-    store = PrefixStore(tmp_path)
-    ids, blob_a = prefix_entries[0]
-    blob_b = other_blob_30
-    store.put(blob_a, ids)
-    mh, cid = calib.fingerprint["hash"], calib.calibration_id
-    seen, errors = set(), []
-
-    def reader():
-        for _ in range(60):
-            try:
-                seen.add(store.get(mh, cid, ids))
-            except Exception as exc:  # noqa: BLE001 - any failure is the test's finding
-                errors.append(exc)
-
-    threads = [threading.Thread(target=reader) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for j in range(30):
-        store.put(blob_b if j % 2 else blob_a, ids)
-    for t in threads:
-        t.join()
-    assert not errors and seen <= {blob_a, blob_b}
 
 
 def test_allocation_from_dict_refuses_bad_groups():

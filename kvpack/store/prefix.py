@@ -1,24 +1,29 @@
-"""``PrefixStore``: compressed caches on local disk, keyed by model + calibration + token prefix.
+"""Prefix stores: compressed caches keyed by model + calibration + token prefix.
 
-Layout: ``ROOT/<model hash>/<calibration id>/<n tokens>-<sha256 of the tokens>.kvtc``. A lookup for a
-token sequence tries every stored length that could be a prefix of it, longest first, so a second
-turn that extends a stored first turn finds it and only its new tokens need a prefill.
+Two backends with the same semantics, chosen by :func:`kvpack.store.open_prefix_store` from a location:
 
-Safety:
+* a directory (the embedded default, :class:`PrefixStore`):
+  ``ROOT/<model hash>/<calibration id>/<n tokens>-<sha256 of the tokens>.kvtc``;
+* ``redis://host:port/db`` (:class:`kvpack.store.redis_prefix.RedisPrefixStore`): a server that
+  several processes and machines share.
 
-* writes go to a temporary file in the same directory, are flushed and ``fsync``-ed, then
-  renamed over the entry (``os.replace`` is atomic): a crash leaves the previous entry intact and
-  readers never see a torn file;
-* concurrent readers only ever open complete files;
-* every entry read is verified (checksum, magic, version, and that its header names the requested
-  model, calibration and tokens); a corrupted entry raises :class:`CorruptEntryError` from
-  :meth:`get` and is skipped with a warning by :meth:`longest_prefix` — it is never returned.
+A lookup for a token sequence tries every stored length that could be a prefix of it, longest
+first, so a second turn that extends a stored first turn finds it and only its new tokens need a
+prefill. Every entry read is verified (checksum, magic, version, and that its header names the
+requested model, calibration and tokens); a corrupted or foreign entry raises
+:class:`CorruptEntryError` from ``get`` and is skipped with a warning by ``longest_prefix`` — it is
+never returned.
+
+Disk safety: writes go to a temporary file in the same directory, are flushed and ``fsync``-ed, then
+renamed over the entry (``os.replace`` is atomic): a crash leaves the previous entry intact and
+readers never see a torn file.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 from ..paths import cache_dir
@@ -36,76 +41,70 @@ def default_store_root() -> Path:
     return cache_dir() / "prefix-store"
 
 
-def _digest(token_ids: list[int]) -> str:
-    return tokens_digest(token_ids)
+def check_names(model_hash: str, calibration_id: str) -> None:
+    """Refuse identifiers that could escape a directory or a key namespace."""
+    for name, value in (("model hash", model_hash), ("calibration id", calibration_id)):
+        if not value or not all(c.isalnum() for c in value):
+            raise ValueError(f"{name} must be a non-empty alphanumeric string, got {value!r}")
 
 
-class PrefixStore:
-    """A directory of kvtc blobs addressed by (model hash, calibration id, token prefix).
+def entry_identity(blob: bytes, token_ids: list[int]) -> tuple[str, str]:
+    """``(model hash, calibration id)`` a blob is stored under, after checking it verifies and that its
+    header describes ``token_ids``.
 
-    Args:
-        root: directory (created on first write); default ``<kvpack cache dir>/prefix-store``.
+    Raises:
+        BlobError: the blob does not verify or its header disagrees with ``token_ids``.
     """
+    if not token_ids:
+        raise ValueError("cannot store an empty prefix")
+    meta = Blob(blob).meta
+    if meta.get("tokens") != len(token_ids) or meta.get("tokens_sha256") != tokens_digest(token_ids):
+        raise BlobError("the blob's header does not describe these token ids")
+    model_hash, calibration_id = meta.get("model", {}).get("hash"), meta.get("calibration_id")
+    check_names(model_hash, calibration_id)
+    return model_hash, calibration_id
 
-    def __init__(self, root: str | os.PathLike | None = None):
-        self.root = Path(root) if root is not None else default_store_root()
 
-    def _dir(self, model_hash: str, calibration_id: str) -> Path:
-        for name, value in (("model hash", model_hash), ("calibration id", calibration_id)):
-            if not value or not all(c.isalnum() for c in value):
-                raise ValueError(f"{name} must be a non-empty alphanumeric string, got {value!r}")
-        return self.root / model_hash / calibration_id
+def verified_entry(data: bytes, where: str, model_hash: str, calibration_id: str, token_ids: list[int]) -> bytes:
+    """``data`` when it is an intact blob of exactly this model, calibration and prefix.
 
-    def path(self, model_hash: str, calibration_id: str, token_ids: list[int]) -> Path:
-        return self._dir(model_hash, calibration_id) / f"{len(token_ids)}-{_digest(token_ids)}{SUFFIX}"
+    Raises:
+        CorruptEntryError: naming ``where``.
+    """
+    try:
+        meta = Blob(data).meta
+    except BlobError as exc:
+        raise CorruptEntryError(f"store entry {where} is corrupted: {exc}") from None
+    model = meta.get("model")
+    if (not isinstance(model, dict) or model.get("hash") != model_hash or meta.get("calibration_id") != calibration_id
+            or meta.get("tokens_sha256") != tokens_digest(token_ids)):
+        raise CorruptEntryError(f"store entry {where} holds a different model, calibration or prefix")
+    return data
 
-    def put(self, blob: bytes, token_ids: list[int]) -> Path:
-        """Store a kvtc blob under the model, calibration and tokens its header records.
+
+class PrefixStoreBase(ABC):
+    """What both backends offer; ``longest_prefix`` is shared."""
+
+    @abstractmethod
+    def put(self, blob: bytes, token_ids: list[int]) -> str | Path:
+        """Store a kvtc blob under the model, calibration and tokens its header records; returns
+        where it went (a path or a key).
 
         Raises:
             BlobError: the blob does not verify or its header disagrees with ``token_ids``.
         """
-        if not token_ids:
-            raise ValueError("cannot store an empty prefix")
-        parsed = Blob(blob)
-        meta = parsed.meta
-        if meta.get("tokens") != len(token_ids) or meta.get("tokens_sha256") != _digest(token_ids):
-            raise BlobError("the blob's header does not describe these token ids")
-        return atomic_write_bytes(self.path(meta["model"]["hash"], meta["calibration_id"], token_ids), blob)
 
+    @abstractmethod
     def get(self, model_hash: str, calibration_id: str, token_ids: list[int]) -> bytes | None:
         """The blob stored for exactly ``token_ids`` (None if there is none).
 
         Raises:
             CorruptEntryError: the entry exists but is corrupted or is not what its name says.
         """
-        path = self.path(model_hash, calibration_id, token_ids)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return None
-        try:
-            meta = Blob(data).meta
-        except BlobError as exc:
-            raise CorruptEntryError(f"store entry {path} is corrupted: {exc}") from None
-        if (meta.get("model", {}).get("hash") != model_hash or meta.get("calibration_id") != calibration_id
-                or meta.get("tokens_sha256") != _digest(token_ids)):
-            raise CorruptEntryError(f"store entry {path} holds a different model, calibration or prefix")
-        return data
 
+    @abstractmethod
     def lengths(self, model_hash: str, calibration_id: str) -> list[int]:
         """Token counts of the stored prefixes, longest first."""
-        directory = self._dir(model_hash, calibration_id)
-        if not directory.is_dir():
-            return []
-        out = set()
-        for entry in directory.iterdir():
-            name = entry.name
-            if name.endswith(SUFFIX) and ".tmp-" not in name:
-                head = name.split("-", 1)[0]
-                if head.isdigit():
-                    out.add(int(head))
-        return sorted(out, reverse=True)
 
     def longest_prefix(self, model_hash: str, calibration_id: str, token_ids: list[int]) -> tuple[int, bytes] | None:
         """``(n, blob)`` for the longest stored prefix ``token_ids[:n]`` (``n <= len(token_ids)``), or None.
@@ -123,3 +122,46 @@ class PrefixStore:
             if blob is not None:
                 return n, blob
         return None
+
+
+class PrefixStore(PrefixStoreBase):
+    """A directory of kvtc blobs addressed by (model hash, calibration id, token prefix).
+
+    Args:
+        root: directory (created on first write); default ``<kvpack cache dir>/prefix-store``.
+    """
+
+    def __init__(self, root: str | os.PathLike | None = None):
+        self.root = Path(root) if root is not None else default_store_root()
+
+    def _dir(self, model_hash: str, calibration_id: str) -> Path:
+        check_names(model_hash, calibration_id)
+        return self.root / model_hash / calibration_id
+
+    def path(self, model_hash: str, calibration_id: str, token_ids: list[int]) -> Path:
+        return self._dir(model_hash, calibration_id) / f"{len(token_ids)}-{tokens_digest(token_ids)}{SUFFIX}"
+
+    def put(self, blob: bytes, token_ids: list[int]) -> Path:
+        model_hash, calibration_id = entry_identity(blob, token_ids)
+        return atomic_write_bytes(self.path(model_hash, calibration_id, token_ids), blob)
+
+    def get(self, model_hash: str, calibration_id: str, token_ids: list[int]) -> bytes | None:
+        path = self.path(model_hash, calibration_id, token_ids)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        return verified_entry(data, str(path), model_hash, calibration_id, token_ids)
+
+    def lengths(self, model_hash: str, calibration_id: str) -> list[int]:
+        directory = self._dir(model_hash, calibration_id)
+        if not directory.is_dir():
+            return []
+        out = set()
+        for entry in directory.iterdir():
+            name = entry.name
+            if name.endswith(SUFFIX) and ".tmp-" not in name:
+                head = name.split("-", 1)[0]
+                if head.isdigit():
+                    out.add(int(head))
+        return sorted(out, reverse=True)
