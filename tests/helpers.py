@@ -79,6 +79,14 @@ def token_ids(n, seed=9):
     return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def kv_chunk(cache, layout: str = "separate") -> torch.Tensor:
+    """A cache's layers as an engine's chunk: ``[2, L, T, H·d]`` or fused ``[1, L, T, 2·H·d]``."""
+    per_layer = lambda x: x[0].permute(1, 0, 2).reshape(x.shape[2], -1)  # noqa: E731 - [T, H*d], head-major
+    k = torch.stack([per_layer(layer.keys) for layer in cache.layers])
+    v = torch.stack([per_layer(layer.values) for layer in cache.layers])
+    return torch.stack([k, v]) if layout == "separate" else torch.cat([k, v], dim=-1)[None]
+
+
 # ------------------------------------------------------------------------------------------------
 # A real Redis server for the tests: loopback only, a free port, stopped by PID
 # ------------------------------------------------------------------------------------------------

@@ -33,11 +33,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ...config import integer, option, validate_fields
+from ...config import choice, integer, option, validate_fields
 from ...hf.dense import prefill
 from ...hf.fingerprint import attention_shape, full_attention_layers, model_fingerprint
 from ...ops.bitalloc import Allocation, aligned_group_errors, allocate_bits
 from ...ops.lowrank import randomized_svd
+from ...ops.rope import RotaryTable
 from ...progress import status
 from ...store.atomic import atomic_write
 from .corpus import calibration_documents
@@ -83,6 +84,8 @@ class CalibrationSettings:
     ratios: tuple[float, ...] = DEFAULT_RATIOS
     seed: int = option(0, integer(minimum=0), "sampling and randomized-SVD seed")
     svd_iters: int = option(3, integer(minimum=0), "power iterations of the randomized SVD")
+    key_rope: str = option("pre", choice("pre", "post"),
+                           "keys in the PCA: before RoPE (the paper) or after it (when positions are unknown)")
 
     def __post_init__(self) -> None:
         validate_fields(self)
@@ -144,6 +147,18 @@ class Calibration:
     @property
     def window(self) -> int:
         return int(self.settings["window"])
+
+    @property
+    def key_rope(self) -> str:
+        """``"pre"``: the key features are pre-RoPE (the paper; coding needs token positions);
+        ``"post"``: keys as cached, after RoPE (no positions needed)."""
+        return str(self.settings.get("key_rope", "pre"))
+
+    def key_rotaries(self, model: torch.nn.Module) -> dict[int, RotaryTable | None]:
+        """The RoPE tables the key features undo, per layer (all None for a post-RoPE calibration)."""
+        if self.key_rope == "post":
+            return dict.fromkeys(self.layers)
+        return layer_rotaries(model, self.layers, self.head_dim)
 
     def ratios(self) -> list[float]:
         return sorted(float(k) for k in self.allocations)
@@ -287,9 +302,10 @@ def _calibration_chunks(tokenizer, settings: CalibrationSettings, documents: lis
 
 @torch.no_grad()
 def collect_features(model, chunks: list[torch.Tensor], layers: list[int], head_dim: int, sinks: int,
-                     window: int, progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key and value features ``[positions, p]`` of every chunk's eligible positions (fp32)."""
-    rotaries = layer_rotaries(model, layers, head_dim)
+                     window: int, progress: bool = True, key_rope: str = "pre") -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value features ``[positions, p]`` of every chunk's eligible positions (fp32); keys
+    before RoPE (``key_rope="pre"``) or as cached (``"post"``)."""
+    rotaries = layer_rotaries(model, layers, head_dim) if key_rope == "pre" else dict.fromkeys(layers)
     keys, values = [], []
     for chunk in tqdm(chunks, desc="[kvpack] calibration prefill", unit="chunk", disable=not progress):
         cache = prefill(model, chunk.tolist())
@@ -334,7 +350,7 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, doc
     elif any(c.dim() != 1 or c.numel() <= settings.sinks + settings.window for c in chunks):
         raise ValueError("calibration chunks must be 1-D token-id tensors longer than sinks + window")
     keys, values = collect_features(model, chunks, layers, shape["head_dim"], settings.sinks, settings.window,
-                                    progress)
+                                    progress, key_rope=settings.key_rope)
     timings["prefill_s"] = time.perf_counter() - start
     gen = torch.Generator().manual_seed(settings.seed)
     pool = keys.shape[0]

@@ -15,7 +15,7 @@ layer 0 before layer 1 is reconstructed (streaming); :func:`decompress_cache` co
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -27,7 +27,7 @@ from ...ops.group_quant import dequantize_groups, quantize_groups
 from ...store.format import Blob, BlobError, pack_blob, tokens_digest
 from ..base import DenseKV, DenseLayer
 from .calibration import Calibration, ratio_key
-from .features import layer_from_features, layer_rotaries, to_features
+from .features import layer_from_features, to_features
 
 CODEC = "kvtc"
 
@@ -49,7 +49,7 @@ def _check_cache(cache, calibration: Calibration, n_tokens: int) -> None:
             raise ValueError(f"cache layer {i} contains NaN or Inf")
 
 
-def _encode_coefficients(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, alloc: Allocation,
+def encode_coefficients(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, alloc: Allocation,
                          prefix: str) -> dict[str, torch.Tensor]:
     """Sections for one kind: the bit streams of every coded group, the shifts and the scales."""
     coded = alloc.coded_groups()
@@ -69,13 +69,18 @@ def _encode_coefficients(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tenso
     }
 
 
-def _decode_coefficients(blob: Blob, alloc: Allocation, prefix: str, n: int) -> torch.Tensor:
+def decode_coefficients(section: Callable[[str], torch.Tensor], alloc: Allocation, prefix: str,
+                        n: int) -> torch.Tensor:
     """``[n, r]`` fp32 dequantized coefficients, ``r`` = the allocation's coded extent (zeros for
-    dropped groups)."""
+    dropped groups), from the sections :func:`encode_coefficients` wrote (``section(name)`` returns one).
+
+    Raises:
+        BlobError: sections whose sizes do not match the allocation and ``n``.
+    """
     coded = alloc.coded_groups()
-    stream = blob.section(f"{prefix}_codes")
-    shift = blob.section(f"{prefix}_shift")
-    scale = blob.section(f"{prefix}_scale")
+    stream = section(f"{prefix}_codes")
+    shift = section(f"{prefix}_shift")
+    scale = section(f"{prefix}_scale")
     if shift.shape != (n, len(coded)) or scale.shape != shift.shape:
         raise BlobError(f"blob {prefix} shift/scale shapes {list(shift.shape)}/{list(scale.shape)} do not match "
                         f"{n} tokens x {len(coded)} groups")
@@ -138,11 +143,11 @@ def compress_cache(cache, calibration: Calibration, ratio: float, token_ids: lis
     }
     if n_mid:
         positions = torch.arange(s, w_start)
-        rot = layer_rotaries(model, calibration.layers, calibration.head_dim)
+        rot = calibration.key_rotaries(model)
         xk = to_features([k[:, s:w_start] for k in ks], [rot[i] for i in calibration.layers], positions)
         xv = to_features([v[:, s:w_start] for v in vs], None, positions)
-        sections.update(_encode_coefficients(xk, calibration.key_mean, calibration.key_basis, alloc["keys"], "keys"))
-        sections.update(_encode_coefficients(xv, calibration.value_mean, calibration.value_basis, alloc["values"],
+        sections.update(encode_coefficients(xk, calibration.key_mean, calibration.key_basis, alloc["keys"], "keys"))
+        sections.update(encode_coefficients(xv, calibration.value_mean, calibration.value_basis, alloc["values"],
                                              "values"))
     other = [i for i, layer in enumerate(layers) if i not in calibration.layers]
     for i in other:  # sliding-window (and other non-full) layers: lossless, as the model holds them
@@ -220,9 +225,9 @@ def iter_decompressed_layers(data: bytes | Blob, calibration: Calibration, model
             raise BlobError(f"blob {name} tensors have shape {list(t.shape)}, expected {[n_layers, heads, tokens, d]}")
     coeffs = {}
     if n_mid:
-        coeffs["keys"] = _decode_coefficients(blob, alloc["keys"], "keys", n_mid)
-        coeffs["values"] = _decode_coefficients(blob, alloc["values"], "values", n_mid)
-    rot = layer_rotaries(model, calibration.layers, d)
+        coeffs["keys"] = decode_coefficients(blob.section, alloc["keys"], "keys", n_mid)
+        coeffs["values"] = decode_coefficients(blob.section, alloc["values"], "values", n_mid)
+    rot = calibration.key_rotaries(model)
     positions = torch.arange(s, s + n_mid)
     width = heads * d
     by_layer = {layer: j for j, layer in enumerate(calibration.layers)}

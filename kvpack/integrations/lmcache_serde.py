@@ -1,0 +1,116 @@
+"""LMCache serde ``"kvtc"``: each LMCache chunk (all layers of 256 tokens) coded with kvtc's PCA basis
+and bit allocation, for LMCache's L2 adapters (Redis, disk, ...).
+
+Configure an L2 adapter with ``"serde": {"type": "kvtc", "calibration": DIR, "ratio": 16}``.
+Registration happens when this module is imported (LMCache has no entry points): run the LMCache
+server through ``python -m kvpack.integrations.lmcache_server`` (same arguments as ``lmcache
+server``), which imports it first.
+
+* Layouts: LMCache hands a chunk as ``[2, layers, tokens, kv_heads·head_dim]`` (separate K and V) or,
+  from vLLM, ``[1, layers, tokens, 2·kv_heads·head_dim]`` (fused K|V); both are coded
+  (:mod:`kvpack.storage.kvtc.chunk`).
+* Positions: the serde sees chunk keys (content hashes), not token positions, so this path uses a
+  calibration of keys as cached (``kvpack calibrate --key-rope post``); a pre-RoPE calibration is
+  refused when the serde is built.
+* Fixed size: LMCache's multiprocess path wants the serialized size to equal the estimate; kvtc's
+  chunk size depends only on the token count and the allocation, so the estimate is exact. It is
+  rounded up to ``align`` bytes (default 4096, which the native Redis ``resp`` adapter needs) and
+  the remainder zero-filled; no entropy coder (its size would vary).
+* A chunk whose checksum, calibration id, ratio or geometry does not match raises in
+  ``deserialize``: LMCache then reports the load as failed (a miss), never garbage.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")  # no usage telemetry from anything kvpack starts
+
+import torch  # noqa: E402
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.serde.async_processor import AsyncSerdeProcessor
+from lmcache.v1.distributed.serde.base import Deserializer, SerdeProcessor, Serializer
+from lmcache.v1.distributed.serde.factory import get_registered_serde_types, register_serde_factory
+from lmcache.v1.memory_management import MemoryObj
+
+from ..storage.kvtc.chunk import ChunkCodec, ChunkShape
+from ..storage.kvtc.codec import load_calibration
+
+SERDE_NAME = "kvtc"
+DEFAULT_ALIGN = 4096
+
+
+def _aligned(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+class KvtcChunkSerializer(Serializer):
+    """Codes a chunk with :class:`ChunkCodec` into exactly :meth:`estimate_serialized_size` bytes."""
+
+    def __init__(self, codec: ChunkCodec, align: int = DEFAULT_ALIGN):
+        self.codec, self.align = codec, align
+
+    def estimate_serialized_size(self, layout_desc: MemoryLayoutDesc) -> int:
+        if len(layout_desc.shapes) != 1:
+            raise ValueError(f"the kvtc serde codes one KV tensor per chunk, got {len(layout_desc.shapes)}")
+        shape = ChunkShape.of(tuple(layout_desc.shapes[0]))
+        self.codec.check_shape(shape)
+        return _aligned(self.codec.serialized_size(shape), self.align)
+
+    def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
+        if src.tensor is None or dst.tensor is None:
+            raise ValueError("the kvtc serde needs src and dst to have tensors")
+        data = self.codec.encode(src.tensor)
+        size = _aligned(len(data), self.align)
+        out = dst.tensor.view(torch.uint8).flatten()
+        if out.numel() < size:
+            raise ValueError(f"serialize buffer of {out.numel()} bytes, {size} needed")
+        out[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        out[len(data):size].zero_()
+        return size
+
+
+class KvtcChunkDeserializer(Deserializer):
+    """Decodes a chunk into the caller's KV buffer (its shape and dtype); refuses a foreign or corrupted one."""
+
+    def __init__(self, codec: ChunkCodec):
+        self.codec = codec
+
+    def deserialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> None:
+        if src.tensor is None or dst.tensor is None:
+            raise ValueError("the kvtc serde needs src and dst to have tensors")
+        shape = ChunkShape.of(tuple(dst.tensor.shape))
+        n = self.codec.serialized_size(shape)
+        data = src.tensor.view(torch.uint8).flatten()[:n].cpu().numpy().tobytes()
+        dst.tensor.copy_(self.codec.decode(data, shape, dtype=dst.tensor.dtype))
+
+
+def build_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
+    """LMCache serde factory: ``calibration`` (directory, required), ``ratio`` (default 16),
+    ``align`` (bytes, default 4096), ``max_workers`` (default 1)."""
+    unknown = sorted(set(kwargs) - {"calibration", "ratio", "align", "max_workers"})
+    if unknown:
+        raise ValueError(f"kvtc serde: unknown option(s) {unknown}; known: calibration, ratio, align, max_workers")
+    if not isinstance(kwargs.get("calibration"), str):
+        raise ValueError('kvtc serde: "calibration" (a directory written by `kvpack calibrate --key-rope post`) '
+                         "is required")
+    codec = ChunkCodec(load_calibration(kwargs["calibration"]), float(kwargs.get("ratio", 16)))
+    align = int(kwargs.get("align", DEFAULT_ALIGN))
+    if align < 1:
+        raise ValueError(f"kvtc serde: align must be >= 1, got {align}")
+    return AsyncSerdeProcessor(KvtcChunkSerializer(codec, align), KvtcChunkDeserializer(codec),
+                               max_workers=int(kwargs.get("max_workers", 1)))
+
+
+_REGISTERED = threading.Lock()
+
+
+def register() -> None:
+    """Register the ``"kvtc"`` serde with LMCache (idempotent; done on import)."""
+    with _REGISTERED:
+        if SERDE_NAME not in get_registered_serde_types():
+            register_serde_factory(SERDE_NAME, build_kvtc_serde)
+
+
+register()

@@ -1,0 +1,236 @@
+"""kvtc for fixed-size KV chunks, as serving engines store them (LMCache: all layers of 256 tokens).
+
+A chunk is ``[2, L, T, W]`` (keys and values separate) or ``[1, L, T, 2W]`` (vLLM's fused K|V last
+dimension), with ``L`` layers, ``T`` tokens and ``W = kv_heads · head_dim``. Every token of the chunk
+is coded — a chunk has no attention sinks or recent window of its own — with the calibration's PCA
+basis and the bit allocation of one calibrated ratio: ``D = (X − μ) V``, each coded group of
+coefficients quantized at its width with an fp16 shift and scale per token, bit-packed
+(:func:`kvpack.storage.kvtc.coder.encode_coefficients`).
+
+Positions: an engine hands over chunks by content hash, without their positions in the sequence, so
+keys cannot be rotated back to pre-RoPE. This path therefore needs a calibration made on keys as
+cached (``CalibrationSettings(key_rope="post")``, ``kvpack calibrate --key-rope post``); a pre-RoPE
+calibration is refused. ``benchmarks/bench_kvtc_chunks.py`` measures the two side by side on
+kvpack's own path, where positions are known.
+
+Size: the serialized size depends only on ``T`` and the allocation (bit streams and fp16 side
+information have fixed lengths), never on the data: :meth:`ChunkCodec.serialized_size` is exact, as
+LMCache's multiprocess path requires. There is no entropy coder here (its output size would vary);
+``deflate_size`` reports what DEFLATE would add for a variable-size store.
+
+Format: a fixed header — magic, version, layout, dtype, layers, tokens, width, the calibration id,
+the ratio, the payload length and a SHA-256 of header and payload — then the sections in a fixed
+order. :meth:`ChunkCodec.decode` refuses (``ChunkError``) a chunk whose digest, calibration id,
+ratio or geometry does not match: never garbage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from ...store.format import BlobError
+from .calibration import Calibration, ratio_key
+from .coder import decode_coefficients, encode_coefficients
+
+MAGIC = b"KVTCCHK\x00"
+VERSION = 1
+LAYOUTS = ("separate", "fused")  # [2, L, T, W] | [1, L, T, 2W]
+DTYPES = {0: torch.bfloat16, 1: torch.float16, 2: torch.float32}
+DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
+# magic, version, layout, dtype, layers, tokens, width, calibration id (ascii), ratio key (ascii), payload bytes
+_HEAD = struct.Struct("<8sHBBHII32s8sI")
+DIGEST_BYTES = 32
+SECTIONS = ("keys_codes", "keys_shift", "keys_scale", "values_codes", "values_shift", "values_scale")
+
+
+class ChunkError(BlobError):
+    """A serialized chunk that is corrupted, truncated or made with another calibration or ratio."""
+
+
+@dataclass(frozen=True)
+class ChunkShape:
+    """Geometry of one chunk: ``layout`` (``separate`` / ``fused``), layers, tokens, per-layer width."""
+
+    layout: str
+    layers: int
+    tokens: int
+    width: int
+
+    @classmethod
+    def of(cls, shape: tuple[int, ...] | torch.Size) -> ChunkShape:
+        """The geometry of a KV chunk tensor shape (``ValueError`` for anything else)."""
+        if len(shape) != 4 or shape[0] not in (1, 2):
+            raise ValueError(f"a KV chunk is [2, layers, tokens, width] or [1, layers, tokens, 2*width], "
+                             f"got {list(shape)}")
+        if shape[0] == 2:
+            return cls("separate", shape[1], shape[2], shape[3])
+        if shape[3] % 2:
+            raise ValueError(f"a fused K|V chunk has an even last dimension, got {list(shape)}")
+        return cls("fused", shape[1], shape[2], shape[3] // 2)
+
+    @property
+    def tensor_shape(self) -> tuple[int, int, int, int]:
+        if self.layout == "separate":
+            return 2, self.layers, self.tokens, self.width
+        return 1, self.layers, self.tokens, 2 * self.width
+
+
+class ChunkCodec:
+    """kvtc coding of fixed-geometry KV chunks with one calibration at one calibrated ratio.
+
+    Args:
+        calibration: a calibration with post-RoPE key features that covers every layer of a chunk.
+        ratio: one of the calibration's ratios.
+    """
+
+    def __init__(self, calibration: Calibration, ratio: float):
+        if calibration.key_rope != "post":
+            raise ValueError(
+                "chunks come without their token positions, so their keys cannot be rotated back before RoPE: "
+                "this calibration codes pre-RoPE keys. Make one on keys as cached: "
+                "`kvpack calibrate --key-rope post --out DIR`")
+        if calibration.layers != list(range(len(calibration.layers))):
+            raise ValueError(f"kvtc chunks need every layer to be a full-attention layer the calibration covers; "
+                             f"it covers layers {calibration.layers}")
+        self.calibration = calibration
+        self.ratio = float(ratio)
+        self.alloc = calibration.allocation(ratio)
+        self.width = calibration.kv_heads * calibration.head_dim
+        self.layers = len(calibration.layers)
+        self._ids = (calibration.calibration_id.encode("ascii")[:32], ratio_key(ratio).encode("ascii")[:8])
+        self._sizes: dict[int, int] = {}
+
+    # -- geometry ------------------------------------------------------------------------------
+
+    def check_shape(self, shape: ChunkShape) -> None:
+        if shape.layers != self.layers or shape.width != self.width:
+            raise ValueError(
+                f"a chunk of {shape.layers} layers x {shape.width} per token does not fit the calibration "
+                f"({self.layers} layers x {self.calibration.kv_heads} KV heads x {self.calibration.head_dim})")
+
+    def payload_size(self, tokens: int) -> int:
+        """Bytes of the sections for ``tokens`` tokens (exact, data-independent)."""
+        if tokens not in self._sizes:
+            total = 0
+            for kind in ("keys", "values"):
+                coded = self.alloc[kind].coded_groups()
+                total += sum((tokens * size * width + 7) // 8 for _, size, width in coded)
+                total += 2 * tokens * len(coded) * 2  # fp16 shift and scale per token and group
+            self._sizes[tokens] = total
+        return self._sizes[tokens]
+
+    def serialized_size(self, shape: ChunkShape) -> int:
+        """The exact serialized size of a chunk of this geometry."""
+        return _HEAD.size + DIGEST_BYTES + self.payload_size(shape.tokens)
+
+    # -- coding --------------------------------------------------------------------------------
+
+    def encode(self, chunk: torch.Tensor) -> bytes:
+        """``chunk`` (see the module doc; bf16, fp16 or fp32) → exactly :meth:`serialized_size` bytes."""
+        shape = ChunkShape.of(chunk.shape)
+        self.check_shape(shape)
+        if chunk.dtype not in DTYPE_CODES:
+            raise ValueError(f"a KV chunk must be bfloat16, float16 or float32, got {chunk.dtype}")
+        keys, values = _split(chunk.detach().to("cpu"), shape)  # [T, L*W] each, fp32
+        if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
+            raise ValueError("the chunk contains NaN or Inf")
+        cal = self.calibration
+        sections = {**encode_coefficients(keys, cal.key_mean, cal.key_basis, self.alloc["keys"], "keys"),
+                    **encode_coefficients(values, cal.value_mean, cal.value_basis, self.alloc["values"], "values")}
+        payload = b"".join(sections[name].contiguous().view(torch.uint8).numpy().tobytes() for name in SECTIONS)
+        if len(payload) != self.payload_size(shape.tokens):  # the fixed size is the contract
+            raise AssertionError(f"payload of {len(payload)} bytes, expected {self.payload_size(shape.tokens)}")
+        head = _HEAD.pack(MAGIC, VERSION, LAYOUTS.index(shape.layout), DTYPE_CODES[chunk.dtype], shape.layers,
+                          shape.tokens, shape.width, *self._ids, len(payload))
+        return head + hashlib.sha256(head + payload).digest() + payload
+
+    def decode(self, data: bytes | bytearray | memoryview, shape: ChunkShape | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The chunk back (fp32 → ``dtype``, default the dtype it was encoded from) in its layout.
+
+        Args:
+            shape: the geometry the caller expects (refused when the chunk's differs).
+
+        Raises:
+            ChunkError: truncated, corrupted, or made with another calibration, ratio or geometry.
+        """
+        data = bytes(data)
+        if len(data) < _HEAD.size + DIGEST_BYTES:
+            raise ChunkError(f"kvtc chunk of {len(data)} bytes is shorter than its header")
+        head, digest = data[:_HEAD.size], data[_HEAD.size:_HEAD.size + DIGEST_BYTES]
+        magic, version, layout, dtype_code, layers, tokens, width, cal_id, ratio, n = _HEAD.unpack(head)
+        if magic != MAGIC:
+            raise ChunkError("not a kvtc chunk (bad magic)")
+        if version != VERSION:
+            raise ChunkError(f"kvtc chunk format version {version} is not supported (expected {VERSION})")
+        start = _HEAD.size + DIGEST_BYTES
+        if len(data) < start + n:
+            raise ChunkError(f"kvtc chunk is truncated: {len(data) - start} payload bytes of {n}")
+        payload = data[start:start + n]
+        if hashlib.sha256(head + payload).digest() != digest:
+            raise ChunkError("kvtc chunk is corrupted (checksum mismatch)")
+        if (cal_id.rstrip(b"\x00"), ratio.rstrip(b"\x00")) != tuple(x.rstrip(b"\x00") for x in self._ids):
+            raise ChunkError(f"kvtc chunk was made with calibration {cal_id.rstrip(bytes(1)).decode(errors='replace')} "
+                             f"at ratio {ratio.rstrip(bytes(1)).decode(errors='replace')}, not "
+                             f"{self.calibration.calibration_id} at {ratio_key(self.ratio)}")
+        if layout >= len(LAYOUTS) or dtype_code not in DTYPES:
+            raise ChunkError(f"kvtc chunk has an unknown layout {layout} or dtype {dtype_code}")
+        found = ChunkShape(LAYOUTS[layout], layers, tokens, width)
+        if shape is not None and found != shape:
+            raise ChunkError(f"kvtc chunk holds {found}, the caller expects {shape}")
+        self.check_shape(found)
+        if n != self.payload_size(tokens):
+            raise ChunkError(f"kvtc chunk payload is {n} bytes, {self.payload_size(tokens)} expected")
+        sections = self._sections(payload, tokens)
+        keys = _reconstruct(decode_coefficients(sections.__getitem__, self.alloc["keys"], "keys", tokens),
+                            self.calibration.key_mean, self.calibration.key_basis, self.alloc["keys"])
+        values = _reconstruct(decode_coefficients(sections.__getitem__, self.alloc["values"], "values", tokens),
+                              self.calibration.value_mean, self.calibration.value_basis, self.alloc["values"])
+        return _join(keys, values, found).to(dtype or DTYPES[dtype_code])
+
+    def _sections(self, payload: bytes, tokens: int) -> dict[str, torch.Tensor]:
+        out, offset = {}, 0
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        for kind in ("keys", "values"):
+            coded = self.alloc[kind].coded_groups()
+            n_codes = sum((tokens * size * width + 7) // 8 for _, size, width in coded)
+            side = tokens * len(coded) * 2
+            out[f"{kind}_codes"] = buf[offset:offset + n_codes]
+            offset += n_codes
+            for name in ("shift", "scale"):
+                out[f"{kind}_{name}"] = buf[offset:offset + side].view(torch.float16).reshape(tokens, len(coded))
+                offset += side
+        return out
+
+    def deflate_size(self, data: bytes, level: int = 6) -> int:
+        """Bytes the chunk's payload would take after DEFLATE (for variable-size stores; not used here)."""
+        start = _HEAD.size + DIGEST_BYTES
+        return start + len(zlib.compress(data[start:], level))
+
+
+def _split(chunk: torch.Tensor, shape: ChunkShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keys, values)`` as ``[T, L·W]`` fp32 features (layer-major, as the calibration's)."""
+    if shape.layout == "separate":
+        k, v = chunk[0], chunk[1]
+    else:
+        k, v = chunk[0, ..., :shape.width], chunk[0, ..., shape.width:]
+    flat = lambda x: x.float().permute(1, 0, 2).reshape(shape.tokens, shape.layers * shape.width)  # noqa: E731
+    return flat(k), flat(v)
+
+
+def _join(keys: torch.Tensor, values: torch.Tensor, shape: ChunkShape) -> torch.Tensor:
+    per_layer = lambda x: x.reshape(shape.tokens, shape.layers, shape.width).permute(1, 0, 2)  # noqa: E731
+    k, v = per_layer(keys), per_layer(values)
+    if shape.layout == "separate":
+        return torch.stack([k, v])
+    return torch.cat([k, v], dim=-1)[None]
+
+
+def _reconstruct(coeffs: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, alloc) -> torch.Tensor:
+    """``X = D V_rᵀ + μ`` ``[T, p]``."""
+    return coeffs @ basis[:, :alloc.coded_extent].T + mean

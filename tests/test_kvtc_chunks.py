@@ -1,0 +1,94 @@
+"""kvtc for fixed-size KV chunks (what serving engines store): exact sizes, the same reconstruction as
+kvpack's blob path, both chunk layouts, and refusal of anything corrupted or foreign."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpack.hf.dense import prefill
+from kvpack.storage.kvtc.calibration import CalibrationSettings, calibrate
+from kvpack.storage.kvtc.chunk import ChunkCodec, ChunkError, ChunkShape
+from kvpack.storage.kvtc.coder import compress_cache, decompress_cache
+
+from .helpers import TINY_KVTC_SETTINGS, kv_chunk, tiny_kvtc, tiny_kvtc_chunks, tiny_llama, token_ids
+
+
+@pytest.fixture(scope="module")
+def post_rope():
+    """A tiny model and a calibration of its keys as cached (after RoPE)."""
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=16, layers=2)
+    calib = calibrate(model, None, CalibrationSettings(ratios=(2, 4, 8), key_rope="post", **TINY_KVTC_SETTINGS),
+                      chunks=tiny_kvtc_chunks(), progress=False)
+    return model, calib
+
+
+def test_chunk_reconstruction_is_the_blob_paths_token_for_token(post_rope):
+    """Coding is per token (per-token shift/scale), so a chunk's tokens come back exactly as kvpack's own
+    blob path gives them when it codes every token (no lossless sinks or window)."""
+    model, calib = post_rope
+    ids = token_ids(96)
+    cache = prefill(model, ids)
+    codec = ChunkCodec(calib, 4)
+    chunk = kv_chunk(cache)
+    got = codec.decode(codec.encode(chunk))
+    blob = compress_cache(cache, calib, 4, ids, model=model, backend="none", sinks=0, window=0)
+    restored, _ = decompress_cache(blob, calib, model)
+    torch.testing.assert_close(got, kv_chunk(restored), rtol=0, atol=0)
+    err = float((got - chunk).norm() / chunk.norm())
+    assert 0 < err < 0.5, err  # lossy, and not garbage
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [256, 37])
+def test_size_is_exact_and_data_independent_and_layouts_agree(post_rope, dtype, tokens):
+    _, calib = post_rope
+    codec = ChunkCodec(calib, 8)
+    g = torch.Generator().manual_seed(tokens)
+    for scale in (1e-3, 1.0, 40.0):
+        separate = (torch.randn(2, 2, tokens, 32, generator=g) * scale).to(dtype)
+        fused = torch.cat([separate[0], separate[1]], dim=-1)[None]
+        a, b = codec.encode(separate), codec.encode(fused)
+        assert len(a) == len(b) == codec.serialized_size(ChunkShape.of(separate.shape))
+        back_separate, back_fused = codec.decode(a), codec.decode(b)
+        assert back_separate.dtype == dtype and back_separate.shape == separate.shape
+        assert back_fused.shape == fused.shape
+        torch.testing.assert_close(torch.cat([back_separate[0], back_separate[1]], dim=-1)[None], back_fused,
+                                   rtol=0, atol=0)
+    dense_bf16 = 2 * 2 * tokens * 32 * 2
+    assert codec.payload_size(tokens) <= dense_bf16 / 8  # the ratio is a bound on the coded bytes
+
+
+def test_corrupted_truncated_and_foreign_chunks_are_refused(post_rope):
+    model, calib = post_rope
+    codec = ChunkCodec(calib, 4)
+    cache = prefill(model, token_ids(64))
+    data = codec.encode(kv_chunk(cache))
+    shape = ChunkShape.of(kv_chunk(cache).shape)
+    for at in (0, 40, 70, len(data) // 2, len(data) - 1):
+        bad = bytearray(data)
+        bad[at] ^= 0x10
+        with pytest.raises(ChunkError):
+            codec.decode(bytes(bad), shape)
+    with pytest.raises(ChunkError, match="truncated|shorter"):
+        codec.decode(data[:-5], shape)
+    with pytest.raises(ChunkError, match="at ratio"):
+        ChunkCodec(calib, 8).decode(data, shape)
+    other = calibrate(model, None, CalibrationSettings(ratios=(4,), key_rope="post", seed=1, **TINY_KVTC_SETTINGS),
+                      chunks=tiny_kvtc_chunks(seed=5), progress=False)
+    with pytest.raises(ChunkError, match="made with calibration"):
+        ChunkCodec(other, 4).decode(data, shape)
+    with pytest.raises(ChunkError, match="expects"):
+        codec.decode(data, ChunkShape("separate", 2, 63, 32))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        codec.encode(torch.full((2, 2, 8, 32), float("nan")))
+    with pytest.raises(ValueError, match="does not fit the calibration"):
+        codec.encode(torch.zeros(2, 3, 8, 32))
+    with pytest.raises(ValueError, match="a KV chunk is"):
+        codec.encode(torch.zeros(3, 2, 8, 32))
+
+
+def test_pre_rope_calibration_is_refused_for_chunks():
+    _, calib = tiny_kvtc(ratios=(4,))
+    with pytest.raises(ValueError, match="without their token positions.*--key-rope post"):
+        ChunkCodec(calib, 4)
