@@ -25,11 +25,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from _util import machine  # noqa: E402
-from kvpack.resident.transform import load_calibration  # noqa: E402
 
 from kvpack.generate import generate  # noqa: E402
 from kvpack.hf.models import load_model  # noqa: E402
 from kvpack.prompts import QUESTION, needle_prompt  # noqa: E402
+from kvpack.storage.kvtc.codec import load_calibration  # noqa: E402
 from kvpack.storage.kvtc.coder import compress_cache, decompress_cache  # noqa: E402
 from kvpack.storage.kvtc.session import continue_from_blob, prefill  # noqa: E402
 from kvpack.store.format import Blob  # noqa: E402

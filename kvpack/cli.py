@@ -122,7 +122,7 @@ def _parse_ratios(text: str) -> tuple[float, ...]:
 def cmd_calibrate(args) -> int:
     """kvtc calibration: PCA + DP allocations, written to --out."""
     settings = CalibrationSettings(tokens=args.tokens, chunk_tokens=args.chunk_tokens, pca_dim=args.pca_dim,
-                                   ratios=_parse_ratios(args.ratios), seed=args.seed)
+                                   ratios=_parse_ratios(args.ratios), seed=args.seed, key_rope=args.key_rope)
     model, tokenizer = _load(args.model, args.dtype)
     calib = calibrate(model, tokenizer, settings, progress=not args.quiet)
     calib.save(args.out)
@@ -303,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ratios", default=",".join(f"{r:g}" for r in cal.ratios),
                    help="target ratios to allocate bits for (default %(default)s)")
     c.add_argument("--seed", type=int, default=cal.seed, help="(default %(default)s)")
+    c.add_argument("--key-rope", default=cal.key_rope, choices=("pre", "post"),
+                   help="keys in the PCA before RoPE (the paper; default %(default)s) or as cached (post: for "
+                   "engines' chunks, whose positions are unknown, e.g. the LMCache serde)")
     c.add_argument("--quiet", action="store_true")
     c.set_defaults(func=cmd_calibrate)
 

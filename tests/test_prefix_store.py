@@ -237,6 +237,7 @@ def _reader(url: str, mh: str, cid: str, entries: list, rounds: int, out) -> Non
     out.put((hits, bad))
 
 
+@pytest.mark.slow
 def test_two_writer_processes_and_a_reader_lose_nothing(tiny, redis_url):
     _, calib = tiny
     mh, cid = _keys(calib)
@@ -283,6 +284,7 @@ def _putting_forever(url: str, entries: list, started) -> None:
             store.put(blob, ids)
 
 
+@pytest.mark.slow
 def test_writer_killed_mid_write_leaves_nothing_half_written(tiny, redis_server, redis_url):
     _, calib = tiny
     mh, cid = _keys(calib)

