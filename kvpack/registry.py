@@ -47,3 +47,12 @@ def registered(base: type) -> dict[str, type]:
 
 def unknown_method(name: str, known: list[str]) -> ValueError:
     return ValueError(f"unknown method {name!r}; known methods: {', '.join(sorted(known))}")
+
+
+def resolve(methods: dict[str, type], name: str, config=None):
+    """``(class, config)`` of method ``name`` among ``methods``, a config given as a dict turned into
+    the method's ``Config`` (``ValueError`` for an unknown name or field)."""
+    if name not in methods:
+        raise unknown_method(name, list(methods))
+    cls = methods[name]
+    return cls, cls.Config.from_dict(config) if isinstance(config, dict) else config

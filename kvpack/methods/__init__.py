@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from ..config import MethodConfig
-from ..registry import unknown_method
+from ..registry import resolve
 from ..resident import ResidentCodec, resident_methods
 from ..storage import storage_methods
 from .protocol import GenerationResult, Method, PreparedCache
@@ -27,18 +27,12 @@ def available_methods() -> list[str]:
 
 def method_config_class(name: str) -> type[MethodConfig]:
     """The config dataclass of method ``name`` (``ValueError`` for an unknown name)."""
-    classes = method_classes()
-    if name not in classes:
-        raise unknown_method(name, list(classes))
-    return classes[name].Config
+    return resolve(method_classes(), name)[0].Config
 
 
 def method_takes_budget(name: str) -> bool:
     """Whether method ``name`` takes a byte budget (FullKV does not; ``ValueError`` when unknown)."""
-    classes = method_classes()
-    if name not in classes:
-        raise unknown_method(name, list(classes))
-    return classes[name].budgeted
+    return resolve(method_classes(), name)[0].budgeted
 
 
 def get_method(name: str, config: MethodConfig | dict | None = None, **overrides) -> Method:
@@ -47,11 +41,7 @@ def get_method(name: str, config: MethodConfig | dict | None = None, **overrides
     Raises:
         ValueError: unknown name (the message lists the known ones) or an invalid config field.
     """
-    cls = method_classes().get(name)
-    if cls is None:
-        raise unknown_method(name, available_methods())
-    if isinstance(config, dict):
-        config = cls.Config.from_dict(config)
+    cls, config = resolve(method_classes(), name, config)
     if name in resident_methods():
         return ResidentMethod(ResidentCodec(cls, config, **overrides))
     return StorageMethod(cls(config, **overrides))

@@ -7,7 +7,7 @@ One module per method (``anchor/`` is a package), each registering its store cla
 from __future__ import annotations
 
 from ..config import MethodConfig
-from ..registry import discover, registered, unknown_method
+from ..registry import discover, registered, resolve
 from .base import LayerLayout, LayerStore, ResidentCodec
 
 
@@ -27,12 +27,7 @@ def get_codec(name: str, config: MethodConfig | dict | None = None, **overrides)
     Raises:
         ValueError: unknown name (the message lists the known ones) or invalid config field.
     """
-    methods = resident_methods()
-    if name not in methods:
-        raise unknown_method(name, list(methods))
-    cls = methods[name]
-    if isinstance(config, dict):
-        config = cls.Config.from_dict(config)
+    cls, config = resolve(resident_methods(), name, config)
     return ResidentCodec(cls, config, **overrides)
 
 

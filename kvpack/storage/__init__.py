@@ -7,7 +7,7 @@ One module (or subpackage) per method, each registering its :class:`StorageCodec
 from __future__ import annotations
 
 from ..config import MethodConfig
-from ..registry import discover, registered, unknown_method
+from ..registry import discover, registered, resolve
 from .base import DenseKV, DenseLayer, StorageCodec
 
 
@@ -19,12 +19,7 @@ def storage_methods() -> dict[str, type[StorageCodec]]:
 
 def get_storage_codec(name: str, config: MethodConfig | dict | None = None, **overrides) -> StorageCodec:
     """A registered storage method with its config (``ValueError`` for an unknown name or field)."""
-    methods = storage_methods()
-    if name not in methods:
-        raise unknown_method(name, list(methods))
-    cls = methods[name]
-    if isinstance(config, dict):
-        config = cls.Config.from_dict(config)
+    cls, config = resolve(storage_methods(), name, config)
     return cls(config, **overrides)
 
 
