@@ -63,19 +63,20 @@ def _median(fn, repeats):
 
 
 def fused_chunks(cache, n_chunks: int) -> list[torch.Tensor]:
-    """The cache's first ``n_chunks`` 256-token chunks as vLLM hands them: ``[1, L, 256, 2·H·d]``."""
-    per_layer = lambda x: x[0].permute(1, 0, 2).reshape(x.shape[2], -1)  # noqa: E731 - [T, H*d]
-    k = torch.stack([per_layer(layer.keys) for layer in cache.layers])
-    v = torch.stack([per_layer(layer.values) for layer in cache.layers])
-    kv = torch.cat([k, v], dim=-1)[None]
+    """The cache's first ``n_chunks`` 256-token chunks as LMCache hands vLLM's: ``[1, L, 256, H·2·d]``,
+    per head ``[K | V]`` (vLLM's fused ``NL x [NB, NH, BS, 2·head_size]``)."""
+    per_layer = [torch.stack([layer.keys[0], layer.values[0]], dim=2) for layer in cache.layers]  # [H, T, 2, d]
+    kv = torch.stack([x.permute(1, 0, 2, 3).reshape(x.shape[1], -1) for x in per_layer])[None]  # [1, L, T, H*2*d]
     return [kv[:, :, i * CHUNK:(i + 1) * CHUNK].contiguous() for i in range(n_chunks)]
 
 
 def dense_from_chunks(chunks: list[torch.Tensor], heads: int, head_dim: int) -> DenseKV:
-    kv = torch.cat(chunks, dim=2)[0]  # [L, T, 2W]
-    width = heads * head_dim
-    back = lambda x: x.reshape(x.shape[0], heads, head_dim).permute(1, 0, 2)[None]  # noqa: E731
-    return DenseKV([DenseLayer(back(layer[:, :width]), back(layer[:, width:])) for layer in kv])
+    kv = torch.cat(chunks, dim=2)[0]  # [L, T, H*2*d]
+    layers = []
+    for layer in kv:
+        per_head = layer.reshape(layer.shape[0], heads, 2, head_dim).permute(1, 2, 0, 3)  # [H, 2, T, d]
+        layers.append(DenseLayer(per_head[:, 0][None].contiguous(), per_head[:, 1][None].contiguous()))
+    return DenseKV(layers)
 
 
 class Redis:
@@ -176,6 +177,8 @@ def main() -> None:
     print(f"fp8          {dense // 2:>11,}   {2.0:>9.2f}   {'':>14}        {dense_mb / fp8_enc:>9.0f} "
           f"{dense_mb / fp8_dec:>9.0f}")
     width = heads * head_dim
+    k_part = torch.arange(2 * width).reshape(heads, 2, head_dim)[:, 0].flatten()  # the keys' columns of a row
+    v_part = torch.arange(2 * width).reshape(heads, 2, head_dim)[:, 1].flatten()
     for ratio in calib.ratios():
         codec = ChunkCodec(calib, ratio)
         enc_s, data = _median(lambda: codec.encode(chunk), args.repeats)
@@ -184,8 +187,8 @@ def main() -> None:
         deflated = codec.deflate_size(data)
         err = lambda a, b: float((a.float() - b.float()).pow(2).sum() / b.float().pow(2).sum())  # noqa: E731
         print(f"kvtc {ratio:>4g}x  {stored:>11,}   {dense / stored:>9.2f}   {deflated:>14,}  {dense / deflated:>5.2f}"
-              f"  {dense_mb / enc_s:>9.1f} {dense_mb / dec_s:>9.1f}  {err(back[..., :width], chunk[..., :width]):>9.4f}"
-              f"  {err(back[..., width:], chunk[..., width:]):>9.4f}")
+              f"  {dense_mb / enc_s:>9.1f} {dense_mb / dec_s:>9.1f}  {err(back[..., k_part], chunk[..., k_part]):>9.4f}"
+              f"  {err(back[..., v_part], chunk[..., v_part]):>9.4f}")
     print("(kvtc bytes/chunk: the serde's fixed size rounded up to 4096 for the Redis adapter; unrounded "
           f"{ChunkCodec(calib, calib.ratios()[0]).serialized_size(ChunkShape.of(chunk.shape)):,} at the first ratio)")
 

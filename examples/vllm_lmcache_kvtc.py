@@ -97,8 +97,10 @@ def vllm_child(model_dir: str, lmcache_port: int, jobs_file: str, out_file: str)
     from vllm.config import KVTransferConfig
 
     start = time.perf_counter()
+    # On the CPU backend gpu_memory_utilization is the share of the machine's memory vLLM reserves (its
+    # default, 0.92, is refused beside LMCache's and Redis' memory); 0.2 holds SmolLM2's cache easily.
     llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=4096,
-              kv_transfer_config=KVTransferConfig(
+              gpu_memory_utilization=0.2, kv_transfer_config=KVTransferConfig(
                   kv_connector="LMCacheMPConnector", kv_role="kv_both",
                   kv_connector_extra_config={"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": lmcache_port}))
     load_s = time.perf_counter() - start
@@ -134,6 +136,8 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=16.0)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--workdir", default=None, help="logs and job files (default: a temporary directory)")
+    parser.add_argument("--model-dir", default=None,
+                        help="SmolLM2 as a Hugging Face directory (default: kvpack's converted copy)")
     args = parser.parse_args()
 
     import redis
@@ -148,12 +152,14 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     calib = load_calibration(args.calibration)
     codec = ChunkCodec(calib, args.ratio)  # refuses a pre-RoPE calibration or an uncalibrated ratio now
-    model_dir = str(model_directory("smollm2"))
-    tok = load_tokenizer("smollm2")
+    model_dir = args.model_dir or str(model_directory("smollm2"))
+    tok = load_tokenizer(model_dir)
     text, answer = needle_prompt(tok, args.tokens, depth=0.4, seed=11)
     haystack = text[: text.index(QUESTION)]
     other, _ = needle_prompt(tok, args.tokens, depth=0.6, seed=12)
-    other_haystack = other[: other.index(QUESTION)]
+    # A different first sentence: LMCache's chunk keys chain from the first token, so nothing of this
+    # haystack is cached (the needle haystacks share their filler).
+    other_haystack = "Notes from another day, kept for a different reader.\n" + other[: other.index(QUESTION)]
     print(f"model {model_dir}\nhaystack {len(tok(haystack).input_ids)} tokens, needle {answer}; kvtc {args.ratio:g}x, "
           f"calibration {calib.calibration_id} (post-RoPE)\nworkdir {workdir}", flush=True)
 
@@ -191,7 +197,7 @@ def main() -> None:
             stop(p)
 
     layers, width = len(calib.layers), calib.kv_heads * calib.head_dim
-    shape = ChunkShape("fused", layers, CHUNK, width)
+    shape = ChunkShape("fused_heads", layers, CHUNK, width)
     dense_chunk = 2 * layers * CHUNK * width * 2
     hits = [line for line in log2.splitlines() if "retained keys" in line and " L2)" in line]
     res = {r["name"]: r for r in second["results"]}

@@ -8,7 +8,7 @@ import torch
 
 from kvpack.hf.dense import prefill
 from kvpack.storage.kvtc.calibration import CalibrationSettings, calibrate
-from kvpack.storage.kvtc.chunk import ChunkCodec, ChunkError, ChunkShape
+from kvpack.storage.kvtc.chunk import DIGEST_BYTES, HEADER_BYTES, ChunkCodec, ChunkError, ChunkShape
 from kvpack.storage.kvtc.coder import compress_cache, decompress_cache
 
 from .helpers import TINY_KVTC_SETTINGS, kv_chunk, tiny_kvtc, tiny_kvtc_chunks, tiny_llama, token_ids
@@ -39,22 +39,36 @@ def test_chunk_reconstruction_is_the_blob_paths_token_for_token(post_rope):
     assert 0 < err < 0.5, err  # lossy, and not garbage
 
 
+def fused(separate: torch.Tensor, order: str, head_dim: int = 16) -> torch.Tensor:
+    """``[2, L, T, W]`` as a fused ``[1, L, T, 2W]`` chunk: per head ``[K | V]`` or ``[all K | all V]``."""
+    if order == "halves":
+        return torch.cat([separate[0], separate[1]], dim=-1)[None]
+    L, T, W = separate.shape[1:]
+    per_head = separate.reshape(2, L, T, W // head_dim, head_dim).permute(1, 2, 3, 0, 4)  # [L, T, H, 2, d]
+    return per_head.reshape(1, L, T, 2 * W)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens", [256, 37])
 def test_size_is_exact_and_data_independent_and_layouts_agree(post_rope, dtype, tokens):
     _, calib = post_rope
-    codec = ChunkCodec(calib, 8)
     g = torch.Generator().manual_seed(tokens)
-    for scale in (1e-3, 1.0, 40.0):
-        separate = (torch.randn(2, 2, tokens, 32, generator=g) * scale).to(dtype)
-        fused = torch.cat([separate[0], separate[1]], dim=-1)[None]
-        a, b = codec.encode(separate), codec.encode(fused)
-        assert len(a) == len(b) == codec.serialized_size(ChunkShape.of(separate.shape))
-        back_separate, back_fused = codec.decode(a), codec.decode(b)
-        assert back_separate.dtype == dtype and back_separate.shape == separate.shape
-        assert back_fused.shape == fused.shape
-        torch.testing.assert_close(torch.cat([back_separate[0], back_separate[1]], dim=-1)[None], back_fused,
-                                   rtol=0, atol=0)
+    for order in ("heads", "halves"):
+        codec = ChunkCodec(calib, 8, fused_order=order)
+        for scale in (1e-3, 1.0, 40.0):
+            separate = (torch.randn(2, 2, tokens, 32, generator=g) * scale).to(dtype)
+            a, b = codec.encode(separate), codec.encode(fused(separate, order))
+            assert len(a) == len(b) == codec.serialized_size(codec.shape_of(separate.shape))
+            start = HEADER_BYTES + DIGEST_BYTES
+            assert a[start:] == b[start:] and a[:start] != b[:start]  # the same codes; the header says which layout
+            back_separate, back_fused = codec.decode(a), codec.decode(b)
+            assert back_separate.dtype == dtype and back_separate.shape == separate.shape
+            torch.testing.assert_close(fused(back_separate, order), back_fused, rtol=0, atol=0)
+    # The two fused orders are different readings of the same bytes: mixing them up is not silent.
+    separate = torch.randn(2, 2, tokens, 32, generator=g)
+    heads, halves = ChunkCodec(calib, 8, "heads"), ChunkCodec(calib, 8, "halves")
+    with pytest.raises(ChunkError, match="expects"):
+        halves.decode(heads.encode(fused(separate, "heads")), halves.shape_of((1, 2, tokens, 64)))
     dense_bf16 = 2 * 2 * tokens * 32 * 2
     assert codec.payload_size(tokens) <= dense_bf16 / 8  # the ratio is a bound on the coded bytes
 
@@ -64,7 +78,7 @@ def test_corrupted_truncated_and_foreign_chunks_are_refused(post_rope):
     codec = ChunkCodec(calib, 4)
     cache = prefill(model, token_ids(64))
     data = codec.encode(kv_chunk(cache))
-    shape = ChunkShape.of(kv_chunk(cache).shape)
+    shape = codec.shape_of(kv_chunk(cache).shape)
     for at in (0, 40, 70, len(data) // 2, len(data) - 1):
         bad = bytearray(data)
         bad[at] ^= 0x10

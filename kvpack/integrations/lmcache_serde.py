@@ -7,8 +7,9 @@ server through ``python -m kvpack.integrations.lmcache_server`` (same arguments 
 server``), which imports it first.
 
 * Layouts: LMCache hands a chunk as ``[2, layers, tokens, kv_heads·head_dim]`` (separate K and V) or,
-  from vLLM, ``[1, layers, tokens, 2·kv_heads·head_dim]`` (fused K|V); both are coded
-  (:mod:`kvpack.storage.kvtc.chunk`).
+  from vLLM, ``[1, layers, tokens, 2·kv_heads·head_dim]`` (fused; per head ``[K | V]``, vLLM's
+  ``NL x [NB, NH, BS, 2·head_size]`` — ``"fused_order": "halves"`` reads ``[all K | all V]``); all are
+  coded (:mod:`kvpack.storage.kvtc.chunk`).
 * Positions: the serde sees chunk keys (content hashes), not token positions, so this path uses a
   calibration of keys as cached (``kvpack calibrate --key-rope post``); a pre-RoPE calibration is
   refused when the serde is built.
@@ -34,7 +35,7 @@ from lmcache.v1.distributed.serde.base import Deserializer, SerdeProcessor, Seri
 from lmcache.v1.distributed.serde.factory import get_registered_serde_types, register_serde_factory
 from lmcache.v1.memory_management import MemoryObj
 
-from ..storage.kvtc.chunk import ChunkCodec, ChunkShape
+from ..storage.kvtc.chunk import ChunkCodec
 from ..storage.kvtc.codec import load_calibration
 
 SERDE_NAME = "kvtc"
@@ -54,7 +55,7 @@ class KvtcChunkSerializer(Serializer):
     def estimate_serialized_size(self, layout_desc: MemoryLayoutDesc) -> int:
         if len(layout_desc.shapes) != 1:
             raise ValueError(f"the kvtc serde codes one KV tensor per chunk, got {len(layout_desc.shapes)}")
-        shape = ChunkShape.of(tuple(layout_desc.shapes[0]))
+        shape = self.codec.shape_of(tuple(layout_desc.shapes[0]))
         self.codec.check_shape(shape)
         return _aligned(self.codec.serialized_size(shape), self.align)
 
@@ -80,7 +81,7 @@ class KvtcChunkDeserializer(Deserializer):
     def deserialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> None:
         if src.tensor is None or dst.tensor is None:
             raise ValueError("the kvtc serde needs src and dst to have tensors")
-        shape = ChunkShape.of(tuple(dst.tensor.shape))
+        shape = self.codec.shape_of(tuple(dst.tensor.shape))
         n = self.codec.serialized_size(shape)
         data = src.tensor.view(torch.uint8).flatten()[:n].cpu().numpy().tobytes()
         dst.tensor.copy_(self.codec.decode(data, shape, dtype=dst.tensor.dtype))
@@ -88,14 +89,17 @@ class KvtcChunkDeserializer(Deserializer):
 
 def build_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     """LMCache serde factory: ``calibration`` (directory, required), ``ratio`` (default 16),
-    ``align`` (bytes, default 4096), ``max_workers`` (default 1)."""
-    unknown = sorted(set(kwargs) - {"calibration", "ratio", "align", "max_workers"})
+    ``fused_order`` (``heads``, vLLM's, default; or ``halves``), ``align`` (bytes, default 4096),
+    ``max_workers`` (default 1)."""
+    known = {"calibration", "ratio", "fused_order", "align", "max_workers"}
+    unknown = sorted(set(kwargs) - known)
     if unknown:
-        raise ValueError(f"kvtc serde: unknown option(s) {unknown}; known: calibration, ratio, align, max_workers")
+        raise ValueError(f"kvtc serde: unknown option(s) {unknown}; known: {', '.join(sorted(known))}")
     if not isinstance(kwargs.get("calibration"), str):
         raise ValueError('kvtc serde: "calibration" (a directory written by `kvpack calibrate --key-rope post`) '
                          "is required")
-    codec = ChunkCodec(load_calibration(kwargs["calibration"]), float(kwargs.get("ratio", 16)))
+    codec = ChunkCodec(load_calibration(kwargs["calibration"]), float(kwargs.get("ratio", 16)),
+                       fused_order=str(kwargs.get("fused_order", "heads")))
     align = int(kwargs.get("align", DEFAULT_ALIGN))
     if align < 1:
         raise ValueError(f"kvtc serde: align must be >= 1, got {align}")

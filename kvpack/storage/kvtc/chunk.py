@@ -1,7 +1,11 @@
 """kvtc for fixed-size KV chunks, as serving engines store them (LMCache: all layers of 256 tokens).
 
-A chunk is ``[2, L, T, W]`` (keys and values separate) or ``[1, L, T, 2W]`` (vLLM's fused K|V last
-dimension), with ``L`` layers, ``T`` tokens and ``W = kv_heads · head_dim``. Every token of the chunk
+A chunk is ``[2, L, T, W]`` (keys and values separate) or ``[1, L, T, 2W]`` (K and V fused in the last
+dimension), with ``L`` layers, ``T`` tokens and ``W = kv_heads · head_dim``. A fused row is laid out
+either per head, ``[h0: K d | V d, h1: K | V, ...]`` (``fused_heads``: vLLM's blocks-first fused
+layout ``NL x [NB, NH, BS, 2·head_size]``, which LMCache copies token by token), or in halves,
+``[K of every head | V of every head]`` (``fused_halves``); the shape cannot tell them apart, so
+the codec is told (``fused_order``). Every token of the chunk
 is coded — a chunk has no attention sinks or recent window of its own — with the calibration's PCA
 basis and the bit allocation of one calibrated ratio: ``D = (X − μ) V``, each coded group of
 coefficients quantized at its width with an fp16 shift and scale per token, bit-packed
@@ -39,11 +43,13 @@ from .coder import decode_coefficients, encode_coefficients
 
 MAGIC = b"KVTCCHK\x00"
 VERSION = 1
-LAYOUTS = ("separate", "fused")  # [2, L, T, W] | [1, L, T, 2W]
+LAYOUTS = ("separate", "fused_halves", "fused_heads")  # [2, L, T, W] | [1, L, T, 2W] two ways
+FUSED_ORDERS = ("heads", "halves")
 DTYPES = {0: torch.bfloat16, 1: torch.float16, 2: torch.float32}
 DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
 # magic, version, layout, dtype, layers, tokens, width, calibration id (ascii), ratio key (ascii), payload bytes
 _HEAD = struct.Struct("<8sHBBHII32s8sI")
+HEADER_BYTES = _HEAD.size
 DIGEST_BYTES = 32
 SECTIONS = ("keys_codes", "keys_shift", "keys_scale", "values_codes", "values_shift", "values_scale")
 
@@ -54,7 +60,7 @@ class ChunkError(BlobError):
 
 @dataclass(frozen=True)
 class ChunkShape:
-    """Geometry of one chunk: ``layout`` (``separate`` / ``fused``), layers, tokens, per-layer width."""
+    """Geometry of one chunk: ``layout`` (one of :data:`LAYOUTS`), layers, tokens, per-layer width."""
 
     layout: str
     layers: int
@@ -62,8 +68,9 @@ class ChunkShape:
     width: int
 
     @classmethod
-    def of(cls, shape: tuple[int, ...] | torch.Size) -> ChunkShape:
-        """The geometry of a KV chunk tensor shape (``ValueError`` for anything else)."""
+    def of(cls, shape: tuple[int, ...] | torch.Size, fused_order: str = "heads") -> ChunkShape:
+        """The geometry of a KV chunk tensor shape, a fused one read in ``fused_order`` (``ValueError``
+        for anything else)."""
         if len(shape) != 4 or shape[0] not in (1, 2):
             raise ValueError(f"a KV chunk is [2, layers, tokens, width] or [1, layers, tokens, 2*width], "
                              f"got {list(shape)}")
@@ -71,7 +78,9 @@ class ChunkShape:
             return cls("separate", shape[1], shape[2], shape[3])
         if shape[3] % 2:
             raise ValueError(f"a fused K|V chunk has an even last dimension, got {list(shape)}")
-        return cls("fused", shape[1], shape[2], shape[3] // 2)
+        if fused_order not in FUSED_ORDERS:
+            raise ValueError(f"fused_order must be one of {FUSED_ORDERS}, got {fused_order!r}")
+        return cls(f"fused_{fused_order}", shape[1], shape[2], shape[3] // 2)
 
     @property
     def tensor_shape(self) -> tuple[int, int, int, int]:
@@ -86,9 +95,14 @@ class ChunkCodec:
     Args:
         calibration: a calibration with post-RoPE key features that covers every layer of a chunk.
         ratio: one of the calibration's ratios.
+        fused_order: how a fused ``[1, L, T, 2W]`` chunk is laid out: ``heads`` (default, vLLM's) or
+            ``halves`` (see the module doc).
     """
 
-    def __init__(self, calibration: Calibration, ratio: float):
+    def __init__(self, calibration: Calibration, ratio: float, fused_order: str = "heads"):
+        if fused_order not in FUSED_ORDERS:
+            raise ValueError(f"fused_order must be one of {FUSED_ORDERS}, got {fused_order!r}")
+        self.fused_order = fused_order
         if calibration.key_rope != "post":
             raise ValueError(
                 "chunks come without their token positions, so their keys cannot be rotated back before RoPE: "
@@ -106,6 +120,10 @@ class ChunkCodec:
         self._sizes: dict[int, int] = {}
 
     # -- geometry ------------------------------------------------------------------------------
+
+    def shape_of(self, shape: tuple[int, ...] | torch.Size) -> ChunkShape:
+        """The geometry of a chunk tensor shape as this codec reads it."""
+        return ChunkShape.of(shape, self.fused_order)
 
     def check_shape(self, shape: ChunkShape) -> None:
         if shape.layers != self.layers or shape.width != self.width:
@@ -132,11 +150,11 @@ class ChunkCodec:
 
     def encode(self, chunk: torch.Tensor) -> bytes:
         """``chunk`` (see the module doc; bf16, fp16 or fp32) → exactly :meth:`serialized_size` bytes."""
-        shape = ChunkShape.of(chunk.shape)
+        shape = self.shape_of(chunk.shape)
         self.check_shape(shape)
         if chunk.dtype not in DTYPE_CODES:
             raise ValueError(f"a KV chunk must be bfloat16, float16 or float32, got {chunk.dtype}")
-        keys, values = _split(chunk.detach().to("cpu"), shape)  # [T, L*W] each, fp32
+        keys, values = _split(chunk.detach().to("cpu"), shape, self.calibration.head_dim)  # [T, L*W] fp32
         if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
             raise ValueError("the chunk contains NaN or Inf")
         cal = self.calibration
@@ -191,7 +209,7 @@ class ChunkCodec:
                             self.calibration.key_mean, self.calibration.key_basis, self.alloc["keys"])
         values = _reconstruct(decode_coefficients(sections.__getitem__, self.alloc["values"], "values", tokens),
                               self.calibration.value_mean, self.calibration.value_basis, self.alloc["values"])
-        return _join(keys, values, found).to(dtype or DTYPES[dtype_code])
+        return _join(keys, values, found, self.calibration.head_dim).to(dtype or DTYPES[dtype_code])
 
     def _sections(self, payload: bytes, tokens: int) -> dict[str, torch.Tensor]:
         out, offset = {}, 0
@@ -213,22 +231,29 @@ class ChunkCodec:
         return start + len(zlib.compress(data[start:], level))
 
 
-def _split(chunk: torch.Tensor, shape: ChunkShape) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(keys, values)`` as ``[T, L·W]`` fp32 features (layer-major, as the calibration's)."""
+def _split(chunk: torch.Tensor, shape: ChunkShape, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keys, values)`` as ``[T, L·W]`` fp32 features (layer-major, then head-major, as the calibration's)."""
     if shape.layout == "separate":
         k, v = chunk[0], chunk[1]
-    else:
+    elif shape.layout == "fused_halves":
         k, v = chunk[0, ..., :shape.width], chunk[0, ..., shape.width:]
+    else:  # fused_heads: [L, T, H, 2, d]
+        per_head = chunk[0].reshape(shape.layers, shape.tokens, shape.width // head_dim, 2, head_dim)
+        k, v = (per_head[..., i, :].reshape(shape.layers, shape.tokens, shape.width) for i in (0, 1))
     flat = lambda x: x.float().permute(1, 0, 2).reshape(shape.tokens, shape.layers * shape.width)  # noqa: E731
     return flat(k), flat(v)
 
 
-def _join(keys: torch.Tensor, values: torch.Tensor, shape: ChunkShape) -> torch.Tensor:
+def _join(keys: torch.Tensor, values: torch.Tensor, shape: ChunkShape, head_dim: int) -> torch.Tensor:
     per_layer = lambda x: x.reshape(shape.tokens, shape.layers, shape.width).permute(1, 0, 2)  # noqa: E731
     k, v = per_layer(keys), per_layer(values)
     if shape.layout == "separate":
         return torch.stack([k, v])
-    return torch.cat([k, v], dim=-1)[None]
+    if shape.layout == "fused_halves":
+        return torch.cat([k, v], dim=-1)[None]
+    heads = shape.width // head_dim
+    split = lambda x: x.reshape(shape.layers, shape.tokens, heads, head_dim)  # noqa: E731
+    return torch.stack([split(k), split(v)], dim=3).reshape(1, shape.layers, shape.tokens, 2 * shape.width)
 
 
 def _reconstruct(coeffs: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, alloc) -> torch.Tensor:
