@@ -29,7 +29,7 @@ def test_chunk_reconstruction_is_the_blob_paths_token_for_token(post_rope):
     model, calib = post_rope
     ids = token_ids(96)
     cache = prefill(model, ids)
-    codec = ChunkCodec(calib, 4)
+    codec = ChunkCodec(calib, 4, exact_tokens=0)
     chunk = kv_chunk(cache)
     got = codec.decode(codec.encode(chunk))
     blob = compress_cache(cache, calib, 4, ids, model=model, backend="none", sinks=0, window=0)
@@ -58,7 +58,7 @@ def test_size_is_exact_and_data_independent_and_layouts_agree(post_rope, dtype, 
         for scale in (1e-3, 1.0, 40.0):
             separate = (torch.randn(2, 2, tokens, 32, generator=g) * scale).to(dtype)
             a, b = codec.encode(separate), codec.encode(fused(separate, order))
-            assert len(a) == len(b) == codec.serialized_size(codec.shape_of(separate.shape))
+            assert len(a) == len(b) == codec.serialized_size(codec.shape_of(separate.shape), dtype)
             start = HEADER_BYTES + DIGEST_BYTES
             assert a[start:] == b[start:] and a[:start] != b[:start]  # the same codes; the header says which layout
             back_separate, back_fused = codec.decode(a), codec.decode(b)
@@ -70,7 +70,27 @@ def test_size_is_exact_and_data_independent_and_layouts_agree(post_rope, dtype, 
     with pytest.raises(ChunkError, match="expects"):
         halves.decode(heads.encode(fused(separate, "heads")), halves.shape_of((1, 2, tokens, 64)))
     dense_bf16 = 2 * 2 * tokens * 32 * 2
-    assert codec.payload_size(tokens) <= dense_bf16 / 8  # the ratio is a bound on the coded bytes
+    assert codec.coded_size(tokens) <= dense_bf16 / 8  # the ratio is a bound on the coded bytes
+    exact = min(4, tokens)
+    assert codec.payload_size(tokens, dtype) == codec.coded_size(tokens) + exact * (2 + 2 * 2 * 32 * dtype.itemsize)
+
+
+@pytest.mark.parametrize("exact", [1, 4, 9])
+def test_worst_coded_tokens_are_kept_exactly(post_rope, exact):
+    """The exact tokens are the ones the coding reconstructs worst; they come back bit for bit and
+    everything else as without them."""
+    model, calib = post_rope
+    chunk = kv_chunk(prefill(model, token_ids(80, seed=4))).bfloat16()
+    plain = ChunkCodec(calib, 8, exact_tokens=0)
+    coded = plain.decode(plain.encode(chunk))
+    error = (coded.float() - chunk.float()).square().sum(dim=(0, 1, 3))  # per token
+    worst = set(error.topk(exact).indices.tolist())
+    codec = ChunkCodec(calib, 8, exact_tokens=exact)
+    back = codec.decode(codec.encode(chunk))
+    for t in range(chunk.shape[2]):
+        expected = chunk[:, :, t] if t in worst else coded[:, :, t]
+        torch.testing.assert_close(back[:, :, t], expected, rtol=0, atol=0)
+    assert len(codec.encode(chunk)) == codec.serialized_size(codec.shape_of(chunk.shape), torch.bfloat16)
 
 
 def test_corrupted_truncated_and_foreign_chunks_are_refused(post_rope):
@@ -88,6 +108,8 @@ def test_corrupted_truncated_and_foreign_chunks_are_refused(post_rope):
         codec.decode(data[:-5], shape)
     with pytest.raises(ChunkError, match="at ratio"):
         ChunkCodec(calib, 8).decode(data, shape)
+    with pytest.raises(ChunkError, match="exact tokens"):
+        ChunkCodec(calib, 4, exact_tokens=2).decode(data, shape)
     other = calibrate(model, None, CalibrationSettings(ratios=(4,), key_rope="post", seed=1, **TINY_KVTC_SETTINGS),
                       chunks=tiny_kvtc_chunks(seed=5), progress=False)
     with pytest.raises(ChunkError, match="made with calibration"):

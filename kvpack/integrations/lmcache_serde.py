@@ -13,6 +13,9 @@ server``), which imports it first.
 * Positions: the serde sees chunk keys (content hashes), not token positions, so this path uses a
   calibration of keys as cached (``kvpack calibrate --key-rope post``); a pre-RoPE calibration is
   refused when the serde is built.
+* Attention sinks: a chunk does not know whether it starts the sequence, so each keeps its
+  ``exact_tokens`` worst-coded tokens exactly (default 4, the paper's sink count); in a first chunk
+  that is the attention sink, without which retrieval fails (docs/kvtc.md).
 * Fixed size: LMCache's multiprocess path wants the serialized size to equal the estimate; kvtc's
   chunk size depends only on the token count and the allocation, so the estimate is exact. It is
   rounded up to ``align`` bytes (default 4096, which the native Redis ``resp`` adapter needs) and
@@ -57,7 +60,7 @@ class KvtcChunkSerializer(Serializer):
             raise ValueError(f"the kvtc serde codes one KV tensor per chunk, got {len(layout_desc.shapes)}")
         shape = self.codec.shape_of(tuple(layout_desc.shapes[0]))
         self.codec.check_shape(shape)
-        return _aligned(self.codec.serialized_size(shape), self.align)
+        return _aligned(self.codec.serialized_size(shape, layout_desc.dtypes[0]), self.align)
 
     def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
         if src.tensor is None or dst.tensor is None:
@@ -82,16 +85,16 @@ class KvtcChunkDeserializer(Deserializer):
         if src.tensor is None or dst.tensor is None:
             raise ValueError("the kvtc serde needs src and dst to have tensors")
         shape = self.codec.shape_of(tuple(dst.tensor.shape))
-        n = self.codec.serialized_size(shape)
+        n = self.codec.serialized_size(shape, dst.tensor.dtype)
         data = src.tensor.view(torch.uint8).flatten()[:n].cpu().numpy().tobytes()
         dst.tensor.copy_(self.codec.decode(data, shape, dtype=dst.tensor.dtype))
 
 
 def build_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     """LMCache serde factory: ``calibration`` (directory, required), ``ratio`` (default 16),
-    ``fused_order`` (``heads``, vLLM's, default; or ``halves``), ``align`` (bytes, default 4096),
-    ``max_workers`` (default 1)."""
-    known = {"calibration", "ratio", "fused_order", "align", "max_workers"}
+    ``fused_order`` (``heads``, vLLM's, default; or ``halves``), ``exact_tokens`` (default 4),
+    ``align`` (bytes, default 4096), ``max_workers`` (default 1)."""
+    known = {"calibration", "ratio", "fused_order", "exact_tokens", "align", "max_workers"}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise ValueError(f"kvtc serde: unknown option(s) {unknown}; known: {', '.join(sorted(known))}")
@@ -99,7 +102,8 @@ def build_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
         raise ValueError('kvtc serde: "calibration" (a directory written by `kvpack calibrate --key-rope post`) '
                          "is required")
     codec = ChunkCodec(load_calibration(kwargs["calibration"]), float(kwargs.get("ratio", 16)),
-                       fused_order=str(kwargs.get("fused_order", "heads")))
+                       fused_order=str(kwargs.get("fused_order", "heads")),
+                       exact_tokens=int(kwargs.get("exact_tokens", 4)))
     align = int(kwargs.get("align", DEFAULT_ALIGN))
     if align < 1:
         raise ValueError(f"kvtc serde: align must be >= 1, got {align}")

@@ -9,7 +9,11 @@ the codec is told (``fused_order``). Every token of the chunk
 is coded — a chunk has no attention sinks or recent window of its own — with the calibration's PCA
 basis and the bit allocation of one calibrated ratio: ``D = (X − μ) V``, each coded group of
 coefficients quantized at its width with an fp16 shift and scale per token, bit-packed
-(:func:`kvpack.storage.kvtc.coder.encode_coefficients`).
+(:func:`kvpack.storage.kvtc.coder.encode_coefficients`). The paper keeps the first 4 tokens (attention
+sinks) and the last 128 lossless by position; a chunk knows neither, so it keeps ``exact_tokens``
+tokens (default 4) exactly — those the coding reconstructs worst, which in a sequence's first chunk
+is the attention sink (coding it breaks needle retrieval at every ratio on SmolLM2; keeping it
+restores it: docs/kvtc.md).
 
 Positions: an engine hands over chunks by content hash, without their positions in the sequence, so
 keys cannot be rotated back to pre-RoPE. This path therefore needs a calibration made on keys as
@@ -17,10 +21,11 @@ cached (``CalibrationSettings(key_rope="post")``, ``kvpack calibrate --key-rope 
 calibration is refused. ``benchmarks/bench_kvtc_chunks.py`` measures the two side by side on
 kvpack's own path, where positions are known.
 
-Size: the serialized size depends only on ``T`` and the allocation (bit streams and fp16 side
-information have fixed lengths), never on the data: :meth:`ChunkCodec.serialized_size` is exact, as
-LMCache's multiprocess path requires. There is no entropy coder here (its output size would vary);
-``deflate_size`` reports what DEFLATE would add for a variable-size store.
+Size: the serialized size depends only on ``T``, the dtype and the allocation (bit streams, fp16
+side information and the exact tokens have fixed lengths), never on the data:
+:meth:`ChunkCodec.serialized_size` is exact, as LMCache's multiprocess path requires. There is no
+entropy coder here (its output size would vary); ``deflate_size`` reports what DEFLATE would give a
+variable-size store.
 
 Format: a fixed header — magic, version, layout, dtype, layers, tokens, width, the calibration id,
 the ratio, the payload length and a SHA-256 of header and payload — then the sections in a fixed
@@ -47,8 +52,9 @@ LAYOUTS = ("separate", "fused_halves", "fused_heads")  # [2, L, T, W] | [1, L, T
 FUSED_ORDERS = ("heads", "halves")
 DTYPES = {0: torch.bfloat16, 1: torch.float16, 2: torch.float32}
 DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
-# magic, version, layout, dtype, layers, tokens, width, calibration id (ascii), ratio key (ascii), payload bytes
-_HEAD = struct.Struct("<8sHBBHII32s8sI")
+# magic, version, layout, dtype, layers, tokens, width, exact tokens, calibration id (ascii), ratio key (ascii),
+# payload bytes
+_HEAD = struct.Struct("<8sHBBHIIH32s8sI")
 HEADER_BYTES = _HEAD.size
 DIGEST_BYTES = 32
 SECTIONS = ("keys_codes", "keys_shift", "keys_scale", "values_codes", "values_shift", "values_scale")
@@ -97,12 +103,18 @@ class ChunkCodec:
         ratio: one of the calibration's ratios.
         fused_order: how a fused ``[1, L, T, 2W]`` chunk is laid out: ``heads`` (default, vLLM's) or
             ``halves`` (see the module doc).
+        exact_tokens: tokens of each chunk kept exactly, in the chunk's dtype (default 4, the
+            paper's count of attention sinks; 0 = none). A chunk does not know its position, so they
+            are the tokens that PCA coding reconstructs worst (largest squared error over all layers'
+            keys and values): in a sequence's first chunk the attention sink, whose coding alone
+            breaks retrieval (measured in docs/kvtc.md).
     """
 
-    def __init__(self, calibration: Calibration, ratio: float, fused_order: str = "heads"):
+    def __init__(self, calibration: Calibration, ratio: float, fused_order: str = "heads", exact_tokens: int = 4):
         if fused_order not in FUSED_ORDERS:
             raise ValueError(f"fused_order must be one of {FUSED_ORDERS}, got {fused_order!r}")
-        self.fused_order = fused_order
+        if isinstance(exact_tokens, bool) or not isinstance(exact_tokens, int) or not 0 <= exact_tokens <= 4096:
+            raise ValueError(f"exact_tokens must be an integer in [0, 4096], got {exact_tokens!r}")
         if calibration.key_rope != "post":
             raise ValueError(
                 "chunks come without their token positions, so their keys cannot be rotated back before RoPE: "
@@ -111,13 +123,13 @@ class ChunkCodec:
         if calibration.layers != list(range(len(calibration.layers))):
             raise ValueError(f"kvtc chunks need every layer to be a full-attention layer the calibration covers; "
                              f"it covers layers {calibration.layers}")
+        self.fused_order, self.exact_tokens = fused_order, exact_tokens
         self.calibration = calibration
         self.ratio = float(ratio)
         self.alloc = calibration.allocation(ratio)
         self.width = calibration.kv_heads * calibration.head_dim
         self.layers = len(calibration.layers)
         self._ids = (calibration.calibration_id.encode("ascii")[:32], ratio_key(ratio).encode("ascii")[:8])
-        self._sizes: dict[int, int] = {}
 
     # -- geometry ------------------------------------------------------------------------------
 
@@ -131,20 +143,27 @@ class ChunkCodec:
                 f"a chunk of {shape.layers} layers x {shape.width} per token does not fit the calibration "
                 f"({self.layers} layers x {self.calibration.kv_heads} KV heads x {self.calibration.head_dim})")
 
-    def payload_size(self, tokens: int) -> int:
-        """Bytes of the sections for ``tokens`` tokens (exact, data-independent)."""
-        if tokens not in self._sizes:
-            total = 0
-            for kind in ("keys", "values"):
-                coded = self.alloc[kind].coded_groups()
-                total += sum((tokens * size * width + 7) // 8 for _, size, width in coded)
-                total += 2 * tokens * len(coded) * 2  # fp16 shift and scale per token and group
-            self._sizes[tokens] = total
-        return self._sizes[tokens]
+    def _exact(self, tokens: int) -> int:
+        return min(self.exact_tokens, tokens)
 
-    def serialized_size(self, shape: ChunkShape) -> int:
-        """The exact serialized size of a chunk of this geometry."""
-        return _HEAD.size + DIGEST_BYTES + self.payload_size(shape.tokens)
+    def coded_size(self, tokens: int) -> int:
+        """Bytes of the PCA-coded sections for ``tokens`` tokens (exact, data-independent)."""
+        total = 0
+        for kind in ("keys", "values"):
+            coded = self.alloc[kind].coded_groups()
+            total += sum((tokens * size * width + 7) // 8 for _, size, width in coded)
+            total += 2 * tokens * len(coded) * 2  # fp16 shift and scale per token and group
+        return total
+
+    def payload_size(self, tokens: int, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes after the header: the coded sections, then the exact tokens (int16 index, keys and
+        values of every layer in ``dtype``)."""
+        exact = self._exact(tokens)
+        return self.coded_size(tokens) + exact * (2 + 2 * self.layers * self.width * dtype.itemsize)
+
+    def serialized_size(self, shape: ChunkShape, dtype: torch.dtype = torch.bfloat16) -> int:
+        """The exact serialized size of a chunk of this geometry and dtype."""
+        return _HEAD.size + DIGEST_BYTES + self.payload_size(shape.tokens, dtype)
 
     # -- coding --------------------------------------------------------------------------------
 
@@ -154,22 +173,33 @@ class ChunkCodec:
         self.check_shape(shape)
         if chunk.dtype not in DTYPE_CODES:
             raise ValueError(f"a KV chunk must be bfloat16, float16 or float32, got {chunk.dtype}")
-        keys, values = _split(chunk.detach().to("cpu"), shape, self.calibration.head_dim)  # [T, L*W] fp32
+        chunk = chunk.detach().to("cpu")
+        keys, values = _split(chunk, shape, self.calibration.head_dim)  # [T, L*W] fp32
         if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
             raise ValueError("the chunk contains NaN or Inf")
         cal = self.calibration
         sections = {**encode_coefficients(keys, cal.key_mean, cal.key_basis, self.alloc["keys"], "keys"),
                     **encode_coefficients(values, cal.value_mean, cal.value_basis, self.alloc["values"], "values")}
-        payload = b"".join(sections[name].contiguous().view(torch.uint8).numpy().tobytes() for name in SECTIONS)
-        if len(payload) != self.payload_size(shape.tokens):  # the fixed size is the contract
+        parts = [sections[name].contiguous().view(torch.uint8).numpy().tobytes() for name in SECTIONS]
+        exact = self._exact(shape.tokens)
+        if exact:  # the tokens the coding reconstructs worst, kept as they are (in the chunk's dtype)
+            k_hat, v_hat = self._reconstruct(sections, shape.tokens)
+            error = (k_hat - keys).square().sum(-1) + (v_hat - values).square().sum(-1)
+            rows = error.topk(exact).indices.sort().values
+            raw_k, raw_v = _split_raw(chunk, shape, self.calibration.head_dim)
+            parts += [rows.to(torch.int16).numpy().tobytes(),
+                      raw_k[rows].contiguous().view(torch.uint8).numpy().tobytes(),
+                      raw_v[rows].contiguous().view(torch.uint8).numpy().tobytes()]
+        payload = b"".join(parts)
+        if len(payload) != self.payload_size(shape.tokens, chunk.dtype):  # the fixed size is the contract
             raise AssertionError(f"payload of {len(payload)} bytes, expected {self.payload_size(shape.tokens)}")
         head = _HEAD.pack(MAGIC, VERSION, LAYOUTS.index(shape.layout), DTYPE_CODES[chunk.dtype], shape.layers,
-                          shape.tokens, shape.width, *self._ids, len(payload))
+                          shape.tokens, shape.width, exact, *self._ids, len(payload))
         return head + hashlib.sha256(head + payload).digest() + payload
 
     def decode(self, data: bytes | bytearray | memoryview, shape: ChunkShape | None = None,
                dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The chunk back (fp32 → ``dtype``, default the dtype it was encoded from) in its layout.
+        """The chunk back (in ``dtype``, default the dtype it was encoded from) in its layout.
 
         Args:
             shape: the geometry the caller expects (refused when the chunk's differs).
@@ -181,7 +211,7 @@ class ChunkCodec:
         if len(data) < _HEAD.size + DIGEST_BYTES:
             raise ChunkError(f"kvtc chunk of {len(data)} bytes is shorter than its header")
         head, digest = data[:_HEAD.size], data[_HEAD.size:_HEAD.size + DIGEST_BYTES]
-        magic, version, layout, dtype_code, layers, tokens, width, cal_id, ratio, n = _HEAD.unpack(head)
+        magic, version, layout, dtype_code, layers, tokens, width, exact, cal_id, ratio, n = _HEAD.unpack(head)
         if magic != MAGIC:
             raise ChunkError("not a kvtc chunk (bad magic)")
         if version != VERSION:
@@ -202,18 +232,34 @@ class ChunkCodec:
         if shape is not None and found != shape:
             raise ChunkError(f"kvtc chunk holds {found}, the caller expects {shape}")
         self.check_shape(found)
-        if n != self.payload_size(tokens):
-            raise ChunkError(f"kvtc chunk payload is {n} bytes, {self.payload_size(tokens)} expected")
-        sections = self._sections(payload, tokens)
-        keys = _reconstruct(decode_coefficients(sections.__getitem__, self.alloc["keys"], "keys", tokens),
-                            self.calibration.key_mean, self.calibration.key_basis, self.alloc["keys"])
-        values = _reconstruct(decode_coefficients(sections.__getitem__, self.alloc["values"], "values", tokens),
-                              self.calibration.value_mean, self.calibration.value_basis, self.alloc["values"])
-        return _join(keys, values, found, self.calibration.head_dim).to(dtype or DTYPES[dtype_code])
-
-    def _sections(self, payload: bytes, tokens: int) -> dict[str, torch.Tensor]:
-        out, offset = {}, 0
+        stored_dtype = DTYPES[dtype_code]
+        if exact != self._exact(tokens) or n != self.payload_size(tokens, stored_dtype):
+            raise ChunkError(f"kvtc chunk has {exact} exact tokens and {n} payload bytes; this codec expects "
+                             f"{self._exact(tokens)} and {self.payload_size(tokens, stored_dtype)}")
         buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        keys, values = self._reconstruct(self._sections(buf, tokens), tokens)
+        if exact:
+            offset = self.coded_size(tokens)
+            rows = buf[offset:offset + 2 * exact].view(torch.int16).long()
+            if bool((rows < 0).any() or (rows >= tokens).any()) or rows.unique().numel() != exact:
+                raise ChunkError("kvtc chunk's exact-token indices are out of range or repeated")
+            offset += 2 * exact
+            size = exact * self.layers * self.width * stored_dtype.itemsize
+            for target, lo in ((keys, offset), (values, offset + size)):
+                target[rows] = buf[lo:lo + size].view(stored_dtype).reshape(exact, -1).float()
+        return _join(keys, values, found, self.calibration.head_dim).to(dtype or stored_dtype)
+
+    def _reconstruct(self, sections, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``X = D V_rᵀ + μ`` ``[T, p]`` for keys and values, from the coded sections."""
+        cal, get = self.calibration, sections.__getitem__
+        out = []
+        for kind, mean, basis in (("keys", cal.key_mean, cal.key_basis), ("values", cal.value_mean, cal.value_basis)):
+            alloc = self.alloc[kind]
+            out.append(decode_coefficients(get, alloc, kind, tokens) @ basis[:, :alloc.coded_extent].T + mean)
+        return out[0], out[1]
+
+    def _sections(self, buf: torch.Tensor, tokens: int) -> dict[str, torch.Tensor]:
+        out, offset = {}, 0
         for kind in ("keys", "values"):
             coded = self.alloc[kind].coded_groups()
             n_codes = sum((tokens * size * width + 7) // 8 for _, size, width in coded)
@@ -226,22 +272,28 @@ class ChunkCodec:
         return out
 
     def deflate_size(self, data: bytes, level: int = 6) -> int:
-        """Bytes the chunk's payload would take after DEFLATE (for variable-size stores; not used here)."""
+        """Bytes the chunk would take with its payload DEFLATE-d (for variable-size stores; not used here)."""
         start = _HEAD.size + DIGEST_BYTES
         return start + len(zlib.compress(data[start:], level))
 
 
-def _split(chunk: torch.Tensor, shape: ChunkShape, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(keys, values)`` as ``[T, L·W]`` fp32 features (layer-major, then head-major, as the calibration's)."""
+def _split_raw(chunk: torch.Tensor, shape: ChunkShape, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keys, values)`` as ``[T, L·W]`` in the chunk's own dtype (the exact tokens' bytes)."""
     if shape.layout == "separate":
         k, v = chunk[0], chunk[1]
     elif shape.layout == "fused_halves":
         k, v = chunk[0, ..., :shape.width], chunk[0, ..., shape.width:]
-    else:  # fused_heads: [L, T, H, 2, d]
+    else:
         per_head = chunk[0].reshape(shape.layers, shape.tokens, shape.width // head_dim, 2, head_dim)
         k, v = (per_head[..., i, :].reshape(shape.layers, shape.tokens, shape.width) for i in (0, 1))
-    flat = lambda x: x.float().permute(1, 0, 2).reshape(shape.tokens, shape.layers * shape.width)  # noqa: E731
+    flat = lambda x: x.permute(1, 0, 2).reshape(shape.tokens, shape.layers * shape.width)  # noqa: E731
     return flat(k), flat(v)
+
+
+def _split(chunk: torch.Tensor, shape: ChunkShape, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keys, values)`` as ``[T, L·W]`` fp32 features (layer-major, then head-major, as the calibration's)."""
+    k, v = _split_raw(chunk, shape, head_dim)
+    return k.float(), v.float()
 
 
 def _join(keys: torch.Tensor, values: torch.Tensor, shape: ChunkShape, head_dim: int) -> torch.Tensor:
@@ -254,8 +306,3 @@ def _join(keys: torch.Tensor, values: torch.Tensor, shape: ChunkShape, head_dim:
     heads = shape.width // head_dim
     split = lambda x: x.reshape(shape.layers, shape.tokens, heads, head_dim)  # noqa: E731
     return torch.stack([split(k), split(v)], dim=3).reshape(1, shape.layers, shape.tokens, 2 * shape.width)
-
-
-def _reconstruct(coeffs: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, alloc) -> torch.Tensor:
-    """``X = D V_rᵀ + μ`` ``[T, p]``."""
-    return coeffs @ basis[:, :alloc.coded_extent].T + mean
