@@ -39,40 +39,56 @@ def test_chunk_reconstruction_is_the_blob_paths_token_for_token(post_rope):
     assert 0 < err < 0.5, err  # lossy, and not garbage
 
 
-def fused(separate: torch.Tensor, order: str, head_dim: int = 16) -> torch.Tensor:
-    """``[2, L, T, W]`` as a fused ``[1, L, T, 2W]`` chunk: per head ``[K | V]`` or ``[all K | all V]``."""
+def fused(separate: torch.Tensor, order: str, head_dim: int = 16, block: int = 128) -> torch.Tensor:
+    """``[2, L, T, W]`` as a fused ``[1, L, T, 2W]`` chunk, built independently of the codec.
+
+    ``halves``: rows ``[all K | all V]``. ``vllm_cpu``: vLLM's CPU memory per (block, head) — keys
+    transposed ``[d, BS]`` then values ``[BS, d]`` — read by LMCache as rows of ``2d`` per head."""
     if order == "halves":
         return torch.cat([separate[0], separate[1]], dim=-1)[None]
     L, T, W = separate.shape[1:]
-    per_head = separate.reshape(2, L, T, W // head_dim, head_dim).permute(1, 2, 3, 0, 4)  # [L, T, H, 2, d]
-    return per_head.reshape(1, L, T, 2 * W)
+    H, nb = W // head_dim, T // block
+    out = torch.empty(1, L, T, 2 * W, dtype=separate.dtype)
+    for layer in range(L):
+        for b in range(nb):
+            for h in range(H):
+                k = separate[0, layer, b * block:(b + 1) * block, h * head_dim:(h + 1) * head_dim]  # [BS, d]
+                v = separate[1, layer, b * block:(b + 1) * block, h * head_dim:(h + 1) * head_dim]
+                region = torch.cat([k.T.flatten(), v.flatten()])  # vLLM: K [d, BS], then V [BS, d]
+                out[0, layer, b * block:(b + 1) * block, h * 2 * head_dim:(h + 1) * 2 * head_dim] = \
+                    region.reshape(block, 2 * head_dim)
+    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tokens", [256, 37])
-def test_size_is_exact_and_data_independent_and_layouts_agree(post_rope, dtype, tokens):
+@pytest.mark.parametrize("order,tokens", [("vllm_cpu", 256), ("vllm_cpu", 128), ("halves", 256), ("halves", 37)])
+def test_size_is_exact_and_data_independent_and_layouts_agree(post_rope, dtype, order, tokens):
     _, calib = post_rope
     g = torch.Generator().manual_seed(tokens)
-    for order in ("heads", "halves"):
-        codec = ChunkCodec(calib, 8, fused_order=order)
-        for scale in (1e-3, 1.0, 40.0):
-            separate = (torch.randn(2, 2, tokens, 32, generator=g) * scale).to(dtype)
-            a, b = codec.encode(separate), codec.encode(fused(separate, order))
-            assert len(a) == len(b) == codec.serialized_size(codec.shape_of(separate.shape), dtype)
-            start = HEADER_BYTES + DIGEST_BYTES
-            assert a[start:] == b[start:] and a[:start] != b[:start]  # the same codes; the header says which layout
-            back_separate, back_fused = codec.decode(a), codec.decode(b)
-            assert back_separate.dtype == dtype and back_separate.shape == separate.shape
-            torch.testing.assert_close(fused(back_separate, order), back_fused, rtol=0, atol=0)
-    # The two fused orders are different readings of the same bytes: mixing them up is not silent.
-    separate = torch.randn(2, 2, tokens, 32, generator=g)
-    heads, halves = ChunkCodec(calib, 8, "heads"), ChunkCodec(calib, 8, "halves")
-    with pytest.raises(ChunkError, match="expects"):
-        halves.decode(heads.encode(fused(separate, "heads")), halves.shape_of((1, 2, tokens, 64)))
+    codec = ChunkCodec(calib, 8, fused_order=order)
+    for scale in (1e-3, 1.0, 40.0):
+        separate = (torch.randn(2, 2, tokens, 32, generator=g) * scale).to(dtype)
+        a, b = codec.encode(separate), codec.encode(fused(separate, order))
+        assert len(a) == len(b) == codec.serialized_size(codec.shape_of(separate.shape), dtype)
+        start = HEADER_BYTES + DIGEST_BYTES
+        assert a[start:] == b[start:] and a[:start] != b[:start]  # the same codes; the header says which layout
+        back_separate, back_fused = codec.decode(a), codec.decode(b)
+        assert back_separate.dtype == dtype and back_separate.shape == separate.shape
+        torch.testing.assert_close(fused(back_separate, order), back_fused, rtol=0, atol=0)
     dense_bf16 = 2 * 2 * tokens * 32 * 2
     assert codec.coded_size(tokens) <= dense_bf16 / 8  # the ratio is a bound on the coded bytes
     exact = min(4, tokens)
     assert codec.payload_size(tokens, dtype) == codec.coded_size(tokens) + exact * (2 + 2 * 2 * 32 * dtype.itemsize)
+
+
+def test_fused_orders_are_not_mixed_up(post_rope):
+    _, calib = post_rope
+    separate = torch.randn(2, 2, 256, 32, generator=torch.Generator().manual_seed(1))
+    vllm, halves = ChunkCodec(calib, 8, "vllm_cpu"), ChunkCodec(calib, 8, "halves")
+    with pytest.raises(ChunkError, match="expects"):
+        halves.decode(vllm.encode(fused(separate, "vllm_cpu")), halves.shape_of((1, 2, 256, 64)))
+    with pytest.raises(ValueError, match="whole 128-token blocks"):
+        vllm.encode(torch.zeros(1, 2, 100, 64))
 
 
 @pytest.mark.parametrize("exact", [1, 4, 9])

@@ -7,9 +7,10 @@ server through ``python -m kvpack.integrations.lmcache_server`` (same arguments 
 server``), which imports it first.
 
 * Layouts: LMCache hands a chunk as ``[2, layers, tokens, kv_heads·head_dim]`` (separate K and V) or,
-  from vLLM, ``[1, layers, tokens, 2·kv_heads·head_dim]`` (fused; per head ``[K | V]``, vLLM's
-  ``NL x [NB, NH, BS, 2·head_size]`` — ``"fused_order": "halves"`` reads ``[all K | all V]``); all are
-  coded (:mod:`kvpack.storage.kvtc.chunk`).
+  from vLLM's CPU backend, ``[1, layers, tokens, 2·kv_heads·head_dim]``: rows of vLLM's paged blocks,
+  keys transposed (``"fused_order": "vllm_cpu"``, the default; ``"halves"`` reads token-major
+  ``[all K | all V]`` rows); see :mod:`kvpack.storage.kvtc.chunk`. vLLM's AMX kernels lay blocks out
+  otherwise: on a machine with AMX the ``vllm_cpu`` order is refused.
 * Positions: the serde sees chunk keys (content hashes), not token positions, so this path uses a
   calibration of keys as cached (``kvpack calibrate --key-rope post``); a pre-RoPE calibration is
   refused when the serde is built.
@@ -92,7 +93,7 @@ class KvtcChunkDeserializer(Deserializer):
 
 def build_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     """LMCache serde factory: ``calibration`` (directory, required), ``ratio`` (default 16),
-    ``fused_order`` (``heads``, vLLM's, default; or ``halves``), ``exact_tokens`` (default 4),
+    ``fused_order`` (``vllm_cpu``, default; or ``halves``), ``exact_tokens`` (default 4),
     ``align`` (bytes, default 4096), ``max_workers`` (default 1)."""
     known = {"calibration", "ratio", "fused_order", "exact_tokens", "align", "max_workers"}
     unknown = sorted(set(kwargs) - known)
@@ -101,8 +102,13 @@ def build_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     if not isinstance(kwargs.get("calibration"), str):
         raise ValueError('kvtc serde: "calibration" (a directory written by `kvpack calibrate --key-rope post`) '
                          "is required")
+    fused_order = str(kwargs.get("fused_order", "vllm_cpu"))
+    # The same test vLLM makes before choosing its AMX kernels (vllm/v1/attention/backends/cpu_attn.py).
+    if fused_order == "vllm_cpu" and torch.cpu._is_amx_tile_supported():
+        raise ValueError("kvtc serde: this CPU has AMX, where vLLM's CPU kernels lay KV blocks out in a way the "
+                         "vllm_cpu order does not describe (it is the AVX-512 'vec' layout)")
     codec = ChunkCodec(load_calibration(kwargs["calibration"]), float(kwargs.get("ratio", 16)),
-                       fused_order=str(kwargs.get("fused_order", "heads")),
+                       fused_order=fused_order,
                        exact_tokens=int(kwargs.get("exact_tokens", 4)))
     align = int(kwargs.get("align", DEFAULT_ALIGN))
     if align < 1:

@@ -1,11 +1,17 @@
 """kvtc for fixed-size KV chunks, as serving engines store them (LMCache: all layers of 256 tokens).
 
 A chunk is ``[2, L, T, W]`` (keys and values separate) or ``[1, L, T, 2W]`` (K and V fused in the last
-dimension), with ``L`` layers, ``T`` tokens and ``W = kv_heads · head_dim``. A fused row is laid out
-either per head, ``[h0: K d | V d, h1: K | V, ...]`` (``fused_heads``: vLLM's blocks-first fused
-layout ``NL x [NB, NH, BS, 2·head_size]``, which LMCache copies token by token), or in halves,
-``[K of every head | V of every head]`` (``fused_halves``); the shape cannot tell them apart, so
-the codec is told (``fused_order``). Every token of the chunk
+dimension), with ``L`` layers, ``T`` tokens and ``W = kv_heads · head_dim``. The shape of a fused
+chunk does not say how its elements are laid out, so the codec is told (``fused_order``):
+
+* ``vllm_cpu`` (default): what LMCache hands over from vLLM's CPU backend. vLLM's paged cache is
+  ``NL x [NB, NH, BS, 2·head_size]``, and its CPU kernels (the ``vec`` ISA: AVX-512 without AMX, as
+  on kvpack's machines) keep, per block and head, the keys transposed ``[head_size, BS]`` and then the
+  values ``[BS, head_size]`` (read off vLLM's own ``cpu_attn_reshape_and_cache``). LMCache copies
+  row ``o`` of head ``h`` of a block — which holds elements ``o·2d ..`` of that region, not token
+  ``o`` — to chunk row ``block·BS + o``, columns ``h·2d ..``. A chunk is whole blocks (``BS = 128``).
+  vLLM's ``amx`` ISA lays blocks out otherwise (refused where AMX is present; docs/kvtc.md);
+* ``halves``: a row ``[K of every head | V of every head]`` (a token-major fused layout). Every token of the chunk
 is coded — a chunk has no attention sinks or recent window of its own — with the calibration's PCA
 basis and the bit allocation of one calibrated ratio: ``D = (X − μ) V``, each coded group of
 coefficients quantized at its width with an fp16 shift and scale per token, bit-packed
@@ -48,8 +54,9 @@ from .coder import decode_coefficients, encode_coefficients
 
 MAGIC = b"KVTCCHK\x00"
 VERSION = 1
-LAYOUTS = ("separate", "fused_halves", "fused_heads")  # [2, L, T, W] | [1, L, T, 2W] two ways
-FUSED_ORDERS = ("heads", "halves")
+LAYOUTS = ("separate", "fused_halves", "fused_vllm_cpu")  # [2, L, T, W] | [1, L, T, 2W] two ways
+FUSED_ORDERS = ("vllm_cpu", "halves")
+VLLM_CPU_BLOCK = 128  # vLLM's CPU block size: a vllm_cpu chunk is whole blocks
 DTYPES = {0: torch.bfloat16, 1: torch.float16, 2: torch.float32}
 DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
 # magic, version, layout, dtype, layers, tokens, width, exact tokens, calibration id (ascii), ratio key (ascii),
@@ -74,7 +81,7 @@ class ChunkShape:
     width: int
 
     @classmethod
-    def of(cls, shape: tuple[int, ...] | torch.Size, fused_order: str = "heads") -> ChunkShape:
+    def of(cls, shape: tuple[int, ...] | torch.Size, fused_order: str = "vllm_cpu") -> ChunkShape:
         """The geometry of a KV chunk tensor shape, a fused one read in ``fused_order`` (``ValueError``
         for anything else)."""
         if len(shape) != 4 or shape[0] not in (1, 2):
@@ -86,6 +93,8 @@ class ChunkShape:
             raise ValueError(f"a fused K|V chunk has an even last dimension, got {list(shape)}")
         if fused_order not in FUSED_ORDERS:
             raise ValueError(f"fused_order must be one of {FUSED_ORDERS}, got {fused_order!r}")
+        if fused_order == "vllm_cpu" and shape[2] % VLLM_CPU_BLOCK:
+            raise ValueError(f"a vllm_cpu chunk is whole {VLLM_CPU_BLOCK}-token blocks, got {shape[2]} tokens")
         return cls(f"fused_{fused_order}", shape[1], shape[2], shape[3] // 2)
 
     @property
@@ -101,7 +110,7 @@ class ChunkCodec:
     Args:
         calibration: a calibration with post-RoPE key features that covers every layer of a chunk.
         ratio: one of the calibration's ratios.
-        fused_order: how a fused ``[1, L, T, 2W]`` chunk is laid out: ``heads`` (default, vLLM's) or
+        fused_order: how a fused ``[1, L, T, 2W]`` chunk is laid out: ``vllm_cpu`` (default) or
             ``halves`` (see the module doc).
         exact_tokens: tokens of each chunk kept exactly, in the chunk's dtype (default 4, the
             paper's count of attention sinks; 0 = none). A chunk does not know its position, so they
@@ -110,7 +119,7 @@ class ChunkCodec:
             breaks retrieval (measured in docs/kvtc.md).
     """
 
-    def __init__(self, calibration: Calibration, ratio: float, fused_order: str = "heads", exact_tokens: int = 4):
+    def __init__(self, calibration: Calibration, ratio: float, fused_order: str = "vllm_cpu", exact_tokens: int = 4):
         if fused_order not in FUSED_ORDERS:
             raise ValueError(f"fused_order must be one of {FUSED_ORDERS}, got {fused_order!r}")
         if isinstance(exact_tokens, bool) or not isinstance(exact_tokens, int) or not 0 <= exact_tokens <= 4096:
@@ -283,9 +292,13 @@ def _split_raw(chunk: torch.Tensor, shape: ChunkShape, head_dim: int) -> tuple[t
         k, v = chunk[0], chunk[1]
     elif shape.layout == "fused_halves":
         k, v = chunk[0, ..., :shape.width], chunk[0, ..., shape.width:]
-    else:
-        per_head = chunk[0].reshape(shape.layers, shape.tokens, shape.width // head_dim, 2, head_dim)
-        k, v = (per_head[..., i, :].reshape(shape.layers, shape.tokens, shape.width) for i in (0, 1))
+    else:  # vllm_cpu: per layer, block and head, K [d, BS] then V [BS, d] (see the module doc)
+        L, heads, bs, nb = shape.layers, shape.width // head_dim, VLLM_CPU_BLOCK, shape.tokens // VLLM_CPU_BLOCK
+        regions = chunk[0].reshape(L, nb, bs, heads, 2 * head_dim).permute(0, 1, 3, 2, 4)
+        regions = regions.reshape(L, nb, heads, bs * 2 * head_dim)
+        k = regions[..., :bs * head_dim].reshape(L, nb, heads, head_dim, bs).permute(0, 1, 4, 2, 3)
+        v = regions[..., bs * head_dim:].reshape(L, nb, heads, bs, head_dim).permute(0, 1, 3, 2, 4)
+        k, v = (x.reshape(L, shape.tokens, shape.width) for x in (k, v))
     flat = lambda x: x.permute(1, 0, 2).reshape(shape.tokens, shape.layers * shape.width)  # noqa: E731
     return flat(k), flat(v)
 
@@ -303,6 +316,10 @@ def _join(keys: torch.Tensor, values: torch.Tensor, shape: ChunkShape, head_dim:
         return torch.stack([k, v])
     if shape.layout == "fused_halves":
         return torch.cat([k, v], dim=-1)[None]
-    heads = shape.width // head_dim
-    split = lambda x: x.reshape(shape.layers, shape.tokens, heads, head_dim)  # noqa: E731
-    return torch.stack([split(k), split(v)], dim=3).reshape(1, shape.layers, shape.tokens, 2 * shape.width)
+    L, heads, bs, nb = shape.layers, shape.width // head_dim, VLLM_CPU_BLOCK, shape.tokens // VLLM_CPU_BLOCK
+    blocks = lambda x: x.reshape(L, nb, bs, heads, head_dim)  # noqa: E731
+    k_raw = blocks(k).permute(0, 1, 3, 4, 2).reshape(L, nb, heads, head_dim * bs)  # K [d, BS]
+    v_raw = blocks(v).permute(0, 1, 3, 2, 4).reshape(L, nb, heads, bs * head_dim)  # V [BS, d]
+    regions = torch.cat([k_raw, v_raw], dim=-1)  # vLLM's memory of each (block, head)
+    rows = regions.reshape(L, nb, heads, bs, 2 * head_dim).permute(0, 1, 3, 2, 4)  # LMCache's rows
+    return rows.reshape(1, L, shape.tokens, 2 * shape.width)
