@@ -18,12 +18,14 @@ raw numbers only, and every length is checked before it is used.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import struct
 import zlib
 
 import numpy as np
 import torch
+import zstandard
 
 
 def tokens_digest(token_ids: list[int]) -> str:
@@ -51,8 +53,6 @@ def _compress(raw: bytes, backend: str, level: int) -> bytes:
     if backend == "zlib":
         return zlib.compress(raw, level)
     if backend == "zstd":
-        import zstandard
-
         return zstandard.ZstdCompressor(level=level).compress(raw)
     if backend == "none":
         return raw
@@ -60,25 +60,32 @@ def _compress(raw: bytes, backend: str, level: int) -> bytes:
 
 
 def _decompress(data: bytes, backend: str, raw_size: int) -> bytes:
+    """A section's bytes, inflated to at most ``raw_size + 1`` bytes (the header's size, plus one to
+    notice more): a small section that would inflate to gigabytes (a decompression bomb) is refused
+    after ``raw_size + 1`` bytes, never inflated whole."""
     try:
         if backend == "zlib":
-            out = zlib.decompress(data)
+            inflater = zlib.decompressobj()
+            out = inflater.decompress(data, raw_size + 1)
+            if len(out) == raw_size and not inflater.eof:  # the stream must end exactly here
+                out += inflater.decompress(inflater.unconsumed_tail, 1)
         elif backend == "zstd":
-            import zstandard
-
-            out = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_size)
+            stated = zstandard.frame_content_size(data)
+            if stated not in (-1, raw_size):  # -1: the frame does not state its size
+                raise BlobError(f"a zstd section states {stated} bytes, the header says {raw_size}")
+            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)) as reader:
+                out = reader.read(raw_size + 1)
         elif backend == "none":
             out = data
         else:
             raise BlobError(f"blob uses unknown backend {backend!r}")
-    except (zlib.error, ImportError) as exc:
+    except zlib.error as exc:
         raise BlobError(f"a section does not decompress ({backend}): {exc}") from None
-    except Exception as exc:  # zstandard.ZstdError
-        if type(exc).__name__ == "ZstdError":
-            raise BlobError(f"a section does not decompress (zstd): {exc}") from None
-        raise
+    except zstandard.ZstdError as exc:
+        raise BlobError(f"a section does not decompress (zstd): {exc}") from None
     if len(out) != raw_size:
-        raise BlobError(f"a section decompressed to {len(out)} bytes, the header says {raw_size}")
+        more = "more than" if len(out) > raw_size else f"{len(out)} bytes, not"
+        raise BlobError(f"a section decompressed to {more} the {raw_size} bytes its header says")
     return out
 
 
