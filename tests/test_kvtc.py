@@ -355,3 +355,18 @@ def test_allocation_from_dict_refuses_bad_groups():
         Allocation.from_dict({"groups": [[0, 4, 2], [5, 4, 2]], "budget_bits": 100, "used_bits": 80, "error": 0})
     with pytest.raises(ValueError, match="budget"):
         Allocation.from_dict({"groups": [[0, 4, 8]], "budget_bits": 10, "used_bits": 64, "error": 0})
+
+
+def test_blob_of_a_float32_model_continues_in_bfloat16(tiny):
+    """Issue 17, item 3: a cache stored from a float32 model is restored into the dtype of the model
+    that continues (before: "Expected query, key, and value to have the same dtype")."""
+    import copy
+
+    model, calib = tiny
+    ids = _ids(40)
+    blob = compress_tokens(model, calib, ids[:-1], 8)  # the model is float32
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    got = continue_from_blob(half, _NoTokenizer(), calib, blob, ids[-1:], max_new_tokens=4, min_new_tokens=4)
+    assert len(got.token_ids) == 4
+    restored, n = decompress_cache(blob, calib, half)
+    assert to_dynamic_cache(half, restored, len(n)).layers[0].keys.dtype == torch.bfloat16

@@ -39,7 +39,8 @@ def prefill(model: torch.nn.Module, token_ids: list[int], cache: DynamicCache | 
 
 def to_dynamic_cache(model: torch.nn.Module, dense, n_tokens: int) -> DynamicCache:
     """A ``DynamicCache`` holding ``dense``'s tensors (``dense.layers[i].keys [1, H, T_i, d]``), as
-    after a prefill of ``n_tokens`` tokens.
+    after a prefill of ``n_tokens`` tokens, in the model's dtype and on its device (a cache stored
+    from a float32 model continues in a bfloat16 one, and the other way round).
 
     A sliding-window layer that holds fewer than ``n_tokens`` tokens (its window) is filled through
     its own ``update`` with the window behind ``n_tokens − T_i`` zero rows, which it drops: its
@@ -51,7 +52,8 @@ def to_dynamic_cache(model: torch.nn.Module, dense, n_tokens: int) -> DynamicCac
         raise ValueError(f"the stored cache holds {len(dense.layers)} layers, the model's cache has "
                          f"{len(cache.layers)}")
     for layer, stored in zip(cache.layers, dense.layers):
-        k, v = stored.keys.to(model.device), stored.values.to(model.device)
+        k = stored.keys.to(device=model.device, dtype=model.dtype)
+        v = stored.values.to(device=model.device, dtype=model.dtype)
         missing = n_tokens - k.shape[2]
         if missing < 0:
             raise ValueError(f"a stored layer holds {k.shape[2]} tokens, more than the {n_tokens} of the sequence")
