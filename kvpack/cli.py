@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from .eval.report import summary_markdown, write_report
@@ -264,6 +265,7 @@ def _add_prompt_args(p, required: bool = True) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpack", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of any error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate with a compressed KV cache and report its measured bytes")
@@ -368,6 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Errors kvpack anticipates (bad input, a file that cannot be read or written, a full disk): one
+# line naming the problem. Anything else is a bug: one line too, its traceback only with --debug.
+ANTICIPATED = (ValueError, TypeError, NotImplementedError, OSError, SafetensorError)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
@@ -376,9 +383,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except (ValueError, TypeError, NotImplementedError, FileNotFoundError, IsADirectoryError) as exc:
+    except ANTICIPATED as exc:
+        if args.debug:
+            raise
         print(f"kvpack: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 - a bug: say so in one line unless asked for the traceback
+        if args.debug:
+            raise
+        print(f"kvpack: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

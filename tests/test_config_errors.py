@@ -95,3 +95,44 @@ def test_cli_reports_errors_cleanly(capsys):
     assert "unknown model 'nowhere'" in capsys.readouterr().err
     assert main(["generate", "--set", "page_size=0", "--prompt", "hi"]) == 2
     assert "page_size must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_turns_anticipated_errors_into_one_line_and_bugs_into_one_line_without_debug(capsys, monkeypatch):
+    """Issue 17, item 7: an empty prompt, a zlib level past 9, a full disk or a bug end in one line
+    and a non-zero exit; --debug shows the traceback."""
+    import errno
+
+    import kvpack.cli as cli
+
+    assert main(["generate", "--prompt", ""]) == 2
+    assert "empty prompt" in capsys.readouterr().err
+    assert main(["generate", "--method", "kvtc", "--set", "level=15", "--prompt", "hi"]) == 2
+    assert "level must be <= 9 for zlib" in capsys.readouterr().err
+
+    def disk_full(args):
+        raise OSError(errno.ENOSPC, "No space left on device", "/tmp/out.kvtc")
+
+    def bug(args):
+        raise KeyError("oops")
+
+    for fn, rc, text in ((disk_full, 2, "No space left on device"), (bug, 1, "internal error: KeyError")):
+        monkeypatch.setattr(cli, "cmd_methods", fn)
+        assert main(["methods"]) == rc
+        err = capsys.readouterr().err
+        assert text in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+        with pytest.raises((OSError, KeyError)):
+            main(["--debug", "methods"])
+
+
+def test_prompt_longer_than_the_context_is_refused_before_running():
+    from kvpack.hf.generation import check_context
+    from kvpack.methods import get_method
+
+    from .helpers import tiny_llama
+
+    model = tiny_llama()  # max_position_embeddings = 1024
+    with pytest.raises(ValueError, match="1020 tokens \\+ 8 to generate exceed the model's context of 1024"):
+        get_method("full").generate(model, None, list(range(1020)), max_new_tokens=8)
+    with pytest.raises(ValueError, match="exceed the model's context"):
+        get_method("puzzle").generate(model, None, list(range(2000)), max_new_tokens=1)
+    check_context(model, 1000, 24)  # fits exactly

@@ -13,6 +13,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .cache import cache_kwargs
+from .generation import check_context
 
 
 def new_dense_cache(model: torch.nn.Module) -> DynamicCache:
@@ -28,6 +29,7 @@ def prefill(model: torch.nn.Module, token_ids: list[int], cache: DynamicCache | 
     """
     if not token_ids:
         raise ValueError("empty prompt: nothing to prefill")
+    check_context(model, len(token_ids))
     cache = cache if cache is not None else new_dense_cache(model)
     past = cache.get_seq_length()
     ids = torch.tensor([token_ids[past:]], device=model.device)

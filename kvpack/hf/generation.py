@@ -46,11 +46,23 @@ class ProgressStreamer(BaseStreamer):
             self.bar.close()
 
 
+def check_context(model, n_tokens: int, max_new_tokens: int = 0) -> None:
+    """Refuse a prompt (or restored prefix + new text) that, with the tokens to generate, does not fit
+    the model's context (``max_position_embeddings``), naming both."""
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if not n_tokens:
+        raise ValueError("empty prompt: nothing to run the model on")
+    if limit is not None and n_tokens + max_new_tokens > limit:
+        raise ValueError(f"{n_tokens} tokens + {max_new_tokens} to generate exceed the model's context of {limit} "
+                         "tokens")
+
+
 @torch.no_grad()
 def greedy_generate(model, tokenizer, cache, token_ids: list[int], max_new_tokens: int, min_new_tokens: int = 0,
                     streamer: BaseStreamer | None = None) -> list[int]:
     """Greedy continuation of ``token_ids`` with ``cache`` (which may already hold a prefix of them:
     only the rest is prefilled); returns the new token ids."""
+    check_context(model, len(token_ids), max_new_tokens)
     ids = torch.tensor([token_ids], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          min_new_tokens=min_new_tokens, do_sample=False, streamer=streamer,

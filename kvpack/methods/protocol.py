@@ -89,7 +89,8 @@ class Method(ABC):
     @abstractmethod
     def generate(self, model, tokenizer, token_ids: list[int], max_new_tokens: int, min_new_tokens: int = 0,
                  progress: bool = False) -> GenerationResult:
-        """Greedy generation after ``token_ids`` with this method's cache, with measured bytes."""
+        """Greedy generation after ``token_ids`` with this method's cache, with measured bytes
+        (implementations call :func:`kvpack.hf.generation.check_context` first)."""
 
     @abstractmethod
     def from_prefill(self, model, prefill: ExactPrefill) -> PreparedCache:

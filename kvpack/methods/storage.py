@@ -8,7 +8,7 @@ import time
 import torch
 
 from ..hf.dense import prefill, to_dynamic_cache
-from ..hf.generation import ProgressStreamer, greedy_generate
+from ..hf.generation import ProgressStreamer, check_context, greedy_generate
 from ..hf.prefill import ExactPrefill, dense_cache_from
 from ..ops.accounting import DENSE_REFERENCE_BYTES_PER_ELEMENT
 from ..storage import StorageCodec
@@ -48,6 +48,7 @@ class StorageMethod(Method):
             raise ValueError(f"{self.name} needs a prompt of at least 2 tokens (a prefix to compress and one to "
                              "continue)")
         self.check_ready()
+        check_context(model, len(token_ids), max_new_tokens)
         prefix = token_ids[:-1]
         start = time.perf_counter()
         dense = prefill(model, prefix)
