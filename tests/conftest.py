@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from .helpers import RedisServer
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Tests never write to the user's home: kvpack's cache (the converted default model, the default
 # prefix store) goes to a directory of the checkout (git-ignored), kept between runs so that the
@@ -20,6 +18,9 @@ os.environ.setdefault("KVPACK_CACHE_DIR", str(Path(__file__).resolve().parent.pa
 # must be set before triton is first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Imported after the variables above: importing kvpack imports transformers, which imports Triton.
+from .helpers import RedisServer  # noqa: E402
 
 
 @pytest.fixture(scope="session")
