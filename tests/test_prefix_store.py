@@ -318,3 +318,50 @@ def test_writer_killed_mid_write_leaves_nothing_half_written(tiny, redis_server,
             assert got is None or got == blob
         index = client.hgetall(store._index_key(mh, cid))  # noqa: SLF001 - every published entry has its blob
         assert all(client.exists(store._blob_key(d.decode())) for d in index.values())  # noqa: SLF001
+
+
+# ------------------------------------------------------------------------------------------------
+# Disk store: malformed entries, crash leftovers (issue 17, items 5 and 6)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_disk_lookup_skips_what_is_not_an_entry_and_never_blocks(tiny, prefix_entries, tmp_path):
+    _, calib = tiny
+    (ids30, blob30), (ids45, _) = prefix_entries
+    store = PrefixStore(tmp_path, max_entry_bytes=1 << 20)
+    store.put(blob30, ids30)
+    mh, cid = _keys(calib)
+    longer = token_ids(60)
+    directory = store.path(mh, cid, ids30).parent
+    hostile = [store.path(mh, cid, longer[:n]) for n in (50, 48, 46, 44)]
+    hostile[0].mkdir()  # a directory named like an entry
+    os.mkfifo(hostile[1])  # a FIFO: opening it for reading would block
+    hostile[2].symlink_to("/dev/zero")  # reading it would never end
+    hostile[3].write_bytes(bytes((1 << 20) + 1))  # larger than an entry may be
+    (directory / "notes.txt").write_text("a stray file")
+    result = []
+    lookup = threading.Thread(target=lambda: result.append(store.longest_prefix(mh, cid, longer)))
+    with pytest.warns(UserWarning) as warned:
+        lookup.start()
+        lookup.join(20)
+    assert not lookup.is_alive(), "the lookup blocked"
+    assert result == [(30, blob30)]
+    messages = " ".join(str(w.message) for w in warned)
+    assert messages.count("not a regular file") == 3 and "more than the" in messages and "notes.txt" in messages
+
+
+def test_disk_store_removes_crashed_writers_leftovers_on_open(tiny, prefix_entries, tmp_path, monkeypatch):
+    import kvpack.store.atomic as atomic
+
+    _, calib = tiny
+    ids, blob = prefix_entries[0]
+    synced = []
+    monkeypatch.setattr(atomic, "fsync_directory", lambda d: synced.append(d))
+    path = PrefixStore(tmp_path).put(blob, ids)
+    assert synced == [path.parent]  # the rename is made durable
+    old, fresh = path.parent / f"{path.name}.tmp-old", path.parent / f"{path.name}.tmp-live"
+    old.write_bytes(b"x" * 1000)
+    fresh.write_bytes(b"y" * 1000)
+    os.utime(old, (time.time() - 7200, time.time() - 7200))  # two hours old: a crashed writer's
+    PrefixStore(tmp_path)
+    assert not old.exists() and fresh.exists() and path.exists()  # a live writer's file is kept

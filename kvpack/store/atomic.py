@@ -24,7 +24,22 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_directory(path.parent)  # the rename itself survives a power loss
     return path
+
+
+def fsync_directory(directory: str | os.PathLike) -> None:
+    """``fsync`` a directory (its entries), where the platform allows it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories
+    finally:
+        os.close(fd)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:

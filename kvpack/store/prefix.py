@@ -22,6 +22,9 @@ readers never see a torn file.
 from __future__ import annotations
 
 import os
+import re
+import stat
+import time
 import warnings
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -31,6 +34,9 @@ from .atomic import atomic_write_bytes
 from .format import Blob, BlobError, tokens_digest
 
 SUFFIX = ".kvtc"
+ENTRY_NAME = re.compile(r"^(\d+)-[0-9a-f]{64}\.kvtc$")  # <n tokens>-<sha256 of the tokens>.kvtc
+MAX_ENTRY_BYTES = 64 << 30  # a larger file is not read (no kvtc blob of a real cache comes near)
+STALE_TMP_SECONDS = 3600  # temporary files older than this are a crashed writer's leftovers
 
 
 class CorruptEntryError(BlobError):
@@ -129,10 +135,30 @@ class PrefixStore(PrefixStoreBase):
 
     Args:
         root: directory (created on first write); default ``<kvpack cache dir>/prefix-store``.
+        max_entry_bytes: entries larger than this are skipped unread.
+
+    Opening the store removes temporary files that crashed writers left (``*.tmp-*`` older than an
+    hour: a live writer's file is younger). A lookup reads only regular files named like the store's
+    own entries and at most ``max_entry_bytes`` long — a directory, FIFO, symlink or stray file in
+    the store is skipped with a warning, never opened in a way that blocks or reads without bound.
     """
 
-    def __init__(self, root: str | os.PathLike | None = None):
+    def __init__(self, root: str | os.PathLike | None = None, max_entry_bytes: int = MAX_ENTRY_BYTES):
         self.root = Path(root) if root is not None else default_store_root()
+        self.max_entry_bytes = max_entry_bytes
+        self._remove_stale_temporaries()
+
+    def _remove_stale_temporaries(self) -> None:
+        if not self.root.is_dir():
+            return
+        cutoff = time.time() - STALE_TMP_SECONDS
+        for tmp in self.root.glob(f"*/*/*{SUFFIX}.tmp-*"):
+            try:
+                info = tmp.lstat()
+                if stat.S_ISREG(info.st_mode) and info.st_mtime < cutoff:
+                    tmp.unlink()
+            except OSError:
+                continue  # another process removed or renamed it meanwhile
 
     def _dir(self, model_hash: str, calibration_id: str) -> Path:
         check_names(model_hash, calibration_id)
@@ -147,10 +173,23 @@ class PrefixStore(PrefixStoreBase):
 
     def get(self, model_hash: str, calibration_id: str, token_ids: list[int]) -> bytes | None:
         path = self.path(model_hash, calibration_id, token_ids)
+        # Opened without following links and without blocking (a FIFO), then checked on the open file
+        # itself: a writer replacing the entry meanwhile swaps the name, not what this descriptor reads.
         try:
-            data = path.read_bytes()
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:
             return None
+        except OSError as exc:  # a symlink (ELOOP) or another file that cannot be an entry
+            raise CorruptEntryError(f"store entry {path} is not a regular file ({exc.strerror})") from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > self.max_entry_bytes:
+            os.close(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise CorruptEntryError(f"store entry {path} is not a regular file (a directory or device)")
+            raise CorruptEntryError(f"store entry {path} is {info.st_size} bytes, more than the "
+                                    f"{self.max_entry_bytes} an entry may have")
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(info.st_size + 1)
         return verified_entry(data, str(path), model_hash, calibration_id, token_ids)
 
     def lengths(self, model_hash: str, calibration_id: str) -> list[int]:
@@ -159,9 +198,9 @@ class PrefixStore(PrefixStoreBase):
             return []
         out = set()
         for entry in directory.iterdir():
-            name = entry.name
-            if name.endswith(SUFFIX) and ".tmp-" not in name:
-                head = name.split("-", 1)[0]
-                if head.isdigit():
-                    out.add(int(head))
+            match = ENTRY_NAME.match(entry.name)
+            if match:
+                out.add(int(match.group(1)))
+            elif ".tmp-" not in entry.name:
+                warnings.warn(f"prefix store: skipping {entry}, which is not an entry of the store", stacklevel=2)
         return sorted(out, reverse=True)
