@@ -134,14 +134,6 @@ def option(default: Any, rule: Rule, help: str = "") -> Any:  # noqa: A002 - arg
     return dataclasses.field(default=default, metadata={"rule": rule, "help": help})
 
 
-def field_rule(cls_or_obj, name: str) -> Rule | None:
-    """The declared rule of field ``name`` (None where the field declares none)."""
-    for f in dataclasses.fields(cls_or_obj):
-        if f.name == name:
-            return f.metadata.get("rule")
-    raise KeyError(name)
-
-
 def validate_fields(obj) -> None:
     """Check every declared field rule of the dataclass ``obj``; ``ValueError`` on the first violation."""
     for f in dataclasses.fields(obj):

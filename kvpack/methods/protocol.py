@@ -95,6 +95,3 @@ class Method(ABC):
     @abstractmethod
     def from_prefill(self, model, prefill: ExactPrefill) -> PreparedCache:
         """This method's cache of the prefilled tokens."""
-
-    def describe(self) -> dict[str, Any]:
-        return {"method": self.name, "config": self.config.to_dict()}

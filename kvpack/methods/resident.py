@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import time
 
 import torch
@@ -51,8 +50,4 @@ class ResidentMethod(Method):
         start = time.perf_counter()
         cache = resident_cache_from(model, self.codec, prefill)
         return PreparedCache(cache, cache.kv_bytes(), cache.dense_kv_bytes(), time.perf_counter() - start,
-                             self.resolved_config(cache), scope=functools.partial(_attached_scope, cache=cache))
-
-
-def _attached_scope(model, cache: KVPackCache):
-    return attach(model, cache=cache)
+                             self.resolved_config(cache), scope=lambda m: attach(m, cache=cache))

@@ -75,6 +75,3 @@ class StorageMethod(Method):
         ref = dense_reference_bytes(dense)
         restored, blob_bytes = self.roundtrip(model, dense, prefill.token_ids)
         return PreparedCache(restored, blob_bytes, ref, time.perf_counter() - start, self.codec.describe())
-
-    def describe(self) -> dict:
-        return {"method": self.name, "config": self.codec.describe()}

@@ -1,13 +1,13 @@
 """Storage methods: each turns one sequence's filled cache into bytes (to keep or move) and back.
 
 One module (or subpackage) per method, each registering its :class:`StorageCodec` subclass with
-``@register_method("name")``; :func:`get_storage_codec` finds them all. kvtc is the one today.
+``@register_method("name")``; :func:`storage_methods` finds them all (``kvpack.methods.get_method``
+builds one). kvtc is the one today.
 """
 
 from __future__ import annotations
 
-from ..config import MethodConfig
-from ..registry import discover, registered, resolve
+from ..registry import discover, registered
 from .base import DenseKV, DenseLayer, StorageCodec
 
 
@@ -17,10 +17,4 @@ def storage_methods() -> dict[str, type[StorageCodec]]:
     return registered(StorageCodec)
 
 
-def get_storage_codec(name: str, config: MethodConfig | dict | None = None, **overrides) -> StorageCodec:
-    """A registered storage method with its config (``ValueError`` for an unknown name or field)."""
-    cls, config = resolve(storage_methods(), name, config)
-    return cls(config, **overrides)
-
-
-__all__ = ["DenseKV", "DenseLayer", "StorageCodec", "get_storage_codec", "storage_methods"]
+__all__ = ["DenseKV", "DenseLayer", "StorageCodec", "storage_methods"]
