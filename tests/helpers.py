@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import struct
+
 import torch
 
 from kvpack.ops.rope import LlamaRotary, RotaryTable
 from kvpack.resident import LayerLayout
 from kvpack.storage.kvtc.calibration import CalibrationSettings, calibrate
+from kvpack.store.format import FORMAT_VERSION, MAGIC
 
 
 def tiny_llama(q_heads: int = 6, kv_heads: int = 2, head_dim: int = 16, layers: int = 2, seed: int = 0):
@@ -85,6 +90,42 @@ def kv_chunk(cache, layout: str = "separate") -> torch.Tensor:
     k = torch.stack([per_layer(layer.keys) for layer in cache.layers])
     v = torch.stack([per_layer(layer.values) for layer in cache.layers])
     return torch.stack([k, v]) if layout == "separate" else torch.cat([k, v], dim=-1)[None]
+
+
+# ------------------------------------------------------------------------------------------------
+# Rewriting blobs the way a hostile writer would: a valid checksum over changed content
+# ------------------------------------------------------------------------------------------------
+
+BLOB_PREFIX = struct.Struct("<8sHI")  # magic, version, header length (kvpack.store.format's layout)
+
+
+def split_blob(blob: bytes) -> tuple[dict, dict[str, bytes]]:
+    """A blob's header (parsed JSON) and each section's stored bytes, by name."""
+    _, _, hlen = BLOB_PREFIX.unpack_from(blob, 0)
+    header = json.loads(blob[BLOB_PREFIX.size:BLOB_PREFIX.size + hlen])
+    payload = blob[BLOB_PREFIX.size + hlen:-32]
+    return header, {s["name"]: payload[s["offset"]:s["offset"] + s["size"]] for s in header["sections"]}
+
+
+def join_blob(header: dict | bytes, data: dict[str, bytes] | None = None, fix_offsets: bool = True) -> bytes:
+    """A blob of ``header`` (a dict, or raw header bytes taken as they are) and the sections'
+    stored bytes, in the header's table order, with a correct checksum; ``fix_offsets`` rewrites the
+    table's offsets and sizes to the bytes given."""
+    data = data or {}
+    if isinstance(header, dict):
+        chunks, offset = [], 0
+        for s in header.get("sections", []):
+            part = data.get(s.get("name") if isinstance(s, dict) else None, b"")
+            if fix_offsets and isinstance(s, dict):
+                s["offset"], s["size"] = offset, len(part)
+            chunks.append(part)
+            offset += len(part)
+        head = json.dumps(header, sort_keys=True).encode()
+        payload = b"".join(chunks)
+    else:
+        head, payload = header, b"".join(data.values())
+    body = BLOB_PREFIX.pack(MAGIC, FORMAT_VERSION, len(head)) + head + payload
+    return body + hashlib.sha256(body).digest()
 
 
 # ------------------------------------------------------------------------------------------------

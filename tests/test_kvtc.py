@@ -335,6 +335,38 @@ def test_corrupted_calibration_refused(tiny, tmp_path):
         Calibration.load(tmp_path / "nowhere")
 
 
+@pytest.mark.parametrize("edit", [
+    lambda m: m.update(layers=m["layers"][::-1]),  # the bases' row blocks read as other layers
+    lambda m: m.update(kv_heads=m["kv_heads"] * 2, head_dim=m["head_dim"] // 2),  # same p, other split
+    lambda m: m["settings"].update(sinks=m["settings"]["sinks"] + 1),
+    lambda m: m["settings"].update(key_rope="post"),
+])
+def test_calibration_id_covers_geometry_and_settings(tiny, tmp_path, edit):
+    """Issue 17, item 4: a calibration whose JSON was edited but kept its recorded id is refused
+    (before: a reversed `layers` list loaded with the same id and decoded other layers' features)."""
+    import json
+
+    _, calib = tiny
+    d = calib.save(tmp_path / "c")
+    meta_path = d / "kvtc_calibration.json"
+    meta = json.loads(meta_path.read_text())
+    edit(meta)
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="do not belong together or were modified"):
+        Calibration.load(d)
+
+
+def test_calibration_of_the_older_format_is_refused_with_the_fix(tiny, tmp_path):
+    import json
+
+    _, calib = tiny
+    d = calib.save(tmp_path / "c")
+    meta_path = d / "kvtc_calibration.json"
+    meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), "version": 1}))
+    with pytest.raises(ValueError, match="older kvpack .* make it again with `kvpack calibrate`"):
+        Calibration.load(d)
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("ratios", (1.0,), "> 1"), ("chunk_tokens", 100, "exceed sinks"), ("pca_dim", 0, "pca_dim must be >= 1"),
     ("samples", 1, "samples"),

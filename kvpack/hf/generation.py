@@ -46,10 +46,15 @@ class ProgressStreamer(BaseStreamer):
             self.bar.close()
 
 
+def context_limit(model) -> int | None:
+    """The model's context in tokens (``max_position_embeddings``; None when the config has none)."""
+    return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+
+
 def check_context(model, n_tokens: int, max_new_tokens: int = 0) -> None:
     """Refuse a prompt (or restored prefix + new text) that, with the tokens to generate, does not fit
     the model's context (``max_position_embeddings``), naming both."""
-    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    limit = context_limit(model)
     if not n_tokens:
         raise ValueError("empty prompt: nothing to run the model on")
     if limit is not None and n_tokens + max_new_tokens > limit:

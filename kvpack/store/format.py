@@ -20,12 +20,15 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
+import re
 import struct
 import zlib
 
-import numpy as np
 import torch
 import zstandard
+
+from .schema import BlobError, check_fields, get_int, get_int_list, get_list, get_str, parse_header
 
 
 def tokens_digest(token_ids: list[int]) -> str:
@@ -45,15 +48,18 @@ _DTYPES = {
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
-class BlobError(ValueError):
-    """A blob that cannot be read: truncated, corrupted, foreign or from an unknown format version."""
+SECTION_NAME = r"[A-Za-z0-9_]{1,64}"
+MAX_SECTIONS = 4096
+MAX_DIMS = 8
+SECTION_FIELDS = {"name", "dtype", "shape", "offset", "size", "raw_size"}
 
 
 def _compress(raw: bytes, backend: str, level: int) -> bytes:
     if backend == "zlib":
         return zlib.compress(raw, level)
     if backend == "zstd":
-        return zstandard.ZstdCompressor(level=level).compress(raw)
+        # the frame's own checksum: a changed byte fails here even under a recomputed blob digest
+        return zstandard.ZstdCompressor(level=level, write_checksum=True).compress(raw)
     if backend == "none":
         return raw
     raise ValueError(f"unknown entropy-coding backend {backend!r}; choose one of {BACKENDS}")
@@ -103,6 +109,8 @@ def pack_blob(meta: dict, sections: dict[str, torch.Tensor], backend: str = "zli
         raise ValueError(f"unknown entropy-coding backend {backend!r}; choose one of {BACKENDS}")
     table, chunks, offset = [], [], 0
     for name, t in sections.items():
+        if not re.fullmatch(SECTION_NAME, name):
+            raise ValueError(f"section name {name!r} is not of the form {SECTION_NAME}")
         if t.dtype not in _DTYPE_NAMES:
             raise TypeError(f"section {name!r}: dtype {t.dtype} cannot be stored")
         raw = tensor_bytes(t)
@@ -138,20 +146,34 @@ class Blob:
         start = _PREFIX.size
         if start + hlen > body_end:
             raise BlobError("blob header runs past the end of the data")
-        try:
-            self.meta = json.loads(bytes(self.data[start:start + hlen]).decode())
-            self.sections = {s["name"]: s for s in self.meta["sections"]}
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise BlobError(f"blob header is malformed: {exc}") from None
+        self.meta = parse_header(bytes(self.data[start:start + hlen]))
+        self.backend = get_str(self.meta, "backend", choices=BACKENDS)
         self.payload_start = start + hlen
         self.payload_end = body_end
-        for s in self.sections.values():
-            if s.get("dtype") not in _DTYPES or s["offset"] < 0 or s["size"] < 0 or \
-                    self.payload_start + s["offset"] + s["size"] > body_end:
-                raise BlobError(f"blob section {s.get('name')!r} is malformed or out of bounds")
+        self.sections = {}
+        offset = 0
+        for i, s in enumerate(get_list(self.meta, "sections", max_len=MAX_SECTIONS)):
+            where = f"blob section {i}"
+            name = get_str(s, "name", where, pattern=SECTION_NAME)
+            where = f"blob section {name!r}"
+            check_fields(s, SECTION_FIELDS, where)
+            if name in self.sections:
+                raise BlobError(f"{where} appears twice")
+            get_str(s, "dtype", where, choices=tuple(_DTYPES))
+            shape = get_int_list(s, "shape", where, max_len=MAX_DIMS)
+            # sections lie back to back in table order, as pack_blob writes them
+            get_int(s, "offset", where, minimum=offset, maximum=offset)
+            size = get_int(s, "size", where, maximum=body_end - self.payload_start - offset)
+            raw_size = get_int(s, "raw_size", where)
             elem = torch.empty(0, dtype=_DTYPES[s["dtype"]]).element_size()
-            if int(np.prod(s["shape"], dtype=np.int64)) * elem != s["raw_size"]:
-                raise BlobError(f"blob section {s['name']!r}: shape {s['shape']} does not match {s['raw_size']} bytes")
+            if math.prod(shape) * elem != raw_size:
+                raise BlobError(f"{where}: shape {shape} of {s['dtype']} is not the {raw_size} bytes it declares")
+            if self.backend == "none" and size != raw_size:
+                raise BlobError(f"{where} is stored uncompressed in {size} bytes, not the {raw_size} it declares")
+            self.sections[name] = s
+            offset += size
+        if self.payload_start + offset != body_end:
+            raise BlobError(f"blob payload has {body_end - self.payload_start - offset} bytes no section accounts for")
 
     def __len__(self) -> int:
         return len(self.data)
@@ -162,7 +184,7 @@ class Blob:
             raise BlobError(f"blob has no section {name!r}")
         s = self.sections[name]
         lo = self.payload_start + s["offset"]
-        raw = _decompress(bytes(self.data[lo:lo + s["size"]]), self.meta["backend"], s["raw_size"])
+        raw = _decompress(bytes(self.data[lo:lo + s["size"]]), self.backend, s["raw_size"])
         dtype = _DTYPES[s["dtype"]]
         storage = torch.int16 if dtype == torch.bfloat16 else dtype
         t = torch.frombuffer(bytearray(raw), dtype=storage) if raw else torch.empty(0, dtype=storage)

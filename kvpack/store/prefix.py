@@ -32,10 +32,12 @@ from pathlib import Path
 from ..paths import cache_dir
 from .atomic import atomic_write_bytes
 from .format import Blob, BlobError, tokens_digest
+from .schema import get_int, get_object, get_str
 
 SUFFIX = ".kvtc"
 ENTRY_NAME = re.compile(r"^(\d+)-[0-9a-f]{64}\.kvtc$")  # <n tokens>-<sha256 of the tokens>.kvtc
 MAX_ENTRY_BYTES = 64 << 30  # a larger file is not read (no kvtc blob of a real cache comes near)
+ENTRY_ID = r"[0-9A-Za-z]{1,128}"  # model hashes and calibration ids name directories and keys
 STALE_TMP_SECONDS = 3600  # temporary files older than this are a crashed writer's leftovers
 
 
@@ -64,10 +66,10 @@ def entry_identity(blob: bytes, token_ids: list[int]) -> tuple[str, str]:
     if not token_ids:
         raise ValueError("cannot store an empty prefix")
     meta = Blob(blob).meta
-    if meta.get("tokens") != len(token_ids) or meta.get("tokens_sha256") != tokens_digest(token_ids):
+    if get_int(meta, "tokens") != len(token_ids) or get_str(meta, "tokens_sha256") != tokens_digest(token_ids):
         raise BlobError("the blob's header does not describe these token ids")
-    model_hash, calibration_id = meta.get("model", {}).get("hash"), meta.get("calibration_id")
-    check_names(model_hash, calibration_id)
+    model_hash = get_str(get_object(meta, "model"), "hash", "blob header's model", pattern=ENTRY_ID)
+    calibration_id = get_str(meta, "calibration_id", pattern=ENTRY_ID)
     return model_hash, calibration_id
 
 

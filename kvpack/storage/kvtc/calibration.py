@@ -45,7 +45,9 @@ from .corpus import calibration_documents
 from .features import layer_rotaries, to_features
 
 FORMAT = "kvpack-kvtc-calibration"
-FORMAT_VERSION = 1
+# 2: the calibration id covers the geometry (layers, KV heads, head dim) and the settings, not only
+# the tensors and allocations (version 1 ids did not: a reordered `layers` list loaded unnoticed).
+FORMAT_VERSION = 2
 TENSORS_FILE = "kvtc_calibration.safetensors"
 META_FILE = "kvtc_calibration.json"
 BF16_BITS = 16
@@ -116,7 +118,9 @@ class Calibration:
         allocations: ``{ratio_key: {"keys": Allocation, "values": Allocation}}``.
         settings: the :class:`CalibrationSettings` used, as a dict.
         stats: timings and spectra summaries.
-        calibration_id: hash of the tensors and allocations (blobs record it).
+        calibration_id: hash of everything that decides how a blob decodes: the model's fingerprint,
+            layers, KV heads, head dim, settings, tensors and allocations (blobs record it; loading
+            recomputes and compares it).
     """
 
     fingerprint: dict
@@ -188,12 +192,14 @@ class Calibration:
 
     def _compute_id(self) -> str:
         h = hashlib.sha256()
+        geometry = {"fingerprint": self.fingerprint["hash"], "layers": [int(i) for i in self.layers],
+                    "kv_heads": int(self.kv_heads), "head_dim": int(self.head_dim), "settings": self.settings}
+        h.update(json.dumps(geometry, sort_keys=True).encode())
         for t in (self.key_mean, self.key_basis, self.value_mean, self.value_basis):
             h.update(str(tuple(t.shape)).encode())
             h.update(t.contiguous().float().numpy().tobytes())
         alloc = {k: {kind: a.to_dict() for kind, a in v.items()} for k, v in sorted(self.allocations.items())}
         h.update(json.dumps(alloc, sort_keys=True).encode())
-        h.update(self.fingerprint["hash"].encode())
         return h.hexdigest()[:24]
 
     # -- files --------------------------------------------------------------------------------
@@ -241,8 +247,11 @@ class Calibration:
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             found = meta.get("format") if isinstance(meta, dict) else None
             raise ValueError(f"{meta_path} is not a kvtc calibration (format {found!r})")
+        if meta.get("version") == 1:
+            raise ValueError(f"{meta_path} was written by an older kvpack (calibration format 1, whose id does not "
+                             "cover the layers, heads and settings); make it again with `kvpack calibrate`")
         if meta.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{meta_path}: calibration format version {meta.get('version')} is not supported "
+            raise ValueError(f"{meta_path}: calibration format version {meta.get('version')!r:.20} is not supported "
                              f"(expected {FORMAT_VERSION})")
         try:
             tensors = load_file(str(tensors_path))
@@ -259,8 +268,8 @@ class Calibration:
                         key_mean=tensors["key_mean"], key_basis=tensors["key_basis"],
                         value_mean=tensors["value_mean"], value_basis=tensors["value_basis"],
                         allocations=allocations, settings=meta["settings"], stats=meta.get("stats", {}))
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"{meta_path} lacks or mangles field {exc}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{meta_path} lacks or mangles a field: {exc}") from None
         if calib.calibration_id != meta.get("calibration_id"):
             raise ValueError(f"{directory}: the tensors and the JSON do not belong together or were modified "
                              f"(content id {calib.calibration_id} vs recorded {meta.get('calibration_id')})")

@@ -20,16 +20,17 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ...hf.fingerprint import cache_layer_count, model_fingerprint
+from ...hf.generation import context_limit
 from ...ops.accounting import DENSE_REFERENCE_BYTES_PER_ELEMENT
 from ...ops.bitalloc import Allocation
 from ...ops.bitpack import pack_bitstream, unpack_bitstream
 from ...ops.group_quant import dequantize_groups, quantize_groups
 from ...store.format import Blob, BlobError, pack_blob, tokens_digest
+from ...store.schema import ForeignBlobError
 from ..base import DenseKV, DenseLayer
 from .calibration import Calibration, ratio_key
 from .features import layer_from_features, to_features
-
-CODEC = "kvtc"
+from .header import CACHE_DTYPES, CODEC, KvtcHeader, check_header, read_header
 
 
 def _check_cache(cache, calibration: Calibration, n_tokens: int) -> None:
@@ -135,6 +136,8 @@ def compress_cache(cache, calibration: Calibration, ratio: float, token_ids: lis
     ks = [layers[i].keys[0] for i in calibration.layers]
     vs = [layers[i].values[0] for i in calibration.layers]
     cache_dtype = ks[0].dtype
+    if cache_dtype not in CACHE_DTYPES.values():
+        raise ValueError(f"kvtc stores caches of {', '.join(CACHE_DTYPES)}, not {cache_dtype}")
     sections: dict[str, torch.Tensor] = {
         "token_ids": torch.tensor(token_ids, dtype=torch.int32),
         "sink_keys": torch.stack([k[:, :s] for k in ks]), "sink_values": torch.stack([v[:, :s] for v in vs]),
@@ -167,62 +170,50 @@ def compress_cache(cache, calibration: Calibration, ratio: float, token_ids: lis
     return pack_blob(meta, sections, backend=backend, level=level)
 
 
-def read_blob(data: bytes, calibration: Calibration | None = None, model=None) -> Blob:
-    """Parse and verify a kvtc blob, and check that it belongs to ``calibration`` and ``model``.
+def read_blob(data: bytes, calibration: Calibration | None = None, model=None) -> tuple[Blob, KvtcHeader]:
+    """Parse and verify a kvtc blob and its header, and check that it belongs to ``calibration`` and
+    ``model`` (each when given).
 
     Raises:
-        BlobError: unreadable blob. ValueError: a blob of another model or calibration.
+        BlobError: unreadable or malformed blob; ForeignBlobError (one) for a blob of another model or
+            calibration.
     """
     blob = Blob(data)
-    meta = blob.meta
-    if meta.get("codec") != CODEC:
-        raise BlobError(f"blob was written by codec {meta.get('codec')!r}, not {CODEC!r}")
+    header = read_header(blob)
     if model is not None:
         fp = model_fingerprint(model)
-        if meta["model"]["hash"] != fp["hash"]:
-            raise ValueError(f"blob was made with another model ({meta['model']['architecture']}, fingerprint "
-                             f"{meta['model']['hash'][:12]}) than the one given (fingerprint {fp['hash'][:12]})")
-    if calibration is not None and meta["calibration_id"] != calibration.calibration_id:
-        raise ValueError(f"blob was made with calibration {meta['calibration_id']}, not with the one given "
-                         f"({calibration.calibration_id})")
-    return blob
+        if (header.model_hash, header.model_architecture) != (fp["hash"], fp["architecture"]):
+            raise ForeignBlobError(f"blob was made with another model ({header.model_architecture}, fingerprint "
+                             f"{header.model_hash[:12]}) than the one given (fingerprint {fp['hash'][:12]})")
+    if calibration is not None:
+        check_header(blob, header, calibration)
+    return blob, header
 
 
-def blob_token_ids(blob: Blob) -> list[int]:
+def blob_token_ids(blob: Blob, header: KvtcHeader) -> list[int]:
     ids = blob.section("token_ids").tolist()
-    if len(ids) != blob.meta["tokens"] or tokens_digest(ids) != blob.meta["tokens_sha256"]:
+    if len(ids) != header.tokens or tokens_digest(ids) != header.tokens_sha256:
         raise BlobError("blob token ids do not match its header")
     return ids
 
 
-def iter_decompressed_layers(data: bytes | Blob, calibration: Calibration, model,
+def iter_decompressed_layers(data: bytes | tuple[Blob, KvtcHeader], calibration: Calibration, model,
                              device: torch.device | str | None = None
                              ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Yield ``(layer_idx, keys [1, kv_heads, T, d], values)`` for every cache layer, in order,
     each reconstructed only when asked for (streaming decompression).
 
-    Keys and values come back in the cache dtype recorded in the blob, keys post-RoPE.
+    Keys and values come back in the cache dtype recorded in the blob, keys post-RoPE. ``data`` is
+    the blob's bytes or what :func:`read_blob` returned for them.
     """
-    blob = data if isinstance(data, Blob) else read_blob(data, calibration, model)
-    meta = blob.meta
-    if meta["calibration_id"] != calibration.calibration_id:
-        raise ValueError(f"blob was made with calibration {meta['calibration_id']}, not {calibration.calibration_id}")
-    dtype = getattr(torch, meta["cache_dtype"])
-    n, s, n_mid = meta["tokens"], meta["sinks"], meta["coded_tokens"]
-    try:
-        alloc = {k: Allocation.from_dict(meta["allocation"][k]) for k in ("keys", "values")}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise BlobError(f"blob allocation is malformed: {exc}") from None
-    for kind, basis in (("keys", calibration.key_basis), ("values", calibration.value_basis)):
-        if alloc[kind].coded_extent > basis.shape[1]:
-            raise BlobError(f"blob codes {alloc[kind].coded_extent} {kind} components, the calibration has "
-                            f"{basis.shape[1]}")
+    blob, header = read_blob(data, calibration, model) if isinstance(data, bytes | bytearray | memoryview) else data
+    check_header(blob, header, calibration)
+    dtype = header.cache_dtype
+    s, n_mid = header.sinks, header.coded_tokens
+    alloc = calibration.allocations[header.ratio]
     sink_k, sink_v = blob.section("sink_keys"), blob.section("sink_values")
     win_k, win_v = blob.section("window_keys"), blob.section("window_values")
-    n_layers, heads, d = len(calibration.layers), calibration.kv_heads, calibration.head_dim
-    for name, t, tokens in (("sink", sink_k, s), ("window", win_k, n - s - n_mid)):
-        if tuple(t.shape) != (n_layers, heads, tokens, d):
-            raise BlobError(f"blob {name} tensors have shape {list(t.shape)}, expected {[n_layers, heads, tokens, d]}")
+    heads, d = calibration.kv_heads, calibration.head_dim
     coeffs = {}
     if n_mid:
         coeffs["keys"] = decode_coefficients(blob.section, alloc["keys"], "keys", n_mid)
@@ -231,7 +222,7 @@ def iter_decompressed_layers(data: bytes | Blob, calibration: Calibration, model
     positions = torch.arange(s, s + n_mid)
     width = heads * d
     by_layer = {layer: j for j, layer in enumerate(calibration.layers)}
-    for i in range(meta["num_layers"]):
+    for i in range(header.num_layers):
         if i not in by_layer:
             k, v = blob.section(f"layer{i}_keys"), blob.section(f"layer{i}_values")
             yield i, k[None].to(device=device), v[None].to(device=device)
@@ -250,18 +241,26 @@ def iter_decompressed_layers(data: bytes | Blob, calibration: Calibration, model
         yield i, torch.cat(parts_k, 1)[None].to(device=device), torch.cat(parts_v, 1)[None].to(device=device)
 
 
-def decompress_cache(data: bytes | Blob, calibration: Calibration, model) -> tuple[DenseKV, list[int]]:
+def decompress_cache(data: bytes | tuple[Blob, KvtcHeader], calibration: Calibration, model
+                     ) -> tuple[DenseKV, list[int]]:
     """Every layer of a blob's cache, as tensors on the model's device; generation continues from
     ``kvpack.hf.dense.to_dynamic_cache(model, cache, len(token_ids))``.
 
     Returns:
         ``(cache, token_ids)``: the layers (``cache.layers[i].keys [1, kv_heads, T, d]``) and the token
         ids they hold.
+
+    Raises:
+        BlobError: an unreadable or malformed blob. ValueError: a blob of another model or
+            calibration, or one holding more tokens than the model's context.
     """
-    blob = data if isinstance(data, Blob) else read_blob(data, calibration, model)
-    ids = blob_token_ids(blob)
+    blob, header = read_blob(data, calibration, model) if isinstance(data, bytes | bytearray | memoryview) else data
     n_layers = cache_layer_count(model)
-    if n_layers != blob.meta["num_layers"]:
-        raise ValueError(f"blob holds {blob.meta['num_layers']} layers, the model's cache has {n_layers}")
-    layers = [DenseLayer(k, v) for _, k, v in iter_decompressed_layers(blob, calibration, model, device=model.device)]
-    return DenseKV(layers), ids
+    if n_layers != header.num_layers:
+        raise ValueError(f"blob holds {header.num_layers} layers, the model's cache has {n_layers}")
+    limit = context_limit(model)
+    if limit is not None and header.tokens > limit:
+        raise ValueError(f"blob holds {header.tokens} tokens, more than the model's context of {limit} tokens")
+    ids = blob_token_ids(blob, header)
+    parts = iter_decompressed_layers((blob, header), calibration, model, device=model.device)
+    return DenseKV([DenseLayer(k, v) for _, k, v in parts]), ids

@@ -58,8 +58,8 @@ def continue_from_blob(model, tokenizer, calibration: Calibration, blob: bytes, 
     # Created first, so that its prefill time (to the first generated token) includes decompression.
     streamer = ProgressStreamer(len(new_token_ids), max_new_tokens, enabled=False)
     start = streamer.start
-    parsed = read_blob(blob, calibration, model)
-    restored, prefix = decompress_cache(parsed, calibration, model)
+    parsed, header = read_blob(blob, calibration, model)
+    restored, prefix = decompress_cache((parsed, header), calibration, model)
     cache = to_dynamic_cache(model, restored, len(prefix))
     decompress_s = time.perf_counter() - start
     new = greedy_generate(model, tokenizer, cache, prefix + list(new_token_ids), max_new_tokens, min_new_tokens,
@@ -68,7 +68,7 @@ def continue_from_blob(model, tokenizer, calibration: Calibration, blob: bytes, 
     first = streamer.prefill_s if streamer.prefill_s is not None else end - start
     return Continuation(text=tokenizer.decode(new, skip_special_tokens=True), token_ids=new,
                         prefix_tokens=len(prefix), prefilled_tokens=len(new_token_ids), blob_bytes=len(blob),
-                        dense_bf16_bytes=int(parsed.meta["dense_bf16_bytes"]), decompress_s=decompress_s,
+                        dense_bf16_bytes=header.dense_bf16_bytes, decompress_s=decompress_s,
                         first_token_s=first, total_s=end - start)
 
 
