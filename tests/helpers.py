@@ -107,23 +107,22 @@ def split_blob(blob: bytes) -> tuple[dict, dict[str, bytes]]:
     return header, {s["name"]: payload[s["offset"]:s["offset"] + s["size"]] for s in header["sections"]}
 
 
-def join_blob(header: dict | bytes, data: dict[str, bytes] | None = None, fix_offsets: bool = True) -> bytes:
-    """A blob of ``header`` (a dict, or raw header bytes taken as they are) and the sections'
-    stored bytes, in the header's table order, with a correct checksum; ``fix_offsets`` rewrites the
-    table's offsets and sizes to the bytes given."""
-    data = data or {}
-    if isinstance(header, dict):
+def join_blob(header: dict | bytes, data: dict[str, bytes], fix_offsets: bool = True) -> bytes:
+    """A blob of ``header`` (a dict, or raw header bytes taken as they are) and sections' stored
+    bytes, with a correct checksum. ``fix_offsets``: the payload follows the table's order and the
+    table's offsets and sizes are rewritten to the bytes given; otherwise the payload is ``data``'s
+    bytes in their own order and the table is left as it is."""
+    if isinstance(header, dict) and fix_offsets:
         chunks, offset = [], 0
-        for s in header.get("sections", []):
-            part = data.get(s.get("name") if isinstance(s, dict) else None, b"")
-            if fix_offsets and isinstance(s, dict):
-                s["offset"], s["size"] = offset, len(part)
+        for s in header["sections"]:
+            part = data.get(s["name"], b"")
+            s["offset"], s["size"] = offset, len(part)
             chunks.append(part)
             offset += len(part)
-        head = json.dumps(header, sort_keys=True).encode()
         payload = b"".join(chunks)
     else:
-        head, payload = header, b"".join(data.values())
+        payload = b"".join(data.values())
+    head = json.dumps(header, sort_keys=True).encode() if isinstance(header, dict) else header
     body = BLOB_PREFIX.pack(MAGIC, FORMAT_VERSION, len(head)) + head + payload
     return body + hashlib.sha256(body).digest()
 

@@ -32,7 +32,7 @@ def _section(header: dict, name: str) -> dict:
 def _edited(blob: bytes, edit) -> bytes:
     header, data = split_blob(blob)
     edit(header)
-    return join_blob(header, data)
+    return join_blob(header, data, fix_offsets=isinstance(header["sections"], list))
 
 
 HOSTILE_HEADERS = {
@@ -132,3 +132,20 @@ def test_a_float32_cache_restores_exactly(kvtc_blob):
         assert layer.keys.dtype == torch.float32
         sink = calib.sinks
         torch.testing.assert_close(layer.keys[:, :, :sink], dense.layers[i].keys[:, :, :sink], atol=0, rtol=0)
+
+
+def test_blob_longer_than_the_models_context_is_refused_on_restore():
+    """Issue 17, item 7: a blob holding more tokens than the model's context (made here by running
+    the model past its context directly, which kvpack's own prefill refuses) does not restore."""
+    from transformers import DynamicCache
+
+    model, calib = tiny_kvtc(ratios=(4,))  # max_position_embeddings = 1024
+    ids = token_ids(1030)
+    with pytest.raises(ValueError, match="exceed the model's context"):
+        prefill(model, ids)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    blob = compress_cache(cache, calib, 4, ids, model=model)
+    with pytest.raises(ValueError, match="blob holds 1030 tokens, more than the model's context of 1024"):
+        decompress_cache(blob, calib, model)

@@ -73,7 +73,7 @@ def get_int(record: Mapping, key: str, where: str = "blob header", minimum: int 
     if isinstance(value, bool) or not isinstance(value, int):
         raise BlobError(f"{where} field {key!r} must be an integer, got {value!r:.60}")
     if not minimum <= value <= maximum:
-        raise BlobError(f"{where} field {key!r} must be in [{minimum}, {maximum}], got {value:.60}")
+        raise BlobError(f"{where} field {key!r} must be in [{minimum}, {maximum}], got {value!r:.60}")
     return value
 
 
