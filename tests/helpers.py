@@ -127,6 +127,17 @@ def join_blob(header: dict | bytes, data: dict[str, bytes], fix_offsets: bool = 
     return body + hashlib.sha256(body).digest()
 
 
+def run_kvpack(args: list[str], cwd, timeout: float = 600):
+    """``kvpack ARGS`` as its own process (offline, kvpack's cache in the test cache), its output captured."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "kvpack", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 # ------------------------------------------------------------------------------------------------
 # A real Redis server for the tests: loopback only, a free port, stopped by PID
 # ------------------------------------------------------------------------------------------------

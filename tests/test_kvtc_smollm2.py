@@ -135,3 +135,29 @@ def test_cli_compress_continue_decompress_and_store(calibrated, tmp_path, capsys
     assert "truncated" in capsys.readouterr().err
     assert main(["compress", "--calibration", directory, "--ratio", "12", "--prompt", "x", "--out", str(blob)]) == 2
     assert "no bit allocation for ratio 12" in capsys.readouterr().err
+
+
+def test_cli_processes_refuse_hostile_blobs_and_unwritable_outputs(calibrated, smollm2, tmp_path):
+    """Issue 17, items 2 and 7 through real `kvpack` processes: a well-checksummed blob with a
+    hostile header, and an output path that cannot be written, end in one line and exit 2."""
+    from .helpers import join_blob, run_kvpack, split_blob
+
+    model, tok = smollm2
+    calib, directory = calibrated
+    ids = tok("Alice keeps her spare key under the blue flowerpot. " * 20).input_ids
+    header, data = split_blob(compress_tokens(model, calib, ids, 16))
+    header["cache_dtype"] = "int8"  # before: keys decoded as int8 garbage and a garbage continuation
+    hostile = tmp_path / "hostile.kvtc"
+    hostile.write_bytes(join_blob(header, data))
+    for args in (["continue", "--blob", str(hostile), "--prompt", " Where is the key?"],
+                 ["decompress", "--blob", str(hostile), "--out", str(tmp_path / "cache.safetensors")]):
+        run = run_kvpack([*args, "--calibration", directory], cwd=tmp_path)
+        last = run.stderr.strip().splitlines()[-1]  # progress lines of the model's loading come before
+        assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+        assert last.startswith("kvpack: error: ") and "'cache_dtype' must be one of" in last, run.stderr
+    assert not (tmp_path / "cache.safetensors").exists()
+    run = run_kvpack(["compress", "--calibration", directory, "--ratio", "16", "--prompt", "hello there",
+                      "--out", "/proc/no-such-dir/turn1.kvtc"], cwd=tmp_path)
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert last.startswith("kvpack: error: ") and "No such file or directory" in last, run.stderr
