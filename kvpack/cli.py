@@ -23,14 +23,13 @@ from .eval.report import summary_markdown, write_report
 from .eval.runner import EvalPlan, method_specs, rows_in_plan, run_eval
 from .eval.tasks import NIAH_TASKS, RULER_TASKS
 from .generate import encode_prompt, generate
-from .hf.fingerprint import model_fingerprint
 from .hf.models import load_model
 from .methods import available_methods, get_method, method_config_class
 from .prompts import needle_prompt
 from .storage.kvtc.calibration import CalibrationSettings, calibrate
 from .storage.kvtc.codec import KvtcConfig, load_calibration
 from .storage.kvtc.coder import decompress_cache
-from .storage.kvtc.session import compress_tokens, continue_from_blob
+from .storage.kvtc.session import compress_tokens, continue_from_blob, continue_from_store
 from .store import open_prefix_store
 from .store.atomic import atomic_write_bytes
 from .store.format import BACKENDS, Blob
@@ -192,16 +191,14 @@ def cmd_continue(args) -> int:
     if args.blob:
         blob = Path(args.blob).read_bytes()  # verified by continue_from_blob
         new = tokenizer(text, add_special_tokens=False).input_ids
+        result = continue_from_blob(model, tokenizer, calib, blob, new, max_new_tokens=args.max_new_tokens)
     else:
+        store = open_prefix_store(None if args.store is True else args.store)
         ids = encode_prompt(tokenizer, text, args.chat)[0].tolist()
-        found = open_prefix_store(None if args.store is True else args.store).longest_prefix(
-            model_fingerprint(model)["hash"], calib.calibration_id, ids[:-1])
-        if found is None:
+        result = continue_from_store(store, model, tokenizer, calib, ids, args.max_new_tokens)
+        if result is None:
             raise ValueError("no stored prefix of this prompt for this model and calibration "
                              "(store one with `kvpack compress --store`)")
-        n, blob = found
-        new = ids[n:]
-    result = continue_from_blob(model, tokenizer, calib, blob, new, max_new_tokens=args.max_new_tokens)
     if args.json:
         print(json.dumps(result.__dict__))
     else:

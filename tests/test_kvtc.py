@@ -239,6 +239,50 @@ def test_sliding_window_model_roundtrip_continues_exactly_at_high_quality():
     assert got.token_ids == ref[0, 60:].tolist()
 
 
+def test_second_turn_reuses_a_first_turn_whose_last_tokens_it_does_not_share(tiny, tmp_path):
+    """Issue 17, item 8: turn 1 stored with a closing it does not share with turn 2 (a chat template
+    closing the user turn, a trailing space) is found through its leading tokens and restored cut to
+    them; the continuation equals the uncompressed one (ratio 2: 8-bit groups everywhere)."""
+    from kvpack.storage.kvtc.session import continue_from_store
+    from kvpack.store import PrefixStore
+
+    model, calib = tiny
+    base, closing, question = _ids(40, seed=21), [5, 6, 7, 8, 9], _ids(7, seed=22)
+    store = PrefixStore(tmp_path / "store")
+    store.put(compress_tokens(model, calib, base + closing, 2), base + closing)
+    turn2 = base + question
+    got = continue_from_store(store, model, _NoTokenizer(), calib, turn2, max_new_tokens=8)
+    assert got.prefix_tokens == 40 and got.prefilled_tokens == 7  # before: no stored prefix (None)
+    x = torch.tensor([turn2])
+    ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False)
+    assert got.token_ids == ref[0, len(turn2):].tolist()
+    assert continue_from_store(store, model, _NoTokenizer(), calib, _ids(30, seed=23)) is None
+
+
+def test_a_sliding_window_cache_is_not_cut_and_an_exact_prefix_is_used_instead(tmp_path):
+    from kvpack.storage.base import PrefixCutError
+    from kvpack.storage.kvtc.session import continue_from_store
+    from kvpack.store import PrefixStore
+
+    model = tiny_gemma3()  # sliding window 16
+    calib = calibrate(model, None, CalibrationSettings(ratios=(2,), **SETTINGS), chunks=_chunks(), progress=False)
+    base, closing, question = _ids(40, seed=21), [5, 6, 7], _ids(5, seed=22)
+    blob = compress_tokens(model, calib, base + closing, 2)
+    dense, _ = decompress_cache(blob, calib, model)
+    with pytest.raises(PrefixCutError, match="sliding window"):
+        dense.leading(40)
+    store = PrefixStore(tmp_path / "store")
+    store.put(blob, base + closing)
+    assert continue_from_store(store, model, _NoTokenizer(), calib, base + question) is None  # nothing exact
+    store.put(compress_tokens(model, calib, base[:30], 2), base[:30])
+    with pytest.warns(UserWarning, match="cannot be cut back"):
+        got = continue_from_store(store, model, _NoTokenizer(), calib, base + question, max_new_tokens=4)
+    assert got.prefix_tokens == 30
+    short = compress_tokens(model, calib, base[:12], 2)  # 12 tokens: every layer holds all of them
+    kept = decompress_cache(short, calib, model)[0].leading(10)
+    assert all(layer.keys.shape[2] == 10 for layer in kept.layers)
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad input
 # ------------------------------------------------------------------------------------------------

@@ -161,3 +161,24 @@ def test_cli_processes_refuse_hostile_blobs_and_unwritable_outputs(calibrated, s
     last = run.stderr.strip().splitlines()[-1]
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     assert last.startswith("kvpack: error: ") and "No such file or directory" in last, run.stderr
+
+
+@pytest.mark.parametrize("chat,turn1_end", [(True, ""), (False, " ")])
+def test_cli_second_turn_reuses_the_first_through_the_store(calibrated, tmp_path, capsys, chat, turn1_end):
+    """Issue 17, item 8: `compress --chat --store` then `continue --chat --store` with the conversation
+    so far (and the same without a template for a turn 1 ending in whitespace) reuse turn 1: before,
+    both said "no stored prefix" (the template's closing tokens / the space are not a prefix of turn 2)."""
+    from kvpack.cli import main
+
+    _, directory = calibrated
+    turn1 = "Alice keeps her spare key under the blue flowerpot. " * 12 + "Remember it." + turn1_end
+    flags = ["--chat"] if chat else []
+    store = str(tmp_path / "store")
+    assert main(["compress", "--calibration", directory, "--ratio", "16", "--prompt", turn1, "--store", store,
+                 *flags]) == 0
+    capsys.readouterr()
+    turn2 = turn1.rstrip() + " Where is the spare key?"
+    assert main(["continue", "--calibration", directory, "--store", store, "--prompt", turn2,
+                 "--max-new-tokens", "8", "--json", *flags]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["prefix_tokens"] > 100 and 1 <= out["prefilled_tokens"] <= 20, out

@@ -75,16 +75,33 @@ def test_put_get_longest_prefix(tiny, prefix_entries, store):
     store.put(blob30, ids30)
     store.put(blob45, ids45)
     mh, cid = _keys(calib)
-    assert store.lengths(mh, cid) == [45, 30]
+    # 45 and 30 exactly; each entry also under its leading n-1 ... n-16 tokens (aliases): 44..29 and 29..14
+    assert store.lengths(mh, cid) == list(range(45, 13, -1))
     assert store.get(mh, cid, ids30) == blob30
-    assert store.get(mh, cid, ids30[:-1]) is None
+    assert store.get(mh, cid, ids30[:-1]) == blob30  # an alias: a blob that begins with those tokens
+    assert store.get(mh, cid, ids30[:13]) is None  # past the alias range
+    assert store.get(mh, cid, ids30[:-1] + [ids30[-1] ^ 1]) is None
     longer = token_ids(60)
     assert store.longest_prefix(mh, cid, longer) == (45, blob45)
-    assert store.longest_prefix(mh, cid, longer[:44]) == (30, blob30)
+    assert store.longest_prefix(mh, cid, longer[:44]) == (44, blob45)  # blob45's leading 44 tokens
+    assert store.longest_prefix(mh, cid, longer[:44], whole=True) == (30, blob30)
+    assert store.longest_prefix(mh, cid, longer[:30] + [1, 2]) == (30, blob30)  # the exact entry wins
     assert store.longest_prefix(mh, cid, token_ids(60, seed=1)) is None
     assert store.longest_prefix(mh, "0" * 16, longer) is None  # another calibration sees nothing
     with pytest.raises(BlobError, match="does not describe"):
         store.put(blob30, ids45)
+
+
+def test_an_exact_entry_replaces_an_alias_and_an_alias_never_replaces_it(tiny, prefix_entries, store):
+    _, calib = tiny
+    (ids30, blob30), (ids45, blob45) = prefix_entries
+    mh, cid = _keys(calib)
+    store.put(blob45, ids45)
+    assert store.get(mh, cid, ids30) == blob45  # an alias of the 45-token entry
+    store.put(blob30, ids30)
+    assert store.get(mh, cid, ids30) == blob30
+    store.put(blob45, ids45)  # written again: its alias at 30 does not displace the exact entry
+    assert store.get(mh, cid, ids30) == blob30
 
 
 def _corrupt(store, blob, ids, calib):
@@ -118,12 +135,13 @@ def test_redis_foreign_entry_is_refused(tiny, prefix_entries, redis_url):
     """An index entry that names a valid blob of another prefix (an intact but foreign entry) is refused."""
     _, calib = tiny
     store = open_prefix_store(redis_url)
-    (ids30, blob30), (ids45, blob45) = prefix_entries
+    (ids30, blob30), _ = prefix_entries
+    other_ids, other = _entry(tiny, 45, seed=1)  # tokens that do not begin with ids30
     store.put(blob30, ids30)
-    store.put(blob45, ids45)
+    store.put(other, other_ids)
     mh, cid = _keys(calib)
     index = store._index_key(mh, cid)  # noqa: SLF001 - the test plays the attacker
-    store.client.hset(index, store._field(ids30), hashlib.sha256(blob45).hexdigest())  # noqa: SLF001
+    store.client.hset(index, store._field(ids30), hashlib.sha256(other).hexdigest())  # noqa: SLF001
     with pytest.raises(CorruptEntryError, match="different model, calibration or prefix"):
         store.get(mh, cid, ids30)
     store.client.set(store._blob_key("0" * 64), blob30)  # noqa: SLF001 - bytes under the wrong content key
@@ -140,7 +158,7 @@ def test_redis_vanished_blob_is_a_miss_and_forgotten(tiny, prefix_entries, redis
     store.client.delete(store._blob_key(hashlib.sha256(blob30).hexdigest()))  # noqa: SLF001 - as an eviction would
     mh, cid = _keys(calib)
     assert store.get(mh, cid, ids30) is None
-    assert store.client.hlen(store._index_key(mh, cid)) == 0  # noqa: SLF001 - the dangling entry is gone
+    assert store.client.hget(store._index_key(mh, cid), store._field(ids30)) is None  # noqa: SLF001 - forgotten
     store.put(blob45, ids45)
     assert store.client.ttl(store._blob_key(hashlib.sha256(blob45).hexdigest())) in (0, 1)  # noqa: SLF001
     time.sleep(2.2)
@@ -183,7 +201,7 @@ def test_disk_failed_write_keeps_previous_entry(prefix_entries, other_blob_30, t
     with pytest.raises(OSError, match="disk full"):
         store.put(other_blob_30, ids)
     assert path.read_bytes() == blob
-    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+    assert not [p.name for p in path.parent.iterdir() if ".tmp-" in p.name]  # no temporary file left behind
 
 
 def test_concurrent_readers_see_whole_entries(tiny, prefix_entries, other_blob_30, store):

@@ -16,6 +16,10 @@ import torch
 from ..config import MethodConfig
 
 
+class PrefixCutError(ValueError):
+    """A restored cache that cannot be cut back to its leading tokens (a sliding-window layer)."""
+
+
 @dataclass
 class DenseLayer:
     """One layer of one sequence: ``keys``/``values`` ``[1, kv_heads, T, d]`` (keys post-RoPE)."""
@@ -33,6 +37,24 @@ class DenseKV:
     """
 
     layers: list[DenseLayer]
+
+    def leading(self, n_tokens: int) -> DenseKV:
+        """The cache of the first ``n_tokens`` tokens (views, no copy): how a stored prefix is reused
+        for a prompt that shares only its leading tokens.
+
+        Raises:
+            ValueError: ``n_tokens`` out of range. PrefixCutError: a layer that holds only the most
+                recent tokens (a sliding window shorter than the sequence), whose earlier window is gone.
+        """
+        total = max(layer.keys.shape[2] for layer in self.layers)
+        if not 1 <= n_tokens <= total:
+            raise ValueError(f"cannot keep the first {n_tokens} tokens of a cache of {total}")
+        for i, layer in enumerate(self.layers):
+            if layer.keys.shape[2] != total and n_tokens != total:
+                raise PrefixCutError(f"cache layer {i} keeps only the last {layer.keys.shape[2]} of {total} tokens (a "
+                                 f"sliding window): it cannot be cut back to the first {n_tokens}")
+        return DenseKV([DenseLayer(layer.keys[:, :, :n_tokens], layer.values[:, :, :n_tokens])
+                        for layer in self.layers])
 
 
 class StorageCodec(ABC):

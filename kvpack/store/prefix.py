@@ -9,8 +9,13 @@ Two backends with the same semantics, chosen by :func:`kvpack.store.open_prefix_
 
 A lookup for a token sequence tries every stored length that could be a prefix of it, longest
 first, so a second turn that extends a stored first turn finds it and only its new tokens need a
-prefill. Every entry read is verified (checksum, magic, version, and that its header names the
-requested model, calibration and tokens); a corrupted or foreign entry raises
+prefill. An entry of ``n`` tokens is also found by its leading ``n - 1`` … ``n - ALIAS_TOKENS``
+tokens (an alias: a hard link on disk, an index field in Redis), so a second turn that shares all
+of the first but its last few tokens — the chat template's closing of the user turn, a trailing
+space the next word absorbs — still reuses it: the caller restores the leading tokens only
+(``kvpack.storage.base.DenseKV.leading``). An exact entry of those tokens always wins over an alias.
+Every entry read is verified (checksum, magic, version, and that its header names the requested
+model and calibration and its tokens begin with the requested ones); a corrupted or foreign entry raises
 :class:`CorruptEntryError` from ``get`` and is skipped with a warning by ``longest_prefix`` — it is
 never returned.
 
@@ -38,6 +43,7 @@ SUFFIX = ".kvtc"
 ENTRY_NAME = re.compile(r"^(\d+)-[0-9a-f]{64}\.kvtc$")  # <n tokens>-<sha256 of the tokens>.kvtc
 MAX_ENTRY_BYTES = 64 << 30  # a larger file is not read (no kvtc blob of a real cache comes near)
 ENTRY_ID = r"[0-9A-Za-z]{1,128}"  # model hashes and calibration ids name directories and keys
+ALIAS_TOKENS = 16  # an entry is also found by its leading n-1 ... n-16 tokens
 STALE_TMP_SECONDS = 3600  # temporary files older than this are a crashed writer's leftovers
 
 
@@ -73,19 +79,32 @@ def entry_identity(blob: bytes, token_ids: list[int]) -> tuple[str, str]:
     return model_hash, calibration_id
 
 
+def alias_lengths(n_tokens: int) -> range:
+    """The shorter prefixes an entry of ``n_tokens`` is also found by (longest first)."""
+    return range(n_tokens - 1, max(0, n_tokens - 1 - ALIAS_TOKENS), -1)
+
+
 def verified_entry(data: bytes, where: str, model_hash: str, calibration_id: str, token_ids: list[int]) -> bytes:
-    """``data`` when it is an intact blob of exactly this model, calibration and prefix.
+    """``data`` when it is an intact blob of exactly this model and calibration whose tokens are
+    ``token_ids`` or begin with them (an entry reached through an alias).
 
     Raises:
         CorruptEntryError: naming ``where``.
     """
     try:
-        meta = Blob(data).meta
+        blob = Blob(data)
+        meta = blob.meta
+        stored = get_int(meta, "tokens")
+        same = (get_str(get_object(meta, "model"), "hash", "blob header's model") == model_hash
+                and get_str(meta, "calibration_id") == calibration_id)
+        if same and stored > len(token_ids):
+            ids = blob.section("token_ids")
+            begins = ids.shape == (stored,) and ids[:len(token_ids)].tolist() == token_ids
+        else:
+            begins = stored == len(token_ids) and get_str(meta, "tokens_sha256") == tokens_digest(token_ids)
     except BlobError as exc:
         raise CorruptEntryError(f"store entry {where} is corrupted: {exc}") from None
-    model = meta.get("model")
-    if (not isinstance(model, dict) or model.get("hash") != model_hash or meta.get("calibration_id") != calibration_id
-            or meta.get("tokens_sha256") != tokens_digest(token_ids)):
+    if not (same and begins):
         raise CorruptEntryError(f"store entry {where} holds a different model, calibration or prefix")
     return data
 
@@ -114,10 +133,13 @@ class PrefixStoreBase(ABC):
     def lengths(self, model_hash: str, calibration_id: str) -> list[int]:
         """Token counts of the stored prefixes, longest first."""
 
-    def longest_prefix(self, model_hash: str, calibration_id: str, token_ids: list[int]) -> tuple[int, bytes] | None:
+    def longest_prefix(self, model_hash: str, calibration_id: str, token_ids: list[int],
+                       whole: bool = False) -> tuple[int, bytes] | None:
         """``(n, blob)`` for the longest stored prefix ``token_ids[:n]`` (``n <= len(token_ids)``), or None.
 
-        Corrupted entries are reported with a warning and skipped.
+        The blob holds ``token_ids[:n]`` or, found through an alias, a longer sequence that begins
+        with them (restore its first ``n`` tokens); ``whole=True`` skips those. Corrupted entries
+        are reported with a warning and skipped.
         """
         for n in self.lengths(model_hash, calibration_id):
             if n > len(token_ids) or n == 0:
@@ -127,7 +149,7 @@ class PrefixStoreBase(ABC):
             except CorruptEntryError as exc:
                 warnings.warn(str(exc), stacklevel=2)
                 continue
-            if blob is not None:
+            if blob is not None and not (whole and Blob(blob).meta["tokens"] != n):
                 return n, blob
         return None
 
@@ -171,7 +193,15 @@ class PrefixStore(PrefixStoreBase):
 
     def put(self, blob: bytes, token_ids: list[int]) -> Path:
         model_hash, calibration_id = entry_identity(blob, token_ids)
-        return atomic_write_bytes(self.path(model_hash, calibration_id, token_ids), blob)
+        path = atomic_write_bytes(self.path(model_hash, calibration_id, token_ids), blob)
+        for n in alias_lengths(len(token_ids)):  # hard links: no bytes twice, each appears whole
+            try:
+                os.link(path, self.path(model_hash, calibration_id, token_ids[:n]))
+            except FileExistsError:
+                continue  # an entry of exactly those tokens, or an alias to another that begins with them
+            except OSError:
+                break  # a file system without hard links: exact prefixes only
+        return path
 
     def get(self, model_hash: str, calibration_id: str, token_ids: list[int]) -> bytes | None:
         path = self.path(model_hash, calibration_id, token_ids)

@@ -7,7 +7,8 @@ every entry verified on read, a corrupted or foreign entry refused (``get``) or 
 Keys (``P`` = the key prefix, ``kvpack`` by default; ``M``/``C`` = model hash / calibration id):
 
 * ``P:blob:<sha256 of the blob>`` — the blob's bytes, stored under its content;
-* ``P:index:M:C`` — a hash: field ``<n>-<sha256 of the tokens>`` → the blob's sha256;
+* ``P:index:M:C`` — a hash: field ``<n>-<sha256 of the tokens>`` → the blob's sha256 (also for the
+  entry's leading ``n - 1`` … ``n - ALIAS_TOKENS`` tokens, set only where no field exists: aliases);
 * ``P:lengths:M:C`` — a sorted set of the stored prefix lengths.
 
 A write stores the blob under its content key first (one ``SET``: Redis applies a command whole or
@@ -33,7 +34,7 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 import redis
 
 from .format import tokens_digest
-from .prefix import CorruptEntryError, PrefixStoreBase, check_names, entry_identity, verified_entry
+from .prefix import CorruptEntryError, PrefixStoreBase, alias_lengths, check_names, entry_identity, verified_entry
 
 DEFAULT_KEY_PREFIX = "kvpack"
 
@@ -105,6 +106,9 @@ class RedisPrefixStore(PrefixStoreBase):
         with self.client.pipeline(transaction=True) as tx:
             tx.hset(index, self._field(token_ids), digest)
             tx.zadd(lengths, {str(len(token_ids)): len(token_ids)})
+            for n in alias_lengths(len(token_ids)):  # an exact entry of those tokens keeps its field
+                tx.hsetnx(index, self._field(token_ids[:n]), digest)
+                tx.zadd(lengths, {str(n): n})
             if self.ttl is not None:
                 tx.expire(index, self.ttl)
                 tx.expire(lengths, self.ttl)

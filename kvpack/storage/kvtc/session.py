@@ -8,12 +8,16 @@ kvtc`` and the prefix store's multi-turn use. Prefill is exact (plain attention,
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from ...hf.dense import prefill, to_dynamic_cache
+from ...hf.fingerprint import model_fingerprint
 from ...hf.generation import ProgressStreamer, greedy_generate
+from ...store.prefix import PrefixStoreBase
+from ..base import PrefixCutError
 from .calibration import Calibration
 from .coder import compress_cache, decompress_cache, read_blob
 
@@ -46,12 +50,19 @@ class Continuation:
 
 @torch.no_grad()
 def continue_from_blob(model, tokenizer, calibration: Calibration, blob: bytes, new_token_ids: list[int],
-                       max_new_tokens: int = 32, min_new_tokens: int = 0) -> Continuation:
-    """Decompress ``blob`` and generate greedily after its tokens plus ``new_token_ids``.
+                       max_new_tokens: int = 32, min_new_tokens: int = 0,
+                       prefix_tokens: int | None = None) -> Continuation:
+    """Decompress ``blob`` and generate greedily after its first ``prefix_tokens`` tokens (default:
+    all of them) plus ``new_token_ids``.
+
+    ``prefix_tokens`` below the blob's length reuses a stored conversation whose last tokens the new
+    prompt does not share (a chat template's closing of the user turn, a trailing space that the
+    next word absorbs); the restored cache is cut to its leading tokens, which a kvtc cache allows
+    for every full-attention layer (a sliding-window layer shorter than the sequence refuses).
 
     Raises:
-        ValueError: no new tokens (a restored cache needs at least one token to run), or a blob of
-            another model/calibration; BlobError: an unreadable blob.
+        ValueError: no new tokens (a restored cache needs at least one token to run), a blob of
+            another model/calibration, a cache that cannot be cut; BlobError: an unreadable blob.
     """
     if not new_token_ids:
         raise ValueError("empty prompt: continuing from a stored cache needs at least one new token")
@@ -60,6 +71,8 @@ def continue_from_blob(model, tokenizer, calibration: Calibration, blob: bytes, 
     start = streamer.start
     parsed, header = read_blob(blob, calibration, model)
     restored, prefix = decompress_cache((parsed, header), calibration, model)
+    if prefix_tokens is not None and prefix_tokens != len(prefix):
+        restored, prefix = restored.leading(prefix_tokens), prefix[:prefix_tokens]
     cache = to_dynamic_cache(model, restored, len(prefix))
     decompress_s = time.perf_counter() - start
     new = greedy_generate(model, tokenizer, cache, prefix + list(new_token_ids), max_new_tokens, min_new_tokens,
@@ -72,4 +85,27 @@ def continue_from_blob(model, tokenizer, calibration: Calibration, blob: bytes, 
                         first_token_s=first, total_s=end - start)
 
 
-__all__ = ["Continuation", "compress_tokens", "continue_from_blob", "prefill"]
+def continue_from_store(store: PrefixStoreBase, model, tokenizer, calibration: Calibration, token_ids: list[int],
+                        max_new_tokens: int = 32, min_new_tokens: int = 0) -> Continuation | None:
+    """Generate after ``token_ids``, restoring the longest stored prefix of them (at least one token
+    is left to run); None when the store holds no prefix for this model and calibration.
+
+    The entry found may hold a longer conversation that begins with that prefix (a chat turn that
+    the template closed, a trailing space the next word absorbs): its leading tokens are restored.
+    A cache that cannot be cut (sliding-window layers) falls back to an entry of exactly a prefix.
+    """
+    keys = model_fingerprint(model)["hash"], calibration.calibration_id
+    for whole in (False, True):
+        found = store.longest_prefix(*keys, token_ids[:-1], whole=whole)
+        if found is None:
+            return None
+        n, blob = found
+        try:
+            return continue_from_blob(model, tokenizer, calibration, blob, token_ids[n:], max_new_tokens,
+                                      min_new_tokens, prefix_tokens=n)
+        except PrefixCutError as exc:
+            warnings.warn(f"{exc}; looking for a stored entry of exactly a prefix", stacklevel=2)
+    return None
+
+
+__all__ = ["Continuation", "compress_tokens", "continue_from_blob", "continue_from_store", "prefill"]
