@@ -144,3 +144,32 @@ def test_pre_rope_calibration_is_refused_for_chunks():
     _, calib = tiny_kvtc(ratios=(4,))
     with pytest.raises(ValueError, match="without their token positions.*--key-rope post"):
         ChunkCodec(calib, 4)
+
+
+def test_keyed_chunks_cannot_be_forged_or_served_under_another_key(post_rope):
+    """Issue 17, item 9: with a MAC key a chunk's digest is an HMAC over the engine's key for it,
+    header and payload, in the same fixed size."""
+    import hashlib
+
+    model, calib = post_rope
+    chunk = kv_chunk(prefill(model, token_ids(64)))
+    key = b"k" * 32
+    keyed, plain = ChunkCodec(calib, 4, mac_key=key), ChunkCodec(calib, 4)
+    data = keyed.encode(chunk, context=b"chunk-A")
+    assert len(data) == len(plain.encode(chunk)) == keyed.serialized_size(keyed.shape_of(chunk.shape), chunk.dtype)
+    torch.testing.assert_close(keyed.decode(data, context=b"chunk-A"), plain.decode(plain.encode(chunk)))
+    with pytest.raises(ChunkError, match="MAC does not verify"):
+        keyed.decode(data, context=b"chunk-B")  # a valid chunk served under another chunk's key
+    with pytest.raises(ChunkError, match="MAC does not verify"):
+        ChunkCodec(calib, 4, mac_key=b"x" * 32).decode(data, context=b"chunk-A")
+    with pytest.raises(ChunkError, match="has no MAC"):
+        keyed.decode(plain.encode(chunk), context=b"chunk-A")
+    with pytest.raises(ChunkError, match="set KVPACK_STORE_KEY"):
+        plain.decode(data)
+    # A writer without the key who changes the payload and recomputes a SHA-256 in the digest slot.
+    forged = bytearray(data)
+    forged[-1] ^= 1
+    head, payload = bytes(forged[:HEADER_BYTES]), bytes(forged[HEADER_BYTES + DIGEST_BYTES:])
+    forged[HEADER_BYTES:HEADER_BYTES + DIGEST_BYTES] = hashlib.sha256(head + payload).digest()
+    with pytest.raises(ChunkError, match="MAC does not verify"):
+        keyed.decode(bytes(forged), context=b"chunk-A")

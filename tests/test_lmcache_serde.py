@@ -165,3 +165,39 @@ def test_corrupted_or_foreign_chunks_are_misses(calibrated, real_chunks, redis_s
     other.save(tmp_path / "other")
     fetched = _run(_fetch, redis_server.port, str(tmp_path / "other"), len(chunks), tuple(chunks[0].shape))
     assert fetched == [None, None]  # chunks of another calibration are misses, never garbage
+
+
+def test_require_mac_without_a_key_refuses_to_start(calibrated, monkeypatch):
+    from kvpack.integrations.lmcache_serde import build_kvtc_serde
+
+    _, _, directory = calibrated
+    monkeypatch.delenv("KVPACK_STORE_KEY", raising=False)
+    with pytest.raises(ValueError, match="require_mac.*KVPACK_STORE_KEY is not"):
+        build_kvtc_serde({"calibration": directory, "ratio": RATIO, "require_mac": True})
+    with pytest.raises(ValueError, match="must be true or false"):
+        build_kvtc_serde({"calibration": directory, "ratio": RATIO, "require_mac": "yes"})
+    monkeypatch.setenv("KVPACK_STORE_KEY", "a key of sixteen bytes or more")
+    build_kvtc_serde({"calibration": directory, "ratio": RATIO, "require_mac": True}).close()
+
+
+@pytest.mark.slow
+def test_keyed_chunks_swapped_in_redis_are_misses(calibrated, real_chunks, redis_server, redis_url, monkeypatch):
+    """Issue 17, item 9: with KVPACK_STORE_KEY, a writer to Redis who swaps two valid chunks (each
+    intact, each of this calibration) gets misses, not the other chunk's KV; a reader without the
+    key gets misses too."""
+    _, _, directory = calibrated
+    chunks, _ = real_chunks
+    monkeypatch.setenv("KVPACK_STORE_KEY", "a key of sixteen bytes or more")  # inherited by the processes
+    assert _run(_store, redis_server.port, directory, [c.numpy() for c in chunks]) == len(chunks)
+    fetched = _run(_fetch, redis_server.port, directory, len(chunks), tuple(chunks[0].shape))
+    assert all(f is not None for f in fetched)
+    client = redis_server.client()
+    first, second = sorted(client.keys("*"))
+    a, b = client.get(first), client.get(second)
+    client.set(first, b)
+    client.set(second, a)
+    assert _run(_fetch, redis_server.port, directory, len(chunks), tuple(chunks[0].shape)) == [None, None]
+    client.set(first, a)
+    client.set(second, b)
+    monkeypatch.delenv("KVPACK_STORE_KEY")
+    assert _run(_fetch, redis_server.port, directory, len(chunks), tuple(chunks[0].shape)) == [None, None]

@@ -383,3 +383,66 @@ def test_disk_store_removes_crashed_writers_leftovers_on_open(tiny, prefix_entri
     os.utime(old, (time.time() - 7200, time.time() - 7200))  # two hours old: a crashed writer's
     PrefixStore(tmp_path)
     assert not old.exists() and fresh.exists() and path.exists()  # a live writer's file is kept
+
+
+def _relabelled(blob: bytes, ids: list[int]) -> bytes:
+    """``blob`` claiming to hold ``ids`` (same length), with a recomputed checksum: what someone who can
+    write to the store can forge without any key."""
+    import zlib
+
+    import torch
+
+    from kvpack.store.format import tokens_digest
+
+    from .helpers import join_blob, split_blob
+
+    header, data = split_blob(blob)
+    data["token_ids"] = zlib.compress(torch.tensor(ids, dtype=torch.int32).numpy().tobytes())
+    header["tokens_sha256"] = tokens_digest(ids)
+    return join_blob(header, data)
+
+
+STORE_KEY = "correct horse battery staple"
+
+
+def _store(backend, tmp_path, redis_url, key=None):
+    location = tmp_path / "store" if backend == "disk" else redis_url
+    return open_prefix_store(location, key=key)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_relabelled_entry_is_returned_without_a_key_and_refused_with_one(tiny, prefix_entries, backend, tmp_path,
+                                                                           request):
+    """Issue 17, item 9: the checksum is no defence against a writer (documented: trusted storage);
+    a store with a MAC key returns only entries sealed under that key."""
+    _, calib = tiny
+    redis_url = request.getfixturevalue("redis_url") if backend == "redis" else None
+    (ids30, blob30), _ = prefix_entries
+    victim = token_ids(30, seed=77)
+    forged = _relabelled(blob30, victim)
+    mh, cid = _keys(calib)
+    plain = _store(backend, tmp_path, redis_url)
+    plain.put(forged, victim)
+    assert plain.get(mh, cid, victim) == forged  # the trust boundary: accepted without a key
+
+    keyed = _store(backend, tmp_path, redis_url, key=STORE_KEY)
+    with pytest.raises(CorruptEntryError, match="not sealed"):
+        keyed.get(mh, cid, victim)
+    keyed.put(blob30, ids30)
+    assert keyed.get(mh, cid, ids30) == blob30
+    with pytest.warns(UserWarning, match="sealed with a key"):
+        assert plain.longest_prefix(mh, cid, ids30 + [1]) is None  # a reader without the key gets nothing
+    with pytest.raises(CorruptEntryError, match="does not verify"):
+        _store(backend, tmp_path, redis_url, key=STORE_KEY + "!").get(mh, cid, ids30)
+
+
+def test_store_key_from_the_environment_and_too_short(tiny, prefix_entries, tmp_path, monkeypatch):
+    _, calib = tiny
+    (ids30, blob30), _ = prefix_entries
+    monkeypatch.setenv("KVPACK_STORE_KEY", STORE_KEY)
+    store = open_prefix_store(tmp_path)
+    path = store.put(blob30, ids30)
+    assert path.read_bytes().startswith(b"KVPACKS\x01") and store.get(*_keys(calib), ids30) == blob30
+    monkeypatch.setenv("KVPACK_STORE_KEY", "short")
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        open_prefix_store(tmp_path)

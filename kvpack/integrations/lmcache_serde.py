@@ -23,6 +23,11 @@ server``), which imports it first.
   the remainder zero-filled; no entropy coder (its size would vary).
 * A chunk whose checksum, calibration id, ratio or geometry does not match raises in
   ``deserialize``: LMCache then reports the load as failed (a miss), never garbage.
+* Trust: the checksum catches accidents, not a hostile writer to the shared store. With
+  ``KVPACK_STORE_KEY`` set (16+ bytes, the same in every process), chunks carry an HMAC-SHA256 over
+  LMCache's key for the chunk (model, rank, group, salt, chunk hash), header and payload, and only
+  chunks whose MAC verifies are loaded — a chunk can be neither forged nor served under another
+  chunk's key. ``"require_mac": true`` makes the key mandatory (the serde refuses to start without it).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from lmcache.v1.memory_management import MemoryObj
 
 from ..storage.kvtc.chunk import ChunkCodec
 from ..storage.kvtc.codec import load_calibration
+from ..store.mac import KEY_ENV, store_key
 
 SERDE_NAME = "kvtc"
 DEFAULT_ALIGN = 4096
@@ -48,6 +54,11 @@ DEFAULT_ALIGN = 4096
 
 def _aligned(n: int, align: int) -> int:
     return -(-n // align) * align
+
+
+def mac_context(key: ObjectKey) -> bytes:
+    """What a chunk's MAC binds it to: LMCache's whole key for it ('@' cannot occur in its fields)."""
+    return f"{key.model_name}@{key.kv_rank}@{key.object_group_id}@{key.cache_salt}@".encode() + bytes(key.chunk_hash)
 
 
 class KvtcChunkSerializer(Serializer):
@@ -66,7 +77,7 @@ class KvtcChunkSerializer(Serializer):
     def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
         if src.tensor is None or dst.tensor is None:
             raise ValueError("the kvtc serde needs src and dst to have tensors")
-        data = self.codec.encode(src.tensor)
+        data = self.codec.encode(src.tensor, context=mac_context(key))
         size = _aligned(len(data), self.align)
         out = dst.tensor.view(torch.uint8).flatten()
         if out.numel() < size:
@@ -88,14 +99,15 @@ class KvtcChunkDeserializer(Deserializer):
         shape = self.codec.shape_of(tuple(dst.tensor.shape))
         n = self.codec.serialized_size(shape, dst.tensor.dtype)
         data = src.tensor.view(torch.uint8).flatten()[:n].cpu().numpy().tobytes()
-        dst.tensor.copy_(self.codec.decode(data, shape, dtype=dst.tensor.dtype))
+        dst.tensor.copy_(self.codec.decode(data, shape, dtype=dst.tensor.dtype, context=mac_context(key)))
 
 
 def build_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     """LMCache serde factory: ``calibration`` (directory, required), ``ratio`` (default 16),
     ``fused_order`` (``vllm_cpu``, default; or ``halves``), ``exact_tokens`` (default 4),
-    ``align`` (bytes, default 4096), ``max_workers`` (default 1)."""
-    known = {"calibration", "ratio", "fused_order", "exact_tokens", "align", "max_workers"}
+    ``align`` (bytes, default 4096), ``max_workers`` (default 1), ``require_mac`` (default false:
+    refuse to start unless ``KVPACK_STORE_KEY`` is set)."""
+    known = {"calibration", "ratio", "fused_order", "exact_tokens", "align", "max_workers", "require_mac"}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise ValueError(f"kvtc serde: unknown option(s) {unknown}; known: {', '.join(sorted(known))}")
@@ -107,9 +119,14 @@ def build_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     if fused_order == "vllm_cpu" and torch.cpu._is_amx_tile_supported():
         raise ValueError("kvtc serde: this CPU has AMX, where vLLM's CPU kernels lay KV blocks out in a way the "
                          "vllm_cpu order does not describe (it is the AVX-512 'vec' layout)")
+    key = store_key()
+    if kwargs.get("require_mac", False) not in (True, False):
+        raise ValueError(f'kvtc serde: "require_mac" must be true or false, got {kwargs["require_mac"]!r}')
+    if kwargs.get("require_mac", False) and key is None:
+        raise ValueError(f'kvtc serde: "require_mac" is set but {KEY_ENV} is not (the MAC key, 16+ bytes, the same '
+                         "in every process sharing the store)")
     codec = ChunkCodec(load_calibration(kwargs["calibration"]), float(kwargs.get("ratio", 16)),
-                       fused_order=fused_order,
-                       exact_tokens=int(kwargs.get("exact_tokens", 4)))
+                       fused_order=fused_order, exact_tokens=int(kwargs.get("exact_tokens", 4)), mac_key=key)
     align = int(kwargs.get("align", DEFAULT_ALIGN))
     if align < 1:
         raise ValueError(f"kvtc serde: align must be >= 1, got {align}")

@@ -37,6 +37,7 @@ from pathlib import Path
 from ..paths import cache_dir
 from .atomic import atomic_write_bytes
 from .format import Blob, BlobError, tokens_digest
+from .mac import seal, store_key, unseal
 from .schema import get_int, get_object, get_str
 
 SUFFIX = ".kvtc"
@@ -84,14 +85,17 @@ def alias_lengths(n_tokens: int) -> range:
     return range(n_tokens - 1, max(0, n_tokens - 1 - ALIAS_TOKENS), -1)
 
 
-def verified_entry(data: bytes, where: str, model_hash: str, calibration_id: str, token_ids: list[int]) -> bytes:
-    """``data`` when it is an intact blob of exactly this model and calibration whose tokens are
-    ``token_ids`` or begin with them (an entry reached through an alias).
+def verified_entry(data: bytes, where: str, model_hash: str, calibration_id: str, token_ids: list[int],
+                   key: bytes | None = None) -> bytes:
+    """The blob in a stored entry ``data`` (sealed under ``key`` when the store has one, ``kvpack.store.mac``)
+    when it is an intact blob of exactly this model and calibration whose tokens are ``token_ids`` or
+    begin with them (an entry reached through an alias).
 
     Raises:
         CorruptEntryError: naming ``where``.
     """
     try:
+        data = unseal(data, key)
         blob = Blob(data)
         meta = blob.meta
         stored = get_int(meta, "tokens")
@@ -160,6 +164,9 @@ class PrefixStore(PrefixStoreBase):
     Args:
         root: directory (created on first write); default ``<kvpack cache dir>/prefix-store``.
         max_entry_bytes: entries larger than this are skipped unread.
+        key: MAC key (default ``$KVPACK_STORE_KEY`` if set): entries are written sealed with
+            HMAC-SHA256 and only entries whose MAC verifies are read (``kvpack.store.mac``). Without
+            one the store is trusted storage: checksums catch accidents, not a hostile writer.
 
     Opening the store removes temporary files that crashed writers left (``*.tmp-*`` older than an
     hour: a live writer's file is younger). A lookup reads only regular files named like the store's
@@ -167,9 +174,11 @@ class PrefixStore(PrefixStoreBase):
     the store is skipped with a warning, never opened in a way that blocks or reads without bound.
     """
 
-    def __init__(self, root: str | os.PathLike | None = None, max_entry_bytes: int = MAX_ENTRY_BYTES):
+    def __init__(self, root: str | os.PathLike | None = None, max_entry_bytes: int = MAX_ENTRY_BYTES,
+                 key: bytes | str | None = None):
         self.root = Path(root) if root is not None else default_store_root()
         self.max_entry_bytes = max_entry_bytes
+        self.key = store_key(key)
         self._remove_stale_temporaries()
 
     def _remove_stale_temporaries(self) -> None:
@@ -193,7 +202,7 @@ class PrefixStore(PrefixStoreBase):
 
     def put(self, blob: bytes, token_ids: list[int]) -> Path:
         model_hash, calibration_id = entry_identity(blob, token_ids)
-        path = atomic_write_bytes(self.path(model_hash, calibration_id, token_ids), blob)
+        path = atomic_write_bytes(self.path(model_hash, calibration_id, token_ids), seal(blob, self.key))
         for n in alias_lengths(len(token_ids)):  # hard links: no bytes twice, each appears whole
             try:
                 os.link(path, self.path(model_hash, calibration_id, token_ids[:n]))
@@ -222,7 +231,7 @@ class PrefixStore(PrefixStoreBase):
                                     f"{self.max_entry_bytes} an entry may have")
         with os.fdopen(fd, "rb") as f:
             data = f.read(info.st_size + 1)
-        return verified_entry(data, str(path), model_hash, calibration_id, token_ids)
+        return verified_entry(data, str(path), model_hash, calibration_id, token_ids, self.key)
 
     def lengths(self, model_hash: str, calibration_id: str) -> list[int]:
         directory = self._dir(model_hash, calibration_id)

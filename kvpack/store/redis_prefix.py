@@ -34,6 +34,7 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 import redis
 
 from .format import tokens_digest
+from .mac import seal, store_key
 from .prefix import CorruptEntryError, PrefixStoreBase, alias_lengths, check_names, entry_identity, verified_entry
 
 DEFAULT_KEY_PREFIX = "kvpack"
@@ -47,18 +48,22 @@ class RedisPrefixStore(PrefixStoreBase):
         ttl: seconds an entry lives after its last write (None: no expiry).
         key_prefix: namespace of every key (several stores can share one server).
         where: how the store names itself in messages (the URL).
+        key: MAC key (default ``$KVPACK_STORE_KEY`` if set): entries are written sealed with
+            HMAC-SHA256 and only entries whose MAC verifies are read (``kvpack.store.mac``) — what a
+            server shared with other writers should require.
     """
 
     def __init__(self, client: redis.Redis, ttl: int | None = None, key_prefix: str = DEFAULT_KEY_PREFIX,
-                 where: str = "redis"):
+                 where: str = "redis", key: bytes | str | None = None):
         if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1):
             raise ValueError(f"ttl must be a positive number of seconds or None, got {ttl!r}")
         if not key_prefix or ":" in key_prefix:
             raise ValueError(f"key_prefix must be a non-empty string without ':', got {key_prefix!r}")
         self.client, self.ttl, self.key_prefix, self.where = client, ttl, key_prefix, where
+        self.key = store_key(key)
 
     @classmethod
-    def from_url(cls, url: str) -> RedisPrefixStore:
+    def from_url(cls, url: str, key: bytes | str | None = None) -> RedisPrefixStore:
         """``redis://[user:password@]host:port/db[?ttl=SECONDS&prefix=NAME]`` (also ``rediss://``, ``unix://``)."""
         parts = urlsplit(url)
         query = parse_qs(parts.query)
@@ -75,7 +80,7 @@ class RedisPrefixStore(PrefixStoreBase):
         if parts.password:  # never print a password
             netloc = parts.hostname + (f":{parts.port}" if parts.port else "")
         shown = urlunsplit(parts._replace(netloc=netloc, query=""))
-        return cls(client, ttl=ttl, key_prefix=prefix, where=shown)
+        return cls(client, ttl=ttl, key_prefix=prefix, where=shown, key=key)
 
     # -- keys ---------------------------------------------------------------------------------
 
@@ -98,6 +103,7 @@ class RedisPrefixStore(PrefixStoreBase):
 
     def put(self, blob: bytes, token_ids: list[int]) -> str:
         model_hash, calibration_id = entry_identity(blob, token_ids)
+        blob = seal(blob, self.key)
         digest = hashlib.sha256(blob).hexdigest()
         blob_key = self._blob_key(digest)
         index, lengths = self._index_key(model_hash, calibration_id), self._lengths_key(model_hash, calibration_id)
@@ -130,7 +136,7 @@ class RedisPrefixStore(PrefixStoreBase):
         where = f"{self.where} {blob_key} ({field})"
         if hashlib.sha256(data).hexdigest() != digest:
             raise CorruptEntryError(f"store entry {where} is corrupted: its bytes do not hash to their key")
-        return verified_entry(data, where, model_hash, calibration_id, token_ids)
+        return verified_entry(data, where, model_hash, calibration_id, token_ids, self.key)
 
     def _forget(self, index: str, field: str, digest: str) -> None:
         # Remove the field only if it still names the vanished blob (a newer writer may have replaced it).

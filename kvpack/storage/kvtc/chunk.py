@@ -34,14 +34,18 @@ entropy coder here (its output size would vary); ``deflate_size`` reports what D
 variable-size store.
 
 Format: a fixed header — magic, version, layout, dtype, layers, tokens, width, the calibration id,
-the ratio, the payload length and a SHA-256 of header and payload — then the sections in a fixed
-order. :meth:`ChunkCodec.decode` refuses (``ChunkError``) a chunk whose digest, calibration id,
-ratio or geometry does not match: never garbage.
+the ratio, the payload length — and a digest of header and payload, then the sections in a fixed
+order. The digest is a SHA-256 (format version 1), or with a MAC key (``kvpack.store.mac``) an
+HMAC-SHA256 over the caller's context (an engine's key for the chunk), header and payload (version
+2): a writer without the key can neither forge a chunk nor pass one chunk off as another's.
+:meth:`ChunkCodec.decode` refuses (``ChunkError``) a chunk whose digest, calibration id, ratio or
+geometry does not match: never garbage.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 import zlib
 from dataclasses import dataclass
@@ -49,11 +53,12 @@ from dataclasses import dataclass
 import torch
 
 from ...store.format import BlobError
+from ...store.mac import KEY_ENV, mac
 from .calibration import Calibration, ratio_key
 from .coder import decode_coefficients, encode_coefficients
 
 MAGIC = b"KVTCCHK\x00"
-VERSION = 1
+VERSION, KEYED_VERSION = 1, 2  # the digest: SHA-256 | HMAC-SHA256 under a key
 LAYOUTS = ("separate", "fused_halves", "fused_vllm_cpu")  # [2, L, T, W] | [1, L, T, 2W] two ways
 FUSED_ORDERS = ("vllm_cpu", "halves")
 VLLM_CPU_BLOCK = 128  # vLLM's CPU block size: a vllm_cpu chunk is whole blocks
@@ -117,9 +122,12 @@ class ChunkCodec:
             are the tokens that PCA coding reconstructs worst (largest squared error over all layers'
             keys and values): in a sequence's first chunk the attention sink, whose coding alone
             breaks retrieval (measured in docs/kvtc.md).
+        mac_key: with a key (``kvpack.store.mac.store_key``), chunks are written with an
+            HMAC-SHA256 digest and only chunks whose MAC verifies are decoded.
     """
 
-    def __init__(self, calibration: Calibration, ratio: float, fused_order: str = "vllm_cpu", exact_tokens: int = 4):
+    def __init__(self, calibration: Calibration, ratio: float, fused_order: str = "vllm_cpu", exact_tokens: int = 4,
+                 mac_key: bytes | None = None):
         if fused_order not in FUSED_ORDERS:
             raise ValueError(f"fused_order must be one of {FUSED_ORDERS}, got {fused_order!r}")
         if isinstance(exact_tokens, bool) or not isinstance(exact_tokens, int) or not 0 <= exact_tokens <= 4096:
@@ -133,6 +141,7 @@ class ChunkCodec:
             raise ValueError(f"kvtc chunks need every layer to be a full-attention layer the calibration covers; "
                              f"it covers layers {calibration.layers}")
         self.fused_order, self.exact_tokens = fused_order, exact_tokens
+        self.mac_key = mac_key
         self.calibration = calibration
         self.ratio = float(ratio)
         self.alloc = calibration.allocation(ratio)
@@ -176,8 +185,14 @@ class ChunkCodec:
 
     # -- coding --------------------------------------------------------------------------------
 
-    def encode(self, chunk: torch.Tensor) -> bytes:
-        """``chunk`` (see the module doc; bf16, fp16 or fp32) → exactly :meth:`serialized_size` bytes."""
+    def _digest(self, context: bytes, head: bytes, payload: bytes) -> bytes:
+        if self.mac_key is None:
+            return hashlib.sha256(head + payload).digest()
+        return mac(self.mac_key, len(context).to_bytes(4, "little") + context + head + payload)
+
+    def encode(self, chunk: torch.Tensor, context: bytes = b"") -> bytes:
+        """``chunk`` (see the module doc; bf16, fp16 or fp32) → exactly :meth:`serialized_size` bytes.
+        ``context``: what the MAC binds the chunk to besides its bytes (an engine's key for it)."""
         shape = self.shape_of(chunk.shape)
         self.check_shape(shape)
         if chunk.dtype not in DTYPE_CODES:
@@ -202,16 +217,18 @@ class ChunkCodec:
         payload = b"".join(parts)
         if len(payload) != self.payload_size(shape.tokens, chunk.dtype):  # the fixed size is the contract
             raise AssertionError(f"payload of {len(payload)} bytes, expected {self.payload_size(shape.tokens)}")
-        head = _HEAD.pack(MAGIC, VERSION, LAYOUTS.index(shape.layout), DTYPE_CODES[chunk.dtype], shape.layers,
+        version = VERSION if self.mac_key is None else KEYED_VERSION
+        head = _HEAD.pack(MAGIC, version, LAYOUTS.index(shape.layout), DTYPE_CODES[chunk.dtype], shape.layers,
                           shape.tokens, shape.width, exact, *self._ids, len(payload))
-        return head + hashlib.sha256(head + payload).digest() + payload
+        return head + self._digest(context, head, payload) + payload
 
     def decode(self, data: bytes | bytearray | memoryview, shape: ChunkShape | None = None,
-               dtype: torch.dtype | None = None) -> torch.Tensor:
+               dtype: torch.dtype | None = None, context: bytes = b"") -> torch.Tensor:
         """The chunk back (in ``dtype``, default the dtype it was encoded from) in its layout.
 
         Args:
             shape: the geometry the caller expects (refused when the chunk's differs).
+            context: what the chunk was encoded with (checked by the MAC when there is a key).
 
         Raises:
             ChunkError: truncated, corrupted, or made with another calibration, ratio or geometry.
@@ -223,14 +240,20 @@ class ChunkCodec:
         magic, version, layout, dtype_code, layers, tokens, width, exact, cal_id, ratio, n = _HEAD.unpack(head)
         if magic != MAGIC:
             raise ChunkError("not a kvtc chunk (bad magic)")
-        if version != VERSION:
-            raise ChunkError(f"kvtc chunk format version {version} is not supported (expected {VERSION})")
+        expected = VERSION if self.mac_key is None else KEYED_VERSION
+        if version == KEYED_VERSION and self.mac_key is None:
+            raise ChunkError(f"kvtc chunk carries a MAC; set {KEY_ENV} to check it")
+        if version == VERSION and self.mac_key is not None:
+            raise ChunkError("kvtc chunk has no MAC, and this codec requires one on every chunk")
+        if version != expected:
+            raise ChunkError(f"kvtc chunk format version {version} is not supported (expected {expected})")
         start = _HEAD.size + DIGEST_BYTES
         if len(data) < start + n:
             raise ChunkError(f"kvtc chunk is truncated: {len(data) - start} payload bytes of {n}")
         payload = data[start:start + n]
-        if hashlib.sha256(head + payload).digest() != digest:
-            raise ChunkError("kvtc chunk is corrupted (checksum mismatch)")
+        if not hmac.compare_digest(self._digest(context, head, payload), digest):
+            raise ChunkError("kvtc chunk is corrupted (checksum mismatch)" if self.mac_key is None else
+                             "kvtc chunk's MAC does not verify (corrupted, forged, another chunk's, or another key)")
         if (cal_id.rstrip(b"\x00"), ratio.rstrip(b"\x00")) != tuple(x.rstrip(b"\x00") for x in self._ids):
             raise ChunkError(f"kvtc chunk was made with calibration {cal_id.rstrip(bytes(1)).decode(errors='replace')} "
                              f"at ratio {ratio.rstrip(bytes(1)).decode(errors='replace')}, not "
