@@ -2,9 +2,11 @@
 
 For each sample the prompt (instruction + context + question) is prefilled once with exact
 attention (:mod:`kvpack.hf.prefill`) — in the *query-aware* setting everything but the last
-prompt token, in the *query-agnostic* setting only instruction + context — and every method ×
-budget is built from that same prefill and decoded greedily (the rest of the prompt is prefilled
-over the compressed cache first). Rows are appended to ``results.jsonl`` as they finish; a rerun
+prompt token, in the *query-agnostic* setting only instruction + context, cut from the
+query-aware prefill when both run (one model run per sample) — and every method × budget is built
+from that same prefill and decoded greedily (the rest of the prompt is prefilled over the
+compressed cache first). Decoding stops once the prediction holds every reference (its score can
+no longer change). Rows are appended to ``results.jsonl`` as they finish; a rerun
 skips every (setting, task, length, sample, method, budget, config overrides) already there — a
 method rerun with other ``--set`` overrides is computed again, not taken from the earlier rows.
 
@@ -141,10 +143,16 @@ def teacher_forced_logprobs(model, prepared: PreparedCache, chunk: list[int], to
     return torch.log_softmax(out.logits[0].float(), dim=-1)
 
 
-def _greedy(model, tokenizer, prepared: PreparedCache, ids: list[int], max_new_tokens: int) -> tuple[str, float]:
+def _greedy(model, tokenizer, prepared: PreparedCache, ids: list[int], sample) -> tuple[str, float]:
+    """Greedy prediction and its seconds. Decoding stops once the prediction holds every reference:
+    RULER's string-match scores never fall as text is appended, so the score is already final
+    (only the recorded prediction is shorter)."""
+    def answered(new: list[int]) -> bool:
+        return score(tokenizer.decode(new, skip_special_tokens=True), sample.answers, sample.metric) == 1.0
+
     start = time.perf_counter()
     with prepared.active(model) as cache:
-        new = greedy_generate(model, tokenizer, cache, ids, max_new_tokens)
+        new = greedy_generate(model, tokenizer, cache, ids, sample.max_new_tokens, stop_when=answered)
     return tokenizer.decode(new, skip_special_tokens=True), time.perf_counter() - start
 
 
@@ -162,6 +170,7 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
     total = len(units) * len(plan.specs)
     bar = tqdm(total=total, desc="[kvpack] eval", unit="run", disable=not progress)
     bar.update(sum(1 for u in units for s in plan.specs if (*u, *s.key) in done))
+    last_prefill = None
     with results.open("a") as sink:
         for setting, task, length, index in units:
             pending = [s for s in plan.specs if (setting, task, length, index, *s.key) not in done]
@@ -173,7 +182,13 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
             q_ids = tokenizer(sample.question, add_special_tokens=False).input_ids
             ids = ctx_ids + q_ids
             n_pre = len(ids) - 1 if setting == "query-aware" else len(ctx_ids)
-            prefill = exact_prefill(model, ids[:n_pre])
+            # One model run per sample: the query-agnostic prefill is the query-aware one's leading
+            # tokens (causal attention; see ExactPrefill.leading), which runs first.
+            shared = last_prefill if last_prefill and last_prefill.token_ids == ids[:len(last_prefill.token_ids)] \
+                else None
+            prefill = (shared.leading(n_pre) if shared and n_pre <= len(shared.token_ids) else None) \
+                or exact_prefill(model, ids[:n_pre])
+            last_prefill = prefill if prefill.seconds else last_prefill
             tf_chunk = ans_len = ref_logprobs = None
             if plan.fidelity:
                 ans_ids = tokenizer(" " + ", ".join(sample.answers), add_special_tokens=False).input_ids
@@ -191,7 +206,7 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
                 try:
                     method = get_method(spec.method, **spec.codec_config())
                     built = method.from_prefill(model, prefill)
-                    prediction, decode_s = _greedy(model, tokenizer, built, ids, sample.max_new_tokens)
+                    prediction, decode_s = _greedy(model, tokenizer, built, ids, sample)
                     row.update(config=built.config, kv_bytes=built.kv_bytes,
                                dense_kv_bytes=built.dense_kv_bytes, ratio=built.kv_bytes / built.dense_kv_bytes,
                                compress_s=built.seconds, decode_s=decode_s, prediction=prediction,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 
 import torch
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from .cache import cache_kwargs
@@ -62,14 +64,29 @@ def check_context(model, n_tokens: int, max_new_tokens: int = 0) -> None:
                          "tokens")
 
 
+class StopWhen(StoppingCriteria):
+    """Stops generation once ``done(new_token_ids)`` holds (batch 1)."""
+
+    def __init__(self, n_prompt: int, done: Callable[[list[int]], bool]):
+        self.n_prompt, self.done = n_prompt, done
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        stop = self.done(input_ids[0, self.n_prompt:].tolist())
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
 @torch.no_grad()
 def greedy_generate(model, tokenizer, cache, token_ids: list[int], max_new_tokens: int, min_new_tokens: int = 0,
-                    streamer: BaseStreamer | None = None) -> list[int]:
+                    streamer: BaseStreamer | None = None,
+                    stop_when: Callable[[list[int]], bool] | None = None) -> list[int]:
     """Greedy continuation of ``token_ids`` with ``cache`` (which may already hold a prefix of them:
-    only the rest is prefilled); returns the new token ids."""
+    only the rest is prefilled); returns the new token ids. ``stop_when(new_ids)``: stop early once
+    it holds (checked after every step)."""
     check_context(model, len(token_ids), max_new_tokens)
     ids = torch.tensor([token_ids], device=model.device)
+    stopping = StoppingCriteriaList([StopWhen(len(token_ids), stop_when)]) if stop_when is not None else None
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          min_new_tokens=min_new_tokens, do_sample=False, streamer=streamer,
-                         pad_token_id=tokenizer.pad_token_id, **cache_kwargs(model, cache))
+                         pad_token_id=tokenizer.pad_token_id, stopping_criteria=stopping,
+                         **cache_kwargs(model, cache))
     return out[0, ids.shape[1]:].tolist()

@@ -53,6 +53,18 @@ class ExactPrefill:
     other_layers: dict[int, object] = field(default_factory=dict)
     seconds: float = 0.0
 
+    def leading(self, n_tokens: int) -> ExactPrefill | None:
+        """The prefill of the first ``n_tokens`` tokens, cut from this one (attention is causal: the
+        first positions' keys, values, queries and outputs do not depend on later tokens; on
+        SmolLM2 in bf16 the cut equals a prefill of those tokens bit for bit; ``seconds`` is 0: no
+        model ran). None when the model has layers kvpack does not hold (sliding windows keep only
+        their last tokens): prefill again."""
+        if self.other_layers or not 1 <= n_tokens <= len(self.token_ids):
+            return None
+        layers = {i: (*(t[:, :n_tokens].clone() for t in tensors[:4]), tensors[4])
+                  for i, tensors in self.layers.items()}
+        return ExactPrefill(self.token_ids[:n_tokens], layers, {}, 0.0)
+
 
 @torch.no_grad()
 def exact_prefill(model, token_ids: list[int]) -> ExactPrefill:
