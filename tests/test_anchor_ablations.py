@@ -235,3 +235,34 @@ def test_select_anchors_window_top_votes_and_seeded_random(rho):
     other = select_anchors(votes, S_, k, W, rho, torch.Generator().manual_seed(3))
     assert torch.equal(pos, again)
     assert torch.equal(pos, other) == (n_top == k - W)  # only the random share depends on the seed
+
+
+def test_budget_above_saturation_buys_anchors_with_above_saturation_anchors():
+    """Issue 16: past the 2-bit saturation point (a residual for every non-anchor token-side) the
+    paper's AnchorKV leaves the budget unspent; ``above_saturation="anchors"`` (anchor_plus's
+    default) spends it on more anchors — exact tokens — and stays within θ."""
+    from kvpack.resident.anchor import anchors_above_saturation
+
+    k, v, q = _inputs()
+    m_full = S * H * D * 2 * 2  # bf16 keys and values
+    idle = _compressed(k, v, q, budget=0.5)
+    spent = _compressed(k, v, q, budget=0.5, above_saturation="anchors")
+    candidates = 2 * H * (S - idle.n_anchors)
+    assert sum(idle.n_residuals) == candidates and idle.nbytes() < 0.26 * m_full  # saturated: bytes left unspent
+    assert spent.n_anchors == anchors_above_saturation(0.5, S, H, D, idle.n_anchors, anchor_bytes=4) > idle.n_anchors
+    assert sum(spent.n_residuals) == 2 * H * (S - spent.n_anchors)  # still every non-anchor token-side
+    held = sum(t.numel() * t.element_size() for t in spent.tensors().values())
+    assert spent.nbytes() == held <= 0.5 * m_full
+    assert held + 2 * H * (D * 4 - residual_bytes(D)) > 0.5 * m_full  # one more anchor would not fit
+    errors = []
+    for store in (idle, spent):
+        k_hat, v_hat = store.reconstruct()
+        errors.append(float((k_hat - k).square().sum() + (v_hat - v).square().sum()))
+    assert errors[1] < 0.8 * errors[0], errors  # more tokens exact: a smaller reconstruction error
+    qn = torch.randn(H * GROUP, 1, D)
+    k_hat, v_hat = spent.reconstruct()
+    ref = reference_attention(qn, torch.cat([k_hat, k[:, :1]], 1), torch.cat([v_hat, v[:, :1]], 1), SCALING)
+    torch.testing.assert_close(spent.attend(qn, k[:, :1], v[:, :1], SCALING), ref.float(), rtol=1e-4, atol=1e-4)
+    # Below saturation the option changes nothing.
+    low, low_spent = _compressed(k, v, q, budget=0.15), _compressed(k, v, q, budget=0.15, above_saturation="anchors")
+    assert all(torch.equal(low.tensors()[n], low_spent.tensors()[n]) for n in low.tensors())

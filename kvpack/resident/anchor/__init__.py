@@ -3,7 +3,14 @@
 ``store`` (compression, re-compression; registers ``anchor`` and ``anchor_plus``). Tile decoding
 lives in :mod:`kvpack.attention.anchor`."""
 
-from .budget import anchors_for_budget, base_bytes, index_bytes_for, residual_bytes, residual_slots
+from .budget import (
+    anchors_above_saturation,
+    anchors_for_budget,
+    base_bytes,
+    index_bytes_for,
+    residual_bytes,
+    residual_slots,
+)
 from .config import RANKINGS, RESIDUAL_SPLITS, AnchorConfig, AnchorPlusConfig
 from .selection import (
     ASSIGN_BLOCK_ELEMENTS,
@@ -20,7 +27,8 @@ from .selection import (
 from .store import AnchorPlusStore, AnchorStore
 
 __all__ = ["ASSIGN_BLOCK_ELEMENTS", "RANKINGS", "RESIDUAL_SPLITS", "AnchorConfig", "AnchorPlusConfig",
-           "AnchorPlusStore", "AnchorStore", "anchors_for_budget", "assign_and_project", "base_bytes",
+           "AnchorPlusStore", "AnchorStore", "anchors_above_saturation", "anchors_for_budget", "assign_and_project",
+           "base_bytes",
            "index_bytes_for", "nearest_anchor", "observation_weights", "pool_neighbourhood",
            "project_onto_anchors", "residual_bytes", "residual_slots", "select_anchors", "top_per_head",
            "top_pooled", "utilities"]

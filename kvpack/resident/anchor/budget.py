@@ -64,3 +64,35 @@ def anchors_for_budget(theta: float, seq_len: int, kv_heads: int, head_dim: int,
         raise below_fixed_cost(theta, seq_len, base_bytes(seq_len, kv_heads, head_dim, window, anchor_bytes,
                                                             index_bytes), m_full, window)
     return k, index_bytes
+
+
+def anchors_above_saturation(theta: float, seq_len: int, kv_heads: int, head_dim: int, n_anchors: int,
+                             anchor_bytes: int = 2, narrow_index: bool = False) -> int:
+    """Beyond the paper (``anchor_plus``): the anchors a budget above the 2-bit saturation point buys.
+
+    At ``k = n_anchors``, ``θ M_full`` may buy a residual for every non-anchor token-side and leave
+    bytes unspent (Eq. 9 has nothing more to buy: AnchorKV's budget curve stops there). Each further
+    anchor stores one more token exactly in place of its residual, for a net
+    ``2 H (D · anchor_bytes − b_res)`` bytes; this returns the largest ``k ≥ n_anchors`` (at most
+    ``seq_len``) whose anchors, metadata and a residual for every remaining token-side fit
+    ``θ M_full``, or ``n_anchors`` when the budget does not reach saturation. The cost is
+    non-decreasing in ``k`` (the uint8 → int16 index step at 257 anchors included), so a bisection
+    finds it.
+    """
+    budget = theta * dense_bf16_bytes(seq_len, kv_heads, head_dim)
+
+    def cost(k: int) -> int:
+        index = index_bytes_for(k, narrow_index)
+        return (base_bytes(seq_len, kv_heads, head_dim, k, anchor_bytes, index)
+                + 2 * kv_heads * (seq_len - k) * residual_bytes(head_dim))
+
+    if cost(n_anchors) > budget:
+        return n_anchors
+    lo, hi = n_anchors, seq_len  # cost(lo) fits; find the last k that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

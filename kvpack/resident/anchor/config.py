@@ -1,4 +1,4 @@
-"""AnchorKV's configuration: the paper's parameters, its ablation switches (Fig. 5) and two options
+"""AnchorKV's configuration: the paper's parameters, its ablation switches (Fig. 5) and three options
 beyond the paper (``anchor_plus`` turns them on)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from ...ops.residual_codec import RESIDUAL_CODECS
 
 RANKINGS = ("utility", "attention", "residual_norm", "cosine", "random")
 RESIDUAL_SPLITS = ("pooled", "per_head")
+ABOVE_SATURATION = ("idle", "anchors")
 
 
 @dataclass
@@ -53,6 +54,10 @@ class AnchorConfig(MethodConfig):
             copy — compete with its score.
         narrow_index: store the per-token anchor indices as uint8 when ``k ≤ 256`` (int16
             otherwise); the byte saved per token and side buys residuals.
+        above_saturation: what a budget beyond the 2-bit saturation point (a residual for every
+            non-anchor token-side) buys: ``idle`` (the paper: nothing, the bytes stay unspent) or
+            ``anchors`` (more anchors — more tokens stored exactly — until the budget is spent;
+            ``budget.anchors_above_saturation``). Applies when ``anchors`` is unset.
     """
 
     budget: float | None = option(0.1, number(0.0, 1.0, low_open=True), "the retain fraction θ")
@@ -72,6 +77,8 @@ class AnchorConfig(MethodConfig):
     residual_codec: str = option("hadamard_lloyd_max", choice(*RESIDUAL_CODECS), "2-bit residual codec")
     residual_pooling: int = option(1, integer(minimum=1, odd=True), "max-pool window of the ranking (1 = off)")
     narrow_index: bool = option(False, boolean(), "uint8 anchor indices when k <= 256")
+    above_saturation: str = option("idle", choice(*ABOVE_SATURATION),
+                                   "what budget past the 2-bit saturation point buys (idle: nothing)")
 
     def check(self) -> None:
         if self.anchors is not None and self.anchors < self.window:
@@ -84,9 +91,11 @@ class AnchorConfig(MethodConfig):
 
 @dataclass
 class AnchorPlusConfig(AnchorConfig):
-    """AnchorKV with kvpack's two options beyond the paper on by default (``residual_pooling = 15``,
-    ``narrow_index = true``); everything else as :class:`AnchorConfig`. Measured side by side with
-    the faithful ``anchor`` in docs/anchorkv.md."""
+    """AnchorKV with kvpack's options beyond the paper on by default (``residual_pooling = 15``,
+    ``narrow_index = true``, ``above_saturation = "anchors"``); everything else as
+    :class:`AnchorConfig`. Measured side by side with the faithful ``anchor`` in docs/anchorkv.md."""
 
     residual_pooling: int = option(15, integer(minimum=1, odd=True), "max-pool window of the ranking (1 = off)")
     narrow_index: bool = option(True, boolean(), "uint8 anchor indices when k <= 256")
+    above_saturation: str = option("anchors", choice(*ABOVE_SATURATION),
+                                   "what budget past the 2-bit saturation point buys (idle: nothing)")

@@ -25,8 +25,8 @@ residual is stored, rotates them by RoPE at their positions, takes each tile's w
 values on the stored form, and merges the tiles, the dense tail of generated tokens and the new
 chunk by online softmax.
 
-The ablation switches of the paper's Fig. 5 and two options beyond the paper are fields of
-:class:`AnchorConfig` (``config.py``); ``anchor_plus`` is this codec with the two options on.
+The ablation switches of the paper's Fig. 5 and three options beyond the paper are fields of
+:class:`AnchorConfig` (``config.py``); ``anchor_plus`` is this codec with the three options on.
 
 What the store holds (and ``M_base`` counts): anchor keys (pre-RoPE) and values ``[H, k, D]`` (bf16),
 per-token anchor indices ``[H, S]`` (int16; uint8 with ``narrow_index`` and ``k ≤ 256``) and
@@ -54,7 +54,14 @@ from ...ops.residual_codec import make_residual_codec
 from ...ops.rope import apply_rope, invert_rope
 from ...registry import register_method
 from ..base import LayerLayout, LayerStore
-from .budget import anchors_for_budget, base_bytes, index_bytes_for, residual_bytes, residual_slots
+from .budget import (
+    anchors_above_saturation,
+    anchors_for_budget,
+    base_bytes,
+    index_bytes_for,
+    residual_bytes,
+    residual_slots,
+)
 from .config import AnchorConfig, AnchorPlusConfig
 from .selection import (
     assign_and_project,
@@ -186,6 +193,8 @@ class AnchorStore(LayerStore):
             n_anchors = cfg.anchors if cfg.anchors is not None else max(math.floor(S * cfg.anchor_fraction), W)
             if n_anchors > S:
                 raise ValueError(f"anchor: k = {n_anchors} anchors exceed the prompt's {S} tokens")
+            if cfg.above_saturation == "anchors" and cfg.anchors is None:  # beyond the paper
+                n_anchors = anchors_above_saturation(cfg.budget, S, H, D, n_anchors, itemsize, cfg.narrow_index)
             self.index_bytes = index_bytes_for(n_anchors, cfg.narrow_index)
             n_res = residual_slots(cfg.budget, S, H, D, n_anchors, itemsize, self.index_bytes)
         else:  # ablation: the whole budget on anchors
