@@ -51,8 +51,8 @@ class DenseKV:
             raise ValueError(f"cannot keep the first {n_tokens} tokens of a cache of {total}")
         for i, layer in enumerate(self.layers):
             if layer.keys.shape[2] != total and n_tokens != total:
-                raise PrefixCutError(f"cache layer {i} keeps only the last {layer.keys.shape[2]} of {total} tokens (a "
-                                 f"sliding window): it cannot be cut back to the first {n_tokens}")
+                raise PrefixCutError(f"cache layer {i} keeps only the last {layer.keys.shape[2]} of {total} tokens "
+                                     f"(a sliding window): it cannot be cut back to the first {n_tokens}")
         return DenseKV([DenseLayer(layer.keys[:, :, :n_tokens], layer.values[:, :, :n_tokens])
                         for layer in self.layers])
 
