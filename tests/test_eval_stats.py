@@ -80,7 +80,13 @@ def test_summary_tells_a_method_that_loses_the_needles_from_one_that_keeps_them(
     assert s["loses@0.25"]["retention"] == pytest.approx(1 / 15)
     assert s["full"]["per_task_ci"]["niah_single_1"] == pytest.approx(wilson_interval(8, 8))
     lo, hi = s["loses@0.25"]["average_ci"]
-    assert lo <= s["loses@0.25"]["average"] <= hi < s["full"]["average"]
+    assert (lo, hi) == pytest.approx(wilson_interval(1, 16)) and hi < s["full"]["average"]
+    # Each task all right or all wrong: a bootstrap would say [0.5, 0.5]; the pooled Wilson does not.
+    split = _rows("full", "full", None, {"niah_single_1": [1.0] * 8, "niah_single_2": [0.0] * 8})
+    assert summarize(split)["query-aware"]["methods"]["full"]["average_ci"] == pytest.approx(wilson_interval(8, 16))
+    partial = _rows("full", "full", None, {"niah_single_1": [1.0, 0.5, 0.0, 1.0], "niah_single_2": [0.25, 1.0]})
+    lo, hi = summarize(partial)["query-aware"]["methods"]["full"]["average_ci"]  # partial credit: bootstrap
+    assert lo < summarize(partial)["query-aware"]["methods"]["full"]["average"] < hi
     text = summary_markdown(summarize(rows))
     assert "| loses@0.25 |" in text and "**yes** (p = 0.00012; 14 vs 0)" in text
     assert "no (p = 1; 1 vs 1)" in text

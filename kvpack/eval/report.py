@@ -4,7 +4,9 @@ Per setting and method × budget, every score with its 95% interval (``kvpack.ev
 
 * per task: the mean score — Wilson interval when every score is 0 or 1, else a bootstrap over the
   samples;
-* average: the mean of the per-task means, bootstrap over the samples;
+* average: the mean of the per-task means — Wilson on the pooled count when the scores are 0/1 and
+  the tasks have equal samples (the average is then one proportion), else a bootstrap over the
+  samples;
 * retention, paired: on the samples FullKV answers (score > 0), the method's total score ÷ FullKV's
   — Wilson when FullKV scores 1 on each of them and the method 0 or 1, else a bootstrap;
 * the exact McNemar test against FullKV on "fully correct" (score = 1) over every sample both
@@ -39,6 +41,20 @@ def score_interval(scores: list[float]) -> tuple[float, float]:
     if _binary(scores):
         return wilson_interval(sum(scores), len(scores))
     return bootstrap_interval(scores, statistics.fmean)
+
+
+def average_interval(rows: list[dict]) -> tuple[float, float]:
+    """95% interval of the mean over tasks of each task's mean score: Wilson on the pooled count when
+    every score is 0 or 1 and every task has as many samples (the average is then one proportion;
+    a bootstrap would give a zero-width interval when each task's scores are all equal), else a
+    bootstrap over the samples."""
+    counts = defaultdict(int)
+    for r in rows:
+        counts[r["task"]] += 1
+    scores = [r["score"] for r in rows]
+    if _binary(scores) and len(set(counts.values())) == 1:
+        return wilson_interval(sum(scores), len(scores))
+    return bootstrap_interval(rows, _task_average)
 
 
 def _task_average(rows: list[dict]) -> float | None:
@@ -101,7 +117,7 @@ def summarize(rows: list[dict]) -> dict:
                 "per_task_ci": {t: score_interval(v) if v else None for t, v in scores.items()},
                 "samples_per_task": {t: len(v) for t, v in scores.items()},
                 "average": statistics.fmean(present) if present else None,
-                "average_ci": bootstrap_interval(ok, _task_average) if ok else None,
+                "average_ci": average_interval(ok) if ok else None,
                 "retention": retention, "retention_ci": retention_ci,
                 "retention_per_task": {t: per_task[t] / full[t] for t in tasks
                                        if per_task.get(t) is not None and full.get(t)},
