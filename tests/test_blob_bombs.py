@@ -3,9 +3,6 @@ header declares (+1 byte), never inflated whole (issue 17, item 1)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import struct
 import tracemalloc
 import zlib
 
@@ -13,7 +10,9 @@ import pytest
 import torch
 import zstandard
 
-from kvpack.store.format import MAGIC, Blob, BlobError, pack_blob
+from kvpack.store.format import Blob, BlobError, pack_blob
+
+from .helpers import join_blob, split_blob
 
 BOMB_BYTES = 256 << 20  # what the hostile section would inflate to
 PEAK_LIMIT = 16 << 20  # what decoding it may allocate
@@ -22,19 +21,9 @@ PEAK_LIMIT = 16 << 20  # what decoding it may allocate
 def _with_section_data(blob: bytes, name: str, data: bytes) -> bytes:
     """``blob`` with section ``name``'s stored bytes replaced by ``data``; offsets and the checksum
     recomputed, the declared raw size kept (a well-formed, correctly checksummed hostile blob)."""
-    prefix = struct.Struct("<8sHI")
-    _, version, hlen = prefix.unpack_from(blob, 0)
-    header = json.loads(blob[prefix.size:prefix.size + hlen])
-    payload = blob[prefix.size + hlen:-32]
-    chunks, offset = [], 0
-    for s in header["sections"]:
-        part = data if s["name"] == name else payload[s["offset"]:s["offset"] + s["size"]]
-        s["offset"], s["size"] = offset, len(part)
-        chunks.append(part)
-        offset += len(part)
-    head = json.dumps(header, sort_keys=True).encode()
-    body = prefix.pack(MAGIC, version, len(head)) + head + b"".join(chunks)
-    return body + hashlib.sha256(body).digest()
+    header, sections = split_blob(blob)
+    sections[name] = data
+    return join_blob(header, sections)
 
 
 @pytest.mark.parametrize("backend,bomb", [

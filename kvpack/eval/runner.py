@@ -182,13 +182,13 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
             q_ids = tokenizer(sample.question, add_special_tokens=False).input_ids
             ids = ctx_ids + q_ids
             n_pre = len(ids) - 1 if setting == "query-aware" else len(ctx_ids)
-            # One model run per sample: the query-agnostic prefill is the query-aware one's leading
-            # tokens (causal attention; see ExactPrefill.leading), which runs first.
-            shared = last_prefill if last_prefill and last_prefill.token_ids == ids[:len(last_prefill.token_ids)] \
-                else None
-            prefill = (shared.leading(n_pre) if shared and n_pre <= len(shared.token_ids) else None) \
-                or exact_prefill(model, ids[:n_pre])
-            last_prefill = prefill if prefill.seconds else last_prefill
+            # One model run per sample: the query-agnostic prefill is the leading tokens of the
+            # query-aware one, which runs first (causal attention; see ExactPrefill.leading).
+            prefill = None
+            if last_prefill is not None and ids[:len(last_prefill.token_ids)] == last_prefill.token_ids:
+                prefill = last_prefill.leading(n_pre)  # None when n_pre is longer than it
+            if prefill is None:
+                prefill = last_prefill = exact_prefill(model, ids[:n_pre])
             tf_chunk = ans_len = ref_logprobs = None
             if plan.fidelity:
                 ans_ids = tokenizer(" " + ", ".join(sample.answers), add_special_tokens=False).input_ids

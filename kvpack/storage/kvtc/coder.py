@@ -206,8 +206,23 @@ def iter_decompressed_layers(data: bytes | tuple[Blob, KvtcHeader], calibration:
     Keys and values come back in the cache dtype recorded in the blob, keys post-RoPE. ``data`` is
     the blob's bytes or what :func:`read_blob` returned for them.
     """
-    blob, header = read_blob(data, calibration, model) if isinstance(data, bytes | bytearray | memoryview) else data
+    yield from _decoded_layers(*_checked(data, calibration, model), calibration, model, device)
+
+
+def _checked(data: bytes | tuple[Blob, KvtcHeader], calibration: Calibration, model) -> tuple[Blob, KvtcHeader]:
+    """``data`` parsed and checked against ``calibration``, once: bytes through :func:`read_blob`, a
+    pair :func:`read_blob` returned (perhaps without a calibration) through :func:`check_header`."""
+    if isinstance(data, bytes | bytearray | memoryview):
+        return read_blob(data, calibration, model)
+    blob, header = data
     check_header(blob, header, calibration)
+    return blob, header
+
+
+def _decoded_layers(blob: Blob, header: KvtcHeader, calibration: Calibration, model,
+                    device: torch.device | str | None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """:func:`iter_decompressed_layers` for a blob already checked against ``calibration``. The
+    lossless sections are in ``header.cache_dtype`` already (:func:`check_header` checks it)."""
     dtype = header.cache_dtype
     s, n_mid = header.sinks, header.coded_tokens
     alloc = calibration.allocations[header.ratio]
@@ -229,15 +244,15 @@ def iter_decompressed_layers(data: bytes | tuple[Blob, KvtcHeader], calibration:
             continue
         j = by_layer[i]
         cols = slice(j * width, (j + 1) * width)
-        parts_k, parts_v = [sink_k[j].to(dtype)], [sink_v[j].to(dtype)]
+        parts_k, parts_v = [sink_k[j]], [sink_v[j]]
         if n_mid:
             rk, rv = alloc["keys"].coded_extent, alloc["values"].coded_extent
             xk = coeffs["keys"] @ calibration.key_basis[cols, :rk].T + calibration.key_mean[cols]
             xv = coeffs["values"] @ calibration.value_basis[cols, :rv].T + calibration.value_mean[cols]
             parts_k.append(layer_from_features(xk, heads, d, rot[i], positions).to(dtype))
             parts_v.append(layer_from_features(xv, heads, d, None, positions).to(dtype))
-        parts_k.append(win_k[j].to(dtype))
-        parts_v.append(win_v[j].to(dtype))
+        parts_k.append(win_k[j])
+        parts_v.append(win_v[j])
         yield i, torch.cat(parts_k, 1)[None].to(device=device), torch.cat(parts_v, 1)[None].to(device=device)
 
 
@@ -254,7 +269,7 @@ def decompress_cache(data: bytes | tuple[Blob, KvtcHeader], calibration: Calibra
         BlobError: an unreadable or malformed blob. ValueError: a blob of another model or
             calibration, or one holding more tokens than the model's context.
     """
-    blob, header = read_blob(data, calibration, model) if isinstance(data, bytes | bytearray | memoryview) else data
+    blob, header = _checked(data, calibration, model)
     n_layers = cache_layer_count(model)
     if n_layers != header.num_layers:
         raise ValueError(f"blob holds {header.num_layers} layers, the model's cache has {n_layers}")
@@ -262,5 +277,5 @@ def decompress_cache(data: bytes | tuple[Blob, KvtcHeader], calibration: Calibra
     if limit is not None and header.tokens > limit:
         raise ValueError(f"blob holds {header.tokens} tokens, more than the model's context of {limit} tokens")
     ids = blob_token_ids(blob, header)
-    parts = iter_decompressed_layers((blob, header), calibration, model, device=model.device)
+    parts = _decoded_layers(blob, header, calibration, model, model.device)
     return DenseKV([DenseLayer(k, v) for _, k, v in parts]), ids
