@@ -41,10 +41,12 @@ class KVPackLayer(CacheLayerMixin):
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, codec: ResidentCodec, layout: LayerLayout):
+    def __init__(self, codec: ResidentCodec, layout: LayerLayout, row_groups=None):
         super().__init__()
         self.codec = codec
         self.layout = layout
+        # row_groups(layer_idx, batch) -> what each row's stores share across layers (KVPackCache).
+        self.row_groups = row_groups or (lambda layer_idx, batch: [None] * batch)
         self.rows: list[LayerStore] = []
         self.columns = 0  # tokens seen incl. padding: the length transformers' masks and positions use
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -53,7 +55,8 @@ class KVPackLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        self.rows = [self.codec.new_store(self.layout) for _ in range(key_states.shape[0])]
+        groups = self.row_groups(self.layout.layer_idx, key_states.shape[0])
+        self.rows = [self.codec.new_store(self.layout, group) for group in groups]
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -158,8 +161,9 @@ class KVPackLayer(CacheLayerMixin):
             raise ValueError(f"layer {self.layout.layer_idx}: load_prefill needs an empty layer")
         self.device = key.device
         self.rows = []
+        groups = self.row_groups(self.layout.layer_idx, key.shape[0])
         for b in range(key.shape[0]):
-            store = self.codec.new_store(self.layout)
+            store = self.codec.new_store(self.layout, groups[b])
             store.load_prefill(key[b], value[b], query[b], out[b], scaling)
             self.rows.append(store)
         self.columns = key.shape[2]
@@ -231,10 +235,19 @@ class KVPackCache(Cache):
                     layer_idx=i, kv_heads=kv_heads, q_heads=text.num_attention_heads, head_dim=head_dim,
                     model_dtype=model.dtype, rope=tables[i],
                 )
-                layers[i] = KVPackLayer(codec, layout)
+                layers[i] = KVPackLayer(codec, layout, self._row_groups)
         if not any(isinstance(layer, KVPackLayer) for layer in layers):
             raise ValueError("this model has no full-attention layer with a standard cache for kvpack to compress")
+        self._layouts = [layer.layout for layer in layers if isinstance(layer, KVPackLayer)]
+        self._groups: list = []
         super().__init__(layers=layers)
+
+    def _row_groups(self, layer_idx: int, batch: int) -> list:
+        """What each batch row's stores share across layers (``ResidentCodec.new_group``; None for
+        most methods). The first compressed layer starts a sequence's stores, so it makes them anew."""
+        if layer_idx == self._layouts[0].layer_idx or len(self._groups) != batch:
+            self._groups = [self.codec.new_group(self._layouts) for _ in range(batch)]
+        return self._groups
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if isinstance(self.layers[layer_idx], KVPackLayer) and active_cache() is not self:

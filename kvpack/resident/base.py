@@ -123,6 +123,12 @@ class LayerStore(ABC):
 
     # -- shared -----------------------------------------------------------------------------
 
+    @classmethod
+    def new_group(cls, layouts: list[LayerLayout], config: MethodConfig) -> Any:
+        """The object one sequence's stores of this method share across layers (None: they share
+        nothing). ``puzzle_plus`` returns its whole-cache budget; its stores take it as ``group=``."""
+        return None
+
     def load_prefill(self, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, out: torch.Tensor,
                      scaling: float) -> None:
         """Store an exactly computed prefill chunk into an empty store, as ``attend`` + ``append``
@@ -201,8 +207,15 @@ class ResidentCodec:
     def Config(self) -> type[MethodConfig]:  # noqa: N802 - the class it names
         return self.store_cls.Config
 
-    def new_store(self, layout: LayerLayout) -> LayerStore:
-        return self.store_cls(layout, self.config)
+    def new_group(self, layouts: list[LayerLayout]) -> Any:
+        """What one sequence's stores share across its compressed layers (see ``LayerStore.new_group``)."""
+        return self.store_cls.new_group(layouts, self.config)
+
+    def new_store(self, layout: LayerLayout, group: Any = None) -> LayerStore:
+        """A store for one layer of one sequence; ``group`` = that sequence's :meth:`new_group`."""
+        if group is None:
+            return self.store_cls(layout, self.config)
+        return self.store_cls(layout, self.config, group=group)
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.name, "config": self.config.to_dict()}

@@ -1,0 +1,54 @@
+"""Parameters of ``puzzle_plus`` (PuzzleKV's pages with byte-budgeted adaptive ranks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...attention.triton import KERNEL_CHOICES
+from ...config import MethodConfig, boolean, choice, integer, number, option
+
+
+@dataclass
+class PuzzlePlusConfig(MethodConfig):
+    """``puzzle_plus`` parameters.
+
+    Attributes:
+        budget: the whole cache's bytes (every compressed layer: dense sink and window, factors,
+            rank tables) ≤ ``budget`` × the same tokens' dense bf16 bytes, at every step (default 0.5).
+        page_size: tokens per page ``P`` (default 64; the faithful ``puzzle`` uses 32).
+        rank_floor: the smallest rank of a page side (default 1).
+        rank_cap: the largest (default None = ``min(P, head_dim)``).
+        sink_pages: dense pages at the start (default 1).
+        window_pages: completed pages kept dense besides the page being filled (default 1).
+        key_rope: ``"post"`` (factorize the cached post-RoPE keys) or ``"pre"`` (before RoPE; RoPE is
+            re-applied at attention time).
+        int4: INT4 factors (Σ^½ absorbed into both factors, fp16 column scales); ranks are then even
+            (one byte holds two ranks' codes).
+        attention_weight: ``a`` in [0, 1]: a prefill page's marginal gains are multiplied by
+            ``(1 − a) + a · N · mass`` where ``mass`` is the share of the observation window's
+            attention that falls on the page (``N`` pages; mean weight 1). 0 = energy only.
+        observation_window: last prefill queries whose attention weighs the pages (with ``a > 0``).
+        attention_backend: ``auto`` / ``triton`` / ``torch`` (as for ``puzzle``).
+    """
+
+    budget: float | None = option(0.5, number(0.0, 1.0, low_open=True), "whole-cache bytes / dense bf16 bytes")
+    page_size: int = option(64, integer(minimum=2), "tokens per page P")
+    rank_floor: int = option(1, integer(minimum=1), "smallest rank of a page side")
+    rank_cap: int | None = option(None, integer(minimum=1, optional=True), "largest rank (none: min(P, head_dim))")
+    sink_pages: int = option(1, integer(minimum=0), "dense pages at the start")
+    window_pages: int = option(1, integer(minimum=0), "completed pages kept dense besides the filling one")
+    key_rope: str = option("post", choice("post", "pre"), "factorize keys after or before RoPE")
+    int4: bool = option(False, boolean(), "INT4 factors (even ranks)")
+    attention_weight: float = option(0.0, number(0.0, 1.0), "weight of the observation window's attention")
+    observation_window: int = option(32, integer(minimum=1), "prefill queries that weigh the pages")
+    attention_backend: str = option("auto", choice(*KERNEL_CHOICES), "attention path for stored tokens")
+
+    def check(self) -> None:
+        if self.budget is None:
+            raise self.error("puzzle_plus needs a budget: its ranks are chosen for one")
+        if self.rank_cap is not None and self.rank_cap > self.page_size:
+            raise self.error(f"rank_cap must be <= page_size ({self.page_size}), got {self.rank_cap}")
+        if self.rank_cap is not None and self.rank_floor > self.rank_cap:
+            raise self.error(f"rank_floor ({self.rank_floor}) must be <= rank_cap ({self.rank_cap})")
+        if self.int4 and self.rank_cap is not None and self.rank_cap < 2:
+            raise self.error("int4 ranks are even: rank_cap must be >= 2")
