@@ -28,6 +28,14 @@ CONFIGS = [
     ("puzzle", {"page_size": 48, "budget": 0.6}),
     ("puzzle", {"page_size": 64, "budget": 0.6}),
     ("puzzle", {"page_size": 64, "budget": 0.6, "int4": True}),
+    # Beyond the paper: ranks water-filled per (layer, head, page, side) under one whole-cache budget.
+    ("puzzle_plus", {"budget": 0.4}),  # P = 64
+    ("puzzle_plus", {"budget": 0.4, "page_size": 32}),
+    ("puzzle_plus", {"budget": 0.4, "key_rope": "pre"}),
+    ("puzzle_plus", {"budget": 0.4, "int4": True}),
+    ("puzzle_plus", {"budget": 0.4, "attention_weight": 0.5}),
+    ("puzzle_plus", {"budget": 0.3}),
+    ("puzzle_plus", {"budget": 0.2}),
     ("anchor", {"budget": 0.1}),  # faithful defaults: W = 32, k = max(S/128, W), rho = 0.7, kernel 7
     ("anchor", {"budget": 0.05}),
     ("anchor", {"budget": 0.2}),
@@ -65,7 +73,7 @@ def main() -> None:
             r = generate(model, tok, prompt, method, cfg, max_new_tokens=10)
             hits += answer in r.text
             ratios.append(r.ratio)
-            keys = ("rank_k", "rank_v", "anchors", "residuals_k", "residuals_v")
+            keys = ("rank_k", "rank_v", "anchors", "residuals_k", "residuals_v", "rank_k_mean", "rank_v_mean")
             ranks = {k: r.config[k] for k in keys if k in r.config}
         print(f"{method:<7} {json.dumps(cfg):<47} {hits:>4}/{len(CASES)}  {sum(ratios) / len(ratios):>10.3f}  {ranks}",
               flush=True)

@@ -516,3 +516,61 @@ def test_full_decode_step_without_host_sync_when_finite_check_is_off(method, mon
             store.append(k, v, q, out)
         syncs[check] = rec.syncs
     assert syncs == {True: 4, False: 0}
+
+
+# -- puzzle_plus: pages at per-(head, page) ranks --------------------------------------------------
+
+
+def _ragged_store(kv_heads, group, d, seq, seed=0, **cfg):
+    from kvpack.resident.puzzle_plus import PuzzlePlusConfig, PuzzlePlusStore
+
+    torch.manual_seed(seed)
+    layout = LayerLayout(layer_idx=0, kv_heads=kv_heads, q_heads=kv_heads * group, head_dim=d,
+                         rope=RotaryTable(LlamaRotary(d), d))
+    store = PuzzlePlusStore(layout, PuzzlePlusConfig(**cfg))
+    base = torch.randn(kv_heads, seq, d) @ torch.diag(torch.logspace(0.5, -1, d))
+    cos, sin = layout.rope.cos_sin(torch.arange(seq))
+    k = apply_rope(base, cos, sin)
+    v = torch.randn(kv_heads, seq, d) @ torch.diag(torch.logspace(0.3, -0.5, d))
+    q = torch.randn(kv_heads * group, seq, d)
+    store.scaling = d ** -0.5
+    store.append(k, v, q=q, out=torch.zeros_like(q))
+    return store
+
+
+def _check_ragged(store, n_q=1, atol=2e-4, **split):
+    from kvpack.attention.triton.puzzle_ragged_op import ragged_puzzle_partial
+
+    q, qg, scaling = _random_queries(store, n_q)
+    ranks = torch.cat([store.keys.rank.flatten(), store.values.rank.flatten()])
+    assert ranks.unique().numel() > 1  # mixed ranks, or the test would not test them
+    _assert_matches_reference(store, q, ragged_puzzle_partial(store.pages_view(), qg, scaling, **split), scaling,
+                              atol)
+
+
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (1, 3), (2, 4)])
+@pytest.mark.parametrize("seq", [150, 131])
+def test_puzzle_plus_kernel_matches_fp64_reference(kv_heads, group, seq):
+    _check_ragged(_ragged_store(kv_heads, group, 32, seq, page_size=16, budget=0.9, storage_dtype="float32"),
+                  pages_per_split=3)
+
+
+@pytest.mark.parametrize("int4,key_rope", [(False, "pre"), (True, "post"), (True, "pre")])
+def test_puzzle_plus_kernel_pre_rope_and_int4(int4, key_rope):
+    _check_ragged(_ragged_store(2, 3, 32, 140, page_size=16, budget=0.9, storage_dtype="float32", int4=int4,
+                                key_rope=key_rope), pages_per_split=2)
+
+
+def test_puzzle_plus_kernel_bf16_page_not_power_of_two_and_query_rows():
+    """bf16 factors, 24-token pages (tiles padded to 32), 12 queries x group 3 = three row blocks."""
+    _check_ragged(_ragged_store(2, 3, 32, 200, page_size=24, budget=0.5), n_q=12, atol=2e-2)
+
+
+def test_puzzle_plus_store_dispatches_to_the_kernel_and_agrees_with_torch():
+    outs = []
+    for backend in ("torch", "triton"):
+        store = _ragged_store(2, 3, 32, 150, seed=3, page_size=16, budget=0.5, attention_backend=backend)
+        torch.manual_seed(9)
+        q, k, v = torch.randn(6, 1, 32), torch.randn(2, 1, 32), torch.randn(2, 1, 32)
+        outs.append(store.attend(q, k, v, 32 ** -0.5))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)

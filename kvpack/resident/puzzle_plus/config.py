@@ -44,8 +44,6 @@ class PuzzlePlusConfig(MethodConfig):
     attention_backend: str = option("auto", choice(*KERNEL_CHOICES), "attention path for stored tokens")
 
     def check(self) -> None:
-        if self.budget is None:
-            raise self.error("puzzle_plus needs a budget: its ranks are chosen for one")
         if self.rank_cap is not None and self.rank_cap > self.page_size:
             raise self.error(f"rank_cap must be <= page_size ({self.page_size}), got {self.rank_cap}")
         if self.rank_cap is not None and self.rank_floor > self.rank_cap:

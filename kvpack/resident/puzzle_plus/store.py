@@ -25,6 +25,7 @@ import torch
 from ...attention.ragged_pages import RaggedPuzzlePages, ragged_pages_partials
 from ...attention.softmax_merge import group_queries
 from ...attention.triton import use_triton
+from ...attention.triton.puzzle_ragged_op import ragged_puzzle_partial
 from ...ops.accounting import dense_bf16_bytes
 from ...ops.rope import apply_rope, invert_rope
 from ...registry import register_method
@@ -239,8 +240,6 @@ class PuzzlePlusStore(SegmentedStore):
 
     def stored_partials(self, qg, scaling):
         if self.n_pages and use_triton(self.config.attention_backend, qg.device):
-            from ...attention.triton.puzzle_ragged_op import ragged_puzzle_partial
-
             return [ragged_puzzle_partial(self.pages_view(), qg, scaling)]
         return super().stored_partials(qg, scaling)
 

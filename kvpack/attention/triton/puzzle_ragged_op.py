@@ -1,0 +1,93 @@
+"""The ``puzzle_plus`` decode kernel as a PyTorch custom op (``kvpack::puzzle_ragged_attention``) and
+its launcher :func:`ragged_puzzle_partial`, which ``PuzzlePlusStore`` calls with its
+:class:`RaggedPuzzlePages` view (every tensor read in place)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..ragged_pages import RaggedPuzzlePages
+from ..softmax_merge import PartialAttention
+from ._launch import ROW_BLOCK, kernel_arg, launch, pow2, row_blocks
+
+
+@torch.library.custom_op("kvpack::puzzle_ragged_attention", mutates_args=())
+def puzzle_ragged_attention(
+    q: torch.Tensor, lk: torch.Tensor, rk: torch.Tensor, lv: torch.Tensor, rv: torch.Tensor,
+    lks: torch.Tensor, rks: torch.Tensor, lvs: torch.Tensor, rvs: torch.Tensor,
+    k_rank: torch.Tensor, k_offset: torch.Tensor, v_rank: torch.Tensor, v_offset: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor,
+    tail_k: torch.Tensor, tail_v: torch.Tensor,
+    page_size: int, max_rank: int, scaling: float, int4: bool, pre_rope: bool, first_position: int,
+    pages_per_split: int, tokens_per_split: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax state ``(m [H, M], l [H, M], o [H, M, D])`` fp32 of ``q [H, M, D]`` over the ragged
+    pages (``k_rank [N, H]`` etc.; layouts in ``puzzle_ragged_decode``) and the dense sink and tail."""
+    from .puzzle_ragged_decode import puzzle_ragged_split_kernel
+    from .split_merge import merge_splits
+
+    H, M, D = q.shape
+    N = k_rank.shape[0]
+    TS, T = sink_k.shape[1], sink_k.shape[1] + tail_k.shape[1]
+    n_page_splits = math.ceil(N / pages_per_split)
+    n_splits = n_page_splits + (math.ceil(T / tokens_per_split) if T else 0)
+    dev = q.device
+    if n_splits == 0:
+        return (torch.full((H, M), float("-inf"), device=dev), torch.zeros(H, M, device=dev),
+                torch.zeros(H, M, D, device=dev))
+    m = torch.empty(H, n_splits, M, device=dev)
+    l = torch.empty(H, n_splits, M, device=dev)
+    o = torch.empty(H, n_splits, M, D, device=dev)
+    W = cos.shape[1] if cos.numel() else D
+    launch(puzzle_ragged_split_kernel, (H, n_splits, row_blocks(M)),
+        q.float().contiguous(), *(kernel_arg(t) for t in (lk, rk, lv, rv, lks, rks, lvs, rvs)),
+        *(kernel_arg(t) for t in (k_rank, k_offset, v_rank, v_offset, cos, sin, sink_k, sink_v, tail_k, tail_v)),
+        m, l, o, H, M, N, page_size, D, TS, T, scaling, first_position, W,
+        pages_per_split, tokens_per_split, n_page_splits, n_splits,
+        INT4=int4, PRE_ROPE=pre_rope, SAME_HALVES=W != D,
+        BM=ROW_BLOCK, BP=pow2(page_size), BR=pow2(max_rank), BD=pow2(D), BDH=pow2(D // 2), BT=32,
+    )
+    return merge_splits(m, l, o)
+
+
+@puzzle_ragged_attention.register_fake
+def _(q, lk, rk, lv, rv, lks, rks, lvs, rvs, k_rank, k_offset, v_rank, v_offset, cos, sin, sink_k, sink_v,
+      tail_k, tail_v, page_size, max_rank, scaling, int4, pre_rope, first_position, pages_per_split,
+      tokens_per_split):
+    H, M, D = q.shape
+    return q.new_empty(H, M, dtype=torch.float32), q.new_empty(H, M, dtype=torch.float32), \
+        q.new_empty(H, M, D, dtype=torch.float32)
+
+
+def ragged_puzzle_partial(pages: RaggedPuzzlePages, qg: torch.Tensor, scaling: float,
+                          pages_per_split: int | None = None, tokens_per_split: int = 256) -> PartialAttention:
+    """Merged state of ``qg [kv_heads, rows, d]`` over everything a ``puzzle_plus`` store holds.
+
+    Args:
+        pages_per_split: pages per program (default: about 32 programs per KV head).
+        tokens_per_split: dense tokens per program.
+    """
+    d = pages.head_dim
+    pre_rope = pages.rope is not None
+    if pre_rope and d % 4:
+        raise ValueError(f"the Triton puzzle_plus kernel needs head_dim % 4 == 0 for pre-RoPE keys, got {d}")
+    if pages.keys is None:
+        raise ValueError("ragged_puzzle_partial needs factorized pages (the store has none yet)")
+    keys, values = pages.keys, pages.values
+    empty = qg.new_empty(0)
+    scales = [empty] * 4 if not pages.int4 else [keys.left_scale, keys.right_scale, values.left_scale,
+                                                 values.right_scale]
+    N, P, first = pages.n_pages, pages.page_size, pages.first_position
+    cos = sin = empty
+    if pre_rope:
+        cos, sin = pages.rope.table(first + N * P, qg.device)
+    max_rank = max(b.rank for side in (keys, values) for b in side.buckets)
+    pps = pages_per_split or max(1, math.ceil(N / 32))
+    m, l, o = puzzle_ragged_attention(
+        qg.float(), keys.left, keys.right, values.left, values.right, *scales,
+        keys.rank, keys.offset, values.rank, values.offset, cos, sin,
+        pages.sink_k, pages.sink_v, pages.tail_k, pages.tail_v,
+        P, max_rank, float(scaling), pages.int4, pre_rope, first, pps, tokens_per_split)
+    return PartialAttention(m=m, l=l, o=o)
