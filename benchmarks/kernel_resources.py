@@ -27,6 +27,7 @@ from kvpack.attention.triton.anchor_op import anchor_partials
 from kvpack.attention.triton.chunk_attend import fused_history_and_chunk
 from kvpack.attention.triton.cross_compile import compile_only
 from kvpack.attention.triton.puzzle_op import puzzle_partial
+from kvpack.attention.triton.puzzle_ragged_op import ragged_puzzle_partial
 
 VARIANTS = CONFIGS + [
     ("anchor", {"budget": 0.1, "residual_codec": "naive"}, "anchor naive 2-bit 0.1"),
@@ -54,6 +55,8 @@ def main() -> int:
                     with compile_only(arch) as builds:
                         if method == "puzzle":
                             puzzle_partial(store.pages_view(), qg, d ** -0.5)
+                        elif method == "puzzle_plus":
+                            ragged_puzzle_partial(store.pages_view(), qg, d ** -0.5)
                         else:
                             anchor_partials(store.segment_views(), qg, d ** -0.5)
                 except Exception as e:  # report every configuration, then fail

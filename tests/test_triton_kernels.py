@@ -574,3 +574,14 @@ def test_puzzle_plus_store_dispatches_to_the_kernel_and_agrees_with_torch():
         q, k, v = torch.randn(6, 1, 32), torch.randn(2, 1, 32), torch.randn(2, 1, 32)
         outs.append(store.attend(q, k, v, 32 ** -0.5))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+
+
+def test_puzzle_plus_kernel_loops_over_rank_blocks(monkeypatch):
+    """Ranks above one rank block (16 here) take several steps of the page's rank loop."""
+    from kvpack.attention.triton import puzzle_ragged_op
+
+    monkeypatch.setattr(puzzle_ragged_op, "RANK_BLOCK", 16)
+    for key_rope, int4, budget in (("post", False, 0.8), ("pre", True, 0.5)):
+        store = _ragged_store(2, 2, 64, 400, page_size=32, budget=budget, key_rope=key_rope, int4=int4)
+        assert int(store.keys.rank.max()) > 16 and int(store.values.rank.max()) > 16
+        _check_ragged(store, pages_per_split=2, atol=2e-2)

@@ -185,22 +185,27 @@ def _tile_partial(pages: RaggedPuzzlePages, qg: torch.Tensor, scaling: float, lo
     H, M, d = q.shape
     P = pages.page_size
     whole = lo == 0 and hi == pages.n_pages
-    s = torch.full((H, M, hi - lo, P), float("-inf"), dtype=dt, device=q.device)
-    for b in pages.keys.buckets:
-        ids, left, right = _tile_bucket(pages.keys, b, P, d, H, lo, hi, whole)
-        if ids.numel() == 0:
-            continue
-        heads, page = ids % H, ids // H
-        q_e = q[heads]  # [c, M, d]
-        left, right = left.to(dt), right.to(dt)
-        if pages.rope is None:
-            s_e = (q_e @ right.transpose(-1, -2)) @ left.transpose(-1, -2)  # (q R_Kᵀ) L_Kᵀ: [c, M, P]
-        else:
-            positions = pages.first_position + page[:, None] * P + torch.arange(P, device=q.device)  # [c, P]
-            cos, sin = pages.rope.cos_sin(positions.reshape(-1))
-            keys = apply_rope(left @ right, cos.view(-1, P, d).to(dt), sin.view(-1, P, d).to(dt))
-            s_e = q_e @ keys.transpose(-1, -2)
-        s[heads, :, page - lo, :] = s_e * scaling
+    if pages.rope is None:
+        s = torch.full((H, M, hi - lo, P), float("-inf"), dtype=dt, device=q.device)
+        for b in pages.keys.buckets:
+            ids, left, right = _tile_bucket(pages.keys, b, P, d, H, lo, hi, whole)
+            if ids.numel():
+                heads, page = ids % H, ids // H
+                s_e = (q[heads] @ right.to(dt).transpose(-1, -2)) @ left.to(dt).transpose(-1, -2)  # (q R_Kᵀ) L_Kᵀ
+                s[heads, :, page - lo, :] = s_e * scaling  # [c, M, P] into the (head, page) slots
+    else:
+        # Pre-RoPE keys: the rotation depends on the position inside the page, so the tile's keys
+        # are rebuilt bucket by bucket into one [pages, H, P, d] tensor, rotated once and contracted.
+        keys = torch.empty((hi - lo) * H, P, d, dtype=dt, device=q.device)
+        for b in pages.keys.buckets:
+            ids, left, right = _tile_bucket(pages.keys, b, P, d, H, lo, hi, whole)
+            if ids.numel():
+                keys[ids - lo * H] = left.to(dt) @ right.to(dt)
+        first = pages.first_position
+        cos, sin = pages.rope.cos_sin(torch.arange(first + lo * P, first + hi * P, device=q.device))
+        keys = apply_rope(keys.view(hi - lo, H, P, d), cos.view(hi - lo, 1, P, d).to(dt),
+                          sin.view(hi - lo, 1, P, d).to(dt))
+        s = torch.einsum("hmd,nhpd->hmnp", q, keys) * scaling
 
     def contract(p: torch.Tensor) -> torch.Tensor:
         o = torch.zeros(H, M, d, dtype=dt, device=q.device)

@@ -12,6 +12,10 @@ from ..ragged_pages import RaggedPuzzlePages
 from ..softmax_merge import PartialAttention
 from ._launch import ROW_BLOCK, kernel_arg, launch, pow2, row_blocks
 
+# Ranks per step of a page's rank loop. 64-rank tiles with pre-RoPE INT4 keys took 255 registers
+# and spilled 96 bytes per thread on sm_80 (d = 128, P = 64; benchmarks/kernel_resources.py).
+RANK_BLOCK = 32
+
 
 @torch.library.custom_op("kvpack::puzzle_ragged_attention", mutates_args=())
 def puzzle_ragged_attention(
@@ -47,7 +51,7 @@ def puzzle_ragged_attention(
         m, l, o, H, M, N, page_size, D, TS, T, scaling, first_position, W,
         pages_per_split, tokens_per_split, n_page_splits, n_splits,
         INT4=int4, PRE_ROPE=pre_rope, SAME_HALVES=W != D,
-        BM=ROW_BLOCK, BP=pow2(page_size), BR=pow2(max_rank), BD=pow2(D), BDH=pow2(D // 2), BT=32,
+        BM=ROW_BLOCK, BP=pow2(page_size), BR=min(pow2(max_rank), RANK_BLOCK), BD=pow2(D), BDH=pow2(D // 2), BT=32,
     )
     return merge_splits(m, l, o)
 
