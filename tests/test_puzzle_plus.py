@@ -316,3 +316,25 @@ def test_a_group_refuses_foreign_and_duplicate_layers():
     with pytest.raises(ValueError, match="not in this budget group"):
         codec.new_store(_layout(layer_idx=5), group)
     assert isinstance(codec.new_store(_layout(layer_idx=1), group), PuzzlePlusStore)
+
+
+def test_a_prepared_cache_copy_runs_like_a_fresh_build():
+    """The eval runner's fidelity pass runs on ``PreparedCache.copy()`` (taken before decoding
+    mutates the original): the copy, its budget group included, is independent and equals a rebuild."""
+    from kvpack.eval.runner import teacher_forced_logprobs
+    from kvpack.hf.prefill import exact_prefill
+    from kvpack.methods import get_method
+
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(4)).tolist()
+    prefill = exact_prefill(model, ids)
+    method = get_method("puzzle_plus", budget=0.5, page_size=16)
+    built = method.from_prefill(model, prefill)
+    copied = built.copy()
+    layers = copied.cache.kvpack_layers
+    assert layers[0].rows[0].group is layers[1].rows[0].group is not built.cache.kvpack_layers[0].rows[0].group
+    chunk = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    first = teacher_forced_logprobs(model, built, chunk, 240)  # 40 tokens: a page completes, a round runs
+    again = teacher_forced_logprobs(model, copied, chunk, 240)
+    fresh = teacher_forced_logprobs(model, method.from_prefill(model, prefill), chunk, 240)
+    assert torch.equal(first, again) and torch.equal(first, fresh)

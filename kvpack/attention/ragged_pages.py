@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.int4 import dequantize_int4
+from ..ops.int4 import unpack_nibbles
 from ..ops.rope import RotaryTable, apply_rope
 from .softmax_merge import PartialAttention, state_from_logits
 
@@ -89,18 +89,30 @@ class RaggedFactors:
             out[f"{prefix}right_scale"] = self.right_scale
         return out
 
-    def bucket_factors(self, b: Bucket, page_size: int, head_dim: int
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """INT4 only: every code of ``left`` and ``right`` unpacked at once, as fp32 ``code − 8``
+        (flat ``[Σ P r]``, ``[Σ r d]``; the scales are applied per bucket). One unpack per side
+        instead of one per bucket; a transient the size of the side's factors in fp32."""
+        if not self.int4:
+            return None
+        return tuple(unpack_nibbles(t, 2 * t.numel()).float().sub_(8) for t in (self.left, self.right))
+
+    def bucket_factors(self, b: Bucket, page_size: int, head_dim: int,
+                       codes: tuple[torch.Tensor, torch.Tensor] | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(ids [count] int64 positions n·H + h, L [count, P, r], R [count, r, d])`` of bucket ``b``:
-        views of the flat buffers for float factors, dequantized fp32 copies for INT4."""
+        views of the flat buffers for float factors, dequantized fp32 for INT4 (from ``codes``, this
+        side's :meth:`codes`, when given)."""
         P, d, r, c, o = page_size, head_dim, b.rank, b.count, b.offset
         ids = self.order[b.first:b.first + c].long()
         if not self.int4:
             return ids, self.left[o * P:(o + c * r) * P].view(c, P, r), self.right[o * d:(o + c * r) * d].view(c, r, d)
-        left = dequantize_int4(self.left[o * P // 2:(o + c * r) * P // 2].view(c, P, r // 2),
-                               self.left_scale[o:o + c * r].view(c, 1, r), r)
-        right_scale = self.right_scale.reshape(-1, d)[ids].unsqueeze(1)  # [c, 1, d]
-        right = dequantize_int4(self.right[o * d // 2:(o + c * r) * d // 2].view(c, r, d // 2), right_scale, d)
+        if codes is None:
+            codes = self.codes()
+        left_codes, right_codes = codes
+        left = left_codes[o * P:(o + c * r) * P].view(c, P, r) * self.left_scale[o:o + c * r].view(c, 1, r).float()
+        right_scale = self.right_scale.reshape(-1, d)[ids].unsqueeze(1).float()  # [c, 1, d]
+        right = right_codes[o * d:(o + c * r) * d].view(c, r, d) * right_scale
         return ids, left, right
 
 
@@ -155,8 +167,9 @@ class RaggedPuzzlePages:
         out = []
         for side in (self.keys, self.values):
             dense = torch.zeros(N * H, P, d)
+            codes = side.codes()
             for b in side.buckets:
-                ids, left, right = side.bucket_factors(b, P, d)
+                ids, left, right = side.bucket_factors(b, P, d, codes)
                 dense[ids] = left.float() @ right.float()
             out.append(dense.view(N, H, P, d).transpose(0, 1).reshape(H, N * P, d))
         return out[0], out[1]
@@ -185,10 +198,11 @@ def _tile_partial(pages: RaggedPuzzlePages, qg: torch.Tensor, scaling: float, lo
     H, M, d = q.shape
     P = pages.page_size
     whole = lo == 0 and hi == pages.n_pages
+    key_codes, value_codes = pages.keys.codes(), pages.values.codes()
     if pages.rope is None:
         s = torch.full((H, M, hi - lo, P), float("-inf"), dtype=dt, device=q.device)
         for b in pages.keys.buckets:
-            ids, left, right = _tile_bucket(pages.keys, b, P, d, H, lo, hi, whole)
+            ids, left, right = _tile_bucket(pages.keys, b, P, d, H, lo, hi, whole, key_codes)
             if ids.numel():
                 heads, page = ids % H, ids // H
                 s_e = (q[heads] @ right.to(dt).transpose(-1, -2)) @ left.to(dt).transpose(-1, -2)  # (q R_Kᵀ) L_Kᵀ
@@ -198,7 +212,7 @@ def _tile_partial(pages: RaggedPuzzlePages, qg: torch.Tensor, scaling: float, lo
         # are rebuilt bucket by bucket into one [pages, H, P, d] tensor, rotated once and contracted.
         keys = torch.empty((hi - lo) * H, P, d, dtype=dt, device=q.device)
         for b in pages.keys.buckets:
-            ids, left, right = _tile_bucket(pages.keys, b, P, d, H, lo, hi, whole)
+            ids, left, right = _tile_bucket(pages.keys, b, P, d, H, lo, hi, whole, key_codes)
             if ids.numel():
                 keys[ids - lo * H] = left.to(dt) @ right.to(dt)
         first = pages.first_position
@@ -210,7 +224,7 @@ def _tile_partial(pages: RaggedPuzzlePages, qg: torch.Tensor, scaling: float, lo
     def contract(p: torch.Tensor) -> torch.Tensor:
         o = torch.zeros(H, M, d, dtype=dt, device=q.device)
         for b in pages.values.buckets:
-            ids, left, right = _tile_bucket(pages.values, b, P, d, H, lo, hi, whole)
+            ids, left, right = _tile_bucket(pages.values, b, P, d, H, lo, hi, whole, value_codes)
             if ids.numel() == 0:
                 continue
             heads, page = ids % H, ids // H
@@ -221,9 +235,9 @@ def _tile_partial(pages: RaggedPuzzlePages, qg: torch.Tensor, scaling: float, lo
     return state_from_logits(s, contract)
 
 
-def _tile_bucket(side: RaggedFactors, b: Bucket, P: int, d: int, H: int, lo: int, hi: int, whole: bool):
+def _tile_bucket(side: RaggedFactors, b: Bucket, P: int, d: int, H: int, lo: int, hi: int, whole: bool, codes):
     """A bucket's factors restricted to pages ``[lo, hi)`` (the whole bucket when ``whole``)."""
-    ids, left, right = side.bucket_factors(b, P, d)
+    ids, left, right = side.bucket_factors(b, P, d, codes)
     if whole:
         return ids, left, right
     keep = ((ids // H) >= lo) & ((ids // H) < hi)

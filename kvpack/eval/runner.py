@@ -10,7 +10,7 @@ no longer change). Rows are appended to ``results.jsonl`` as they finish; a reru
 skips every (setting, task, length, sample, method, budget, config overrides) already there — a
 method rerun with other ``--set`` overrides is computed again, not taken from the earlier rows.
 
-Fidelity (``fidelity=True``), from a second build of each cache: the rest of the prompt, the gold
+Fidelity (``fidelity=True``), from a copy of each built cache taken before decoding: the rest of the prompt, the gold
 answer and a held-out continuation (more haystack) are teacher-forced in one pass; the mean
 next-token KL divergence KL(FullKV ‖ method) over the answer positions and the perplexity of the
 continuation are recorded.
@@ -206,13 +206,14 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
                 try:
                     method = get_method(spec.method, **spec.codec_config())
                     built = method.from_prefill(model, prefill)
+                    # the fidelity pass runs on a copy of the same compressed cache (decoding mutates it)
+                    again = built.copy() if plan.fidelity else None
                     prediction, decode_s = _greedy(model, tokenizer, built, ids, sample)
                     row.update(config=built.config, kv_bytes=built.kv_bytes,
                                dense_kv_bytes=built.dense_kv_bytes, ratio=built.kv_bytes / built.dense_kv_bytes,
                                compress_s=built.seconds, decode_s=decode_s, prediction=prediction,
                                score=score(prediction, sample.answers, sample.metric))
                     if plan.fidelity:
-                        again = method.from_prefill(model, prefill)
                         logp = teacher_forced_logprobs(model, again, tf_chunk, n_pre + len(tf_chunk))
                         a = len(ids) - n_pre  # logits at a-1+j predict answer token j
                         sl = slice(a - 1, a - 1 + ans_len)

@@ -12,6 +12,8 @@ operations cover every use:
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -67,13 +69,18 @@ class PreparedCache:
     dense_kv_bytes: int
     seconds: float
     config: dict[str, Any]
-    scope: Any = None  # (model -> context manager) that the cache needs while the model runs
+    scope: Any = None  # (model, cache -> context manager) that the cache needs while the model runs
 
     @contextlib.contextmanager
     def active(self, model: torch.nn.Module) -> Iterator[Any]:
         """The block inside which ``model`` may run with :attr:`cache`."""
-        with (self.scope(model) if self.scope is not None else contextlib.nullcontext()):
+        with (self.scope(model, self.cache) if self.scope is not None else contextlib.nullcontext()):
             yield self.cache
+
+    def copy(self) -> PreparedCache:
+        """An independent copy (the cache deep-copied), to run twice from the same compressed state
+        without compressing twice."""
+        return dataclasses.replace(self, cache=copy.deepcopy(self.cache))
 
 
 class Method(ABC):

@@ -50,4 +50,4 @@ class ResidentMethod(Method):
         start = time.perf_counter()
         cache = resident_cache_from(model, self.codec, prefill)
         return PreparedCache(cache, cache.kv_bytes(), cache.dense_kv_bytes(), time.perf_counter() - start,
-                             self.resolved_config(cache), scope=lambda m: attach(m, cache=cache))
+                             self.resolved_config(cache), scope=lambda m, c: attach(m, cache=c))

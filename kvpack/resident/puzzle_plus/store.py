@@ -95,15 +95,21 @@ class PuzzlePlusStore(SegmentedStore):
         return out
 
     def resolved_params(self):
-        if self.keys is None:
+        """The ranks the whole-cache allocation chose, over every layer of this store's group:
+        mean, min and max per side, each layer's mean, and the threshold λ."""
+        members = [self.group.members[i] for i in self.group.layers if i in self.group.members]
+        held = [m for m in members if m.keys is not None]
+        if not held:
             return {}
-        ranks = {}
-        for name, side in (("k", self.keys), ("v", self.values)):
-            r = side.rank.float()
-            ranks[f"rank_{name}_mean"] = round(float(r.mean()), 2)
-            ranks[f"rank_{name}_min"] = int(r.min())
-            ranks[f"rank_{name}_max"] = int(r.max())
-        return ranks
+        out = {"lambda": self.group.threshold}
+        for name in ("k", "v"):
+            ranks = [getattr(m, "keys" if name == "k" else "values").rank.float() for m in held]
+            every = torch.cat([r.flatten() for r in ranks])
+            out[f"rank_{name}_mean"] = round(float(every.mean()), 2)
+            out[f"rank_{name}_min"] = int(every.min())
+            out[f"rank_{name}_max"] = int(every.max())
+            out[f"rank_{name}_by_layer"] = [round(float(r.mean()), 1) for r in ranks]
+        return out
 
     # -- compression ------------------------------------------------------------------------
 
