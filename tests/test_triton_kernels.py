@@ -527,6 +527,7 @@ def _ragged_store(kv_heads, group, d, seq, seed=0, **cfg):
     torch.manual_seed(seed)
     layout = LayerLayout(layer_idx=0, kv_heads=kv_heads, q_heads=kv_heads * group, head_dim=d,
                          rope=RotaryTable(LlamaRotary(d), d))
+    cfg.setdefault("rank_step", 2 if cfg.get("int4", True) else 1)
     store = PuzzlePlusStore(layout, PuzzlePlusConfig(**cfg))
     base = torch.randn(kv_heads, seq, d) @ torch.diag(torch.logspace(0.5, -1, d))
     cos, sin = layout.rope.cos_sin(torch.arange(seq))

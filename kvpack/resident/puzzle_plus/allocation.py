@@ -1,13 +1,13 @@
 """Greedy water-filling of page ranks under one byte budget (pure functions).
 
-Each (layer, KV head, page, side) entry offers rank *steps* (one rank; two in INT4, whose bytes
-hold two ranks' codes), step ``j`` with a marginal gain per byte ``g_j`` — the retained energy it
-adds (its squared singular values, scaled, see ``store.py``) over its bytes — non-increasing in
-``j``. Taking steps in decreasing order of ``g`` across every entry until the budget is spent is
-the same as taking, in each entry, the steps with ``g_j ≥ t`` for one threshold ``t`` (the "water
-level"): an entry keeps ``clamp(#{j : g_j ≥ t}, floor, cap)`` steps. :func:`fit_threshold` finds
-the lowest such ``t`` (the most ranks) whose bytes fit, by bisection over the offered gains —
-exact bytes, whatever the per-entry costs.
+Each (layer, KV head, page, side) entry offers rank *steps* (``rank_step`` ranks each), step ``j``
+with a marginal gain per byte ``g_j`` — the retained energy it adds (its squared singular values,
+scaled, see ``store.py``) over its bytes — non-increasing in ``j``. Taking steps in decreasing
+order of ``g`` across every entry until the budget is spent is the same as taking, in each entry,
+the steps with ``g_j ≥ t`` for one threshold ``t`` (the "water level"): an entry keeps
+``clamp(#{j : g_j ≥ t}, floor, cap)`` steps. :func:`fit_threshold` finds the lowest such ``t``
+(the most ranks) whose bytes fit, by bisection over the offered gains — exact bytes, whatever the
+per-entry costs.
 """
 
 from __future__ import annotations

@@ -16,14 +16,20 @@ class PuzzlePlusConfig(MethodConfig):
         budget: the whole cache's bytes (every compressed layer: dense sink and window, factors,
             rank tables) ≤ ``budget`` × the same tokens' dense bf16 bytes, at every step (default 0.5).
         page_size: tokens per page ``P`` (default 64; the faithful ``puzzle`` uses 32).
-        rank_floor: the smallest rank of a page side (default 1).
+        rank_step: ranks are multiples of this (default 4): the water-filling buys ranks in steps of
+            ``rank_step``, which bounds the number of rank buckets (≤ 16 at P = 64) and so the
+            per-bucket work of the PyTorch attention path. INT4 needs it even (a byte holds two
+            ranks' codes).
+        rank_floor: the smallest rank of a page side (default 1, rounded up to ``rank_step``).
         rank_cap: the largest (default None = ``min(P, head_dim)``).
         sink_pages: dense pages at the start (default 1).
         window_pages: completed pages kept dense besides the page being filled (default 1).
-        key_rope: ``"post"`` (factorize the cached post-RoPE keys) or ``"pre"`` (before RoPE; RoPE is
-            re-applied at attention time).
-        int4: INT4 factors (Σ^½ absorbed into both factors, fp16 column scales); ranks are then even
-            (one byte holds two ranks' codes).
+        key_rope: ``"pre"`` (factorize keys before RoPE, which is re-applied at attention time; a
+            page's pre-RoPE keys need far fewer ranks), ``"post"`` (the cached keys) or ``"auto"``
+            (default: ``pre`` where the layer has a rotary embedding, else ``post``).
+        int4: INT4 factors (default; Σ^½ absorbed into both factors, fp16 column scales): at the same
+            bytes about twice the ranks of bf16 factors. Both defaults were chosen by measurement
+            (docs/puzzlekv.md).
         attention_weight: ``a`` in [0, 1]: a prefill page's marginal gains are multiplied by
             ``(1 − a) + a · N · mass`` where ``mass`` is the share of the observation window's
             attention that falls on the page (``N`` pages; mean weight 1). 0 = energy only.
@@ -33,12 +39,13 @@ class PuzzlePlusConfig(MethodConfig):
 
     budget: float | None = option(0.5, number(0.0, 1.0, low_open=True), "whole-cache bytes / dense bf16 bytes")
     page_size: int = option(64, integer(minimum=2), "tokens per page P")
+    rank_step: int = option(4, integer(minimum=1), "ranks are multiples of this")
     rank_floor: int = option(1, integer(minimum=1), "smallest rank of a page side")
     rank_cap: int | None = option(None, integer(minimum=1, optional=True), "largest rank (none: min(P, head_dim))")
     sink_pages: int = option(1, integer(minimum=0), "dense pages at the start")
     window_pages: int = option(1, integer(minimum=0), "completed pages kept dense besides the filling one")
-    key_rope: str = option("post", choice("post", "pre"), "factorize keys after or before RoPE")
-    int4: bool = option(False, boolean(), "INT4 factors (even ranks)")
+    key_rope: str = option("auto", choice("auto", "post", "pre"), "factorize keys after or before RoPE")
+    int4: bool = option(True, boolean(), "INT4 factors (Σ^½ in both factors)")
     attention_weight: float = option(0.0, number(0.0, 1.0), "weight of the observation window's attention")
     observation_window: int = option(32, integer(minimum=1), "prefill queries that weigh the pages")
     attention_backend: str = option("auto", choice(*KERNEL_CHOICES), "attention path for stored tokens")
@@ -48,5 +55,7 @@ class PuzzlePlusConfig(MethodConfig):
             raise self.error(f"rank_cap must be <= page_size ({self.page_size}), got {self.rank_cap}")
         if self.rank_cap is not None and self.rank_floor > self.rank_cap:
             raise self.error(f"rank_floor ({self.rank_floor}) must be <= rank_cap ({self.rank_cap})")
-        if self.int4 and self.rank_cap is not None and self.rank_cap < 2:
-            raise self.error("int4 ranks are even: rank_cap must be >= 2")
+        if self.int4 and self.rank_step % 2:
+            raise self.error(f"int4 needs an even rank_step (a byte holds two ranks' codes), got {self.rank_step}")
+        if self.rank_step > self.page_size or (self.rank_cap is not None and self.rank_step > self.rank_cap):
+            raise self.error(f"rank_step ({self.rank_step}) must be <= page_size and rank_cap")

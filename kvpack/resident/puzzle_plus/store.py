@@ -9,8 +9,8 @@ window page plus the page being filled. What differs:
   ``σ_i²`` divided by the mean energy ``‖X‖²_F`` of that (layer, KV head, side)'s pages at the
   first round — so layers and heads whose keys differ in scale compete on the share of their own
   energy they keep — optionally weighted by the observation window's attention to the page
-  (``attention_weight``), per byte of the rank. A rank costs ``(P + d)`` elements; an INT4 step of
-  two ranks ``(P + d)`` bytes plus two fp16 scales.
+  (``attention_weight``), per byte. Ranks are bought in steps of ``rank_step``; a rank costs
+  ``(P + d)`` elements, in INT4 ``(P + d) / 2`` bytes plus one fp16 scale.
 * **budget**: the whole cache (every compressed layer's sink, window, factors and rank tables) ≤
   ``budget`` × dense bf16, checked at the end of each coming page cycle; pages completed while
   decoding get the ranks of the prefill's threshold λ (fewer only if the budget needs it).
@@ -60,15 +60,18 @@ class PuzzlePlusStore(SegmentedStore):
         super().__init__(layout, config)
         if config.key_rope == "pre" and layout.rope is None:
             raise ValueError("puzzle_plus: key_rope='pre' needs the model's rotary embedding (none was found)")
+        # "auto": pre-RoPE keys where the layer has a rotary embedding, the cached keys otherwise.
+        self.pre_rope = config.key_rope == "pre" or (config.key_rope == "auto" and layout.rope is not None)
         P, d = config.page_size, layout.head_dim
-        self.step = 2 if config.int4 else 1
+        self.step = config.rank_step
         if config.int4 and d % 2:
             raise ValueError(f"puzzle_plus: int4 factors need an even head_dim, got {d}")
         cap = min(P, d) if config.rank_cap is None else min(config.rank_cap, P, d)
         self.cap_steps = cap // self.step
         self.floor_steps = min(-(-config.rank_floor // self.step), self.cap_steps)
         if self.cap_steps < 1:
-            raise ValueError(f"puzzle_plus: rank_cap {cap} leaves no rank step (int4 ranks are even)")
+            raise ValueError(f"puzzle_plus: the largest rank {cap} (min of page_size, head_dim, rank_cap) is below "
+                             f"rank_step {self.step}")
         self.group = group or WholeCacheBudget([layout.layer_idx], config.budget)
         self.group.join(layout.layer_idx, self)
         self.keys = None  # RaggedFactors of the key pages
@@ -129,7 +132,7 @@ class PuzzlePlusStore(SegmentedStore):
         P, n, H, d = self.config.page_size, self.pending, self.layout.kv_heads, self.layout.head_dim
         k = self.tail_k[:, :n * P].float().reshape(H, n, P, d)
         v = self.tail_v[:, :n * P].float().reshape(H, n, P, d)
-        if self.config.key_rope == "pre":
+        if self.pre_rope:
             start = self.tail_start
             cos, sin = self.layout.rope.cos_sin(torch.arange(start, start + n * P, device=k.device))
             k = invert_rope(k, cos.reshape(n, P, d), sin.reshape(n, P, d))
@@ -167,9 +170,9 @@ class PuzzlePlusStore(SegmentedStore):
 
     def _step_bytes(self) -> float:
         P, d = self.config.page_size, self.layout.head_dim
-        if self.config.int4:
-            return (P + d) + 2 * 2  # two ranks' packed codes plus their two L column scales
-        return (P + d) * self.storage_dtype.itemsize
+        if self.config.int4:  # packed codes (two per byte) plus one fp16 L column scale per rank
+            return self.step * ((P + d) / 2 + 2)
+        return self.step * (P + d) * self.storage_dtype.itemsize
 
     def _page_weights(self) -> torch.Tensor | None:
         """``[H, n]`` ``(1 − a) + a · n · mass`` from the observation window's attention (first round
@@ -238,7 +241,7 @@ class PuzzlePlusStore(SegmentedStore):
         cfg = self.config
         return RaggedPuzzlePages(self.sink_k, self.sink_v, self.tail_k, self.tail_v, self.keys, self.values,
                                  cfg.page_size, self.layout.head_dim, self.layout.kv_heads,
-                                 self.layout.rope if cfg.key_rope == "pre" else None)
+                                 self.layout.rope if self.pre_rope else None)
 
     @property
     def attention_backend(self) -> str:
@@ -258,7 +261,7 @@ class PuzzlePlusStore(SegmentedStore):
         parts_k, parts_v = [self.sink_k.float()], [self.sink_v.float()]
         if self.n_pages:
             k, v = self.pages_view().dense_pages()
-            if self.config.key_rope == "pre":
+            if self.pre_rope:
                 first = self.sink_k.shape[1]
                 cos, sin = self.layout.rope.cos_sin(torch.arange(first, first + self.n_pages * self.config.page_size))
                 k = apply_rope(k, cos, sin)
