@@ -29,10 +29,11 @@ CONFIGS = [
     ("puzzle", {"page_size": 64, "budget": 0.6}),
     ("puzzle", {"page_size": 64, "budget": 0.6, "int4": True}),
     # Beyond the paper: ranks water-filled per (layer, head, page, side) under one whole-cache budget.
-    ("puzzle_plus", {"budget": 0.4}),  # P = 64
+    ("puzzle_plus", {"budget": 0.4}),  # defaults: P = 64, INT4, pre-RoPE keys, rank_step 4
     ("puzzle_plus", {"budget": 0.4, "page_size": 32}),
-    ("puzzle_plus", {"budget": 0.4, "key_rope": "pre"}),
-    ("puzzle_plus", {"budget": 0.4, "int4": True}),
+    ("puzzle_plus", {"budget": 0.4, "int4": False}),  # bf16 factors, pre-RoPE
+    ("puzzle_plus", {"budget": 0.4, "key_rope": "post"}),  # INT4, post-RoPE
+    ("puzzle_plus", {"budget": 0.4, "int4": False, "key_rope": "post"}),
     ("puzzle_plus", {"budget": 0.4, "attention_weight": 0.5}),
     ("puzzle_plus", {"budget": 0.3}),
     ("puzzle_plus", {"budget": 0.2}),
