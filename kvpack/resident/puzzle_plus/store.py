@@ -127,7 +127,7 @@ class PuzzlePlusStore(SegmentedStore):
         self.pending = ready
         self.group.submit(self.layout.layer_idx)
 
-    def _pending_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pending_pages(self) -> torch.Tensor:
         """The pending pages as fp32 ``[2 (keys, values), H, n, P, d]`` (keys pre-RoPE if so factorized)."""
         P, n, H, d = self.config.page_size, self.pending, self.layout.kv_heads, self.layout.head_dim
         k = self.tail_k[:, :n * P].float().reshape(H, n, P, d)
