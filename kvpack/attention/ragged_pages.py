@@ -95,25 +95,33 @@ class RaggedFactors:
         instead of one per bucket; a transient the size of the side's factors in fp32."""
         if not self.int4:
             return None
-        return tuple(unpack_nibbles(t, 2 * t.numel()).float().sub_(8) for t in (self.left, self.right))
+        return _codes(self.left), _codes(self.right)
 
     def bucket_factors(self, b: Bucket, page_size: int, head_dim: int,
                        codes: tuple[torch.Tensor, torch.Tensor] | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(ids [count] int64 positions n·H + h, L [count, P, r], R [count, r, d])`` of bucket ``b``:
         views of the flat buffers for float factors, dequantized fp32 for INT4 (from ``codes``, this
-        side's :meth:`codes`, when given)."""
+        side's :meth:`codes`, when given; else the bucket's codes alone are unpacked)."""
         P, d, r, c, o = page_size, head_dim, b.rank, b.count, b.offset
         ids = self.order[b.first:b.first + c].long()
         if not self.int4:
             return ids, self.left[o * P:(o + c * r) * P].view(c, P, r), self.right[o * d:(o + c * r) * d].view(c, r, d)
-        if codes is None:
-            codes = self.codes()
-        left_codes, right_codes = codes
-        left = left_codes[o * P:(o + c * r) * P].view(c, P, r) * self.left_scale[o:o + c * r].view(c, 1, r).float()
+        if codes is not None:
+            left_codes = codes[0][o * P:(o + c * r) * P]
+            right_codes = codes[1][o * d:(o + c * r) * d]
+        else:  # this bucket's codes only
+            left_codes = _codes(self.left[o * P // 2:(o + c * r) * P // 2])
+            right_codes = _codes(self.right[o * d // 2:(o + c * r) * d // 2])
+        left = left_codes.view(c, P, r) * self.left_scale[o:o + c * r].view(c, 1, r).float()
         right_scale = self.right_scale.reshape(-1, d)[ids].unsqueeze(1).float()  # [c, 1, d]
-        right = right_codes[o * d:(o + c * r) * d].view(c, r, d) * right_scale
+        right = right_codes.view(c, r, d) * right_scale
         return ids, left, right
+
+
+def _codes(packed: torch.Tensor) -> torch.Tensor:
+    """Flat packed nibbles → fp32 ``code − 8`` (two per byte)."""
+    return unpack_nibbles(packed, 2 * packed.numel()).float().sub_(8)
 
 
 def make_buckets(rank_in_order: torch.Tensor) -> tuple[tuple[Bucket, ...], torch.Tensor]:
@@ -198,7 +206,9 @@ def _tile_partial(pages: RaggedPuzzlePages, qg: torch.Tensor, scaling: float, lo
     H, M, d = q.shape
     P = pages.page_size
     whole = lo == 0 and hi == pages.n_pages
-    key_codes, value_codes = pages.keys.codes(), pages.values.codes()
+    # INT4: one unpack of each side when one tile covers every page (a decode step); tiles of a
+    # long chunk unpack bucket by bucket, so the transient stays one bucket's codes.
+    key_codes, value_codes = (pages.keys.codes(), pages.values.codes()) if whole else (None, None)
     if pages.rope is None:
         s = torch.full((H, M, hi - lo, P), float("-inf"), dtype=dt, device=q.device)
         for b in pages.keys.buckets:

@@ -10,10 +10,10 @@ no longer change). Rows are appended to ``results.jsonl`` as they finish; a reru
 skips every (setting, task, length, sample, method, budget, config overrides) already there — a
 method rerun with other ``--set`` overrides is computed again, not taken from the earlier rows.
 
-Fidelity (``fidelity=True``), from a copy of each built cache taken before decoding: the rest of the prompt, the gold
-answer and a held-out continuation (more haystack) are teacher-forced in one pass; the mean
-next-token KL divergence KL(FullKV ‖ method) over the answer positions and the perplexity of the
-continuation are recorded.
+Fidelity (``fidelity=True``), from a copy of each built cache taken before decoding (one build
+per method and sample): the rest of the prompt, the gold answer and a held-out continuation (more
+haystack) are teacher-forced in one pass; the mean next-token KL divergence KL(FullKV ‖ method)
+over the answer positions and the perplexity of the continuation are recorded.
 """
 
 from __future__ import annotations
