@@ -30,6 +30,8 @@ CONFIGS = [
     ("puzzle", {"page_size": 64, "budget": 0.6, "int4": True}),
     ("puzzle", {"budget": 0.4}),  # the faithful method at puzzle_plus's 0.4 (below)
     ("puzzle", {"page_size": 64, "budget": 0.4, "int4": True, "key_rope": "pre"}),  # one rank, same options
+    ("puzzle", {"page_size": 64, "budget": 0.3, "int4": True, "key_rope": "pre"}),
+    ("puzzle", {"page_size": 64, "budget": 0.2, "int4": True, "key_rope": "pre"}),
     # Beyond the paper: ranks water-filled per (layer, head, page, side) under one whole-cache budget.
     ("puzzle_plus", {"budget": 0.4}),  # defaults: P = 64, INT4, pre-RoPE keys, rank_step 4
     ("puzzle_plus", {"budget": 0.4, "page_size": 32}),
