@@ -27,9 +27,9 @@ class PuzzlePlusConfig(MethodConfig):
         key_rope: ``"pre"`` (factorize keys before RoPE, which is re-applied at attention time; a
             page's pre-RoPE keys need far fewer ranks), ``"post"`` (the cached keys) or ``"auto"``
             (default: ``pre`` where the layer has a rotary embedding, else ``post``).
-        int4: INT4 factors (default; Σ^½ absorbed into both factors, fp16 column scales): at the same
-            bytes about twice the ranks of bf16 factors. Both defaults were chosen by measurement
-            (docs/puzzlekv.md).
+        int4: INT4 factors (default; Σ^½ absorbed into both factors, fp16 column scales): a rank
+            costs ``(P + d) / 2 + 2`` bytes instead of ``2 (P + d)``. Both defaults were chosen by
+            measurement (docs/puzzlekv.md).
         attention_weight: ``a`` in [0, 1]: a prefill page's marginal gains are multiplied by
             ``(1 − a) + a · N · mass`` where ``mass`` is the share of the observation window's
             attention that falls on the page (``N`` pages; mean weight 1). 0 = energy only.
