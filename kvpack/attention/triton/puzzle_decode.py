@@ -54,6 +54,35 @@ def _load_dense(sink_ptr, tail_ptr, h, tt, tm, TS, T, D, offs_d):
 
 
 @triton.jit
+def _query_halves(q_ptr, h, M, D, offs_m, mask_m, offs_h):
+    """The two halves ``[BM, BDH]`` fp32 of a block of query rows (for keys rotated by RoPE)."""
+    HALF = D // 2
+    mask = mask_m[:, None] & (offs_h[None, :] < HALF)
+    q1 = tl.load(q_ptr + h * M * D + offs_m[:, None] * D + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
+    q2 = tl.load(q_ptr + h * M * D + offs_m[:, None] * D + HALF + offs_h[None, :], mask=mask, other=0.0)
+    return q1, q2.to(tl.float32)
+
+
+@triton.jit
+def _dense_tokens(q, m_i, l_i, acc, h, t_lo, t_hi, sk_ptr, sv_ptr, tk_ptr, tv_ptr, TS, T, D, scaling, mask_m, offs_d,
+                  BT: tl.constexpr):
+    """Fold the dense tokens ``[t_lo, t_hi)`` (sink, then tail, read in place) into the
+    online-softmax state, ``BT`` at a time."""
+    offs_t = tl.arange(0, BT)
+    for t0 in range(t_lo, t_hi, BT):
+        tt = t0 + offs_t
+        tm = tt < t_hi
+        k = _load_dense(sk_ptr, tk_ptr, h, tt, tm, TS, T, D, offs_d)
+        v = _load_dense(sv_ptr, tv_ptr, h, tt, tm, TS, T, D, offs_d)
+        scores = dot(q, tl.trans(k)) * scaling
+        scores = tl.where(mask_m[:, None] & tm[None, :], scores, float("-inf"))
+        m_new, l_i, alpha, p = online_softmax_step(m_i, l_i, scores)
+        acc = acc * alpha[:, None] + dot(p, v)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _factor_pages(q, q1, q2, m_i, l_i, acc, h, NS, n_lo, n_hi, pos_first,
                   lk_ptr, rk_ptr, lv_ptr, rv_ptr, lks_ptr, rks_ptr, lvs_ptr, rvs_ptr, cos_ptr, sin_ptr,
                   P, RK, RV, D, W, scaling, mask_m, offs_p, offs_rk, offs_rv, offs_d, offs_h,
@@ -137,12 +166,7 @@ def puzzle_split_kernel(
     offs_rk = tl.arange(0, BRK)
     offs_rv = tl.arange(0, BRV)
     offs_h = tl.arange(0, BDH)
-    HALF = D // 2
-    # Query halves for pre-RoPE keys (unused otherwise).
-    q1 = tl.load(q_ptr + h * M * D + offs_m[:, None] * D + offs_h[None, :],
-                 mask=mask_m[:, None] & (offs_h[None, :] < HALF), other=0.0).to(tl.float32)
-    q2 = tl.load(q_ptr + h * M * D + offs_m[:, None] * D + HALF + offs_h[None, :],
-                 mask=mask_m[:, None] & (offs_h[None, :] < HALF), other=0.0).to(tl.float32)
+    q1, q2 = _query_halves(q_ptr, h, M, D, offs_m, mask_m, offs_h)  # for pre-RoPE keys (unused otherwise)
     # A split reads one page set; choose its pointers once (one page loop for both sets, so the
     # software pipeline's shared-memory buffers exist once).
     if s < n_main_splits:
@@ -160,17 +184,7 @@ def puzzle_split_kernel(
                                       P, RK, RV, D, W, scaling, mask_m, offs_p, offs_rk, offs_rv, offs_d, offs_h,
                                       INT4, PRE_ROPE, SAME_HALVES)
     else:
-        offs_t = tl.arange(0, BT)
         t_lo = (s - n_page_splits) * tokens_per_split
-        t_hi = tl.minimum(t_lo + tokens_per_split, T)
-        for t0 in range(t_lo, t_hi, BT):
-            tt = t0 + offs_t
-            tm = tt < t_hi
-            k = _load_dense(sk_ptr, tk_ptr, h, tt, tm, TS, T, D, offs_d)
-            v = _load_dense(sv_ptr, tv_ptr, h, tt, tm, TS, T, D, offs_d)
-            scores = dot(q, tl.trans(k)) * scaling
-            scores = tl.where(mask_m[:, None] & tm[None, :], scores, float("-inf"))
-            m_new, l_i, alpha, p = online_softmax_step(m_i, l_i, scores)
-            acc = acc * alpha[:, None] + dot(p, v)
-            m_i = m_new
+        m_i, l_i, acc = _dense_tokens(q, m_i, l_i, acc, h, t_lo, tl.minimum(t_lo + tokens_per_split, T),
+                                      sk_ptr, sv_ptr, tk_ptr, tv_ptr, TS, T, D, scaling, mask_m, offs_d, BT)
     store_split_state(m_ptr, l_ptr, o_ptr, h, s, n_splits, M, D, m_i, l_i, acc, offs_m, offs_d, 0, D)

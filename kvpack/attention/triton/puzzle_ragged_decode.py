@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ._common import dot, online_softmax_step, rotated_scores, store_split_state
-from .puzzle_decode import _load_dense, _load_factor
+from .puzzle_decode import _dense_tokens, _load_factor, _query_halves
 
 
 @triton.jit
@@ -112,11 +112,7 @@ def puzzle_ragged_split_kernel(
     offs_p = tl.arange(0, BP)
     offs_r = tl.arange(0, BR)
     offs_h = tl.arange(0, BDH)
-    HALF = D // 2
-    q1 = tl.load(q_ptr + h * M * D + offs_m[:, None] * D + offs_h[None, :],
-                 mask=mask_m[:, None] & (offs_h[None, :] < HALF), other=0.0).to(tl.float32)
-    q2 = tl.load(q_ptr + h * M * D + offs_m[:, None] * D + HALF + offs_h[None, :],
-                 mask=mask_m[:, None] & (offs_h[None, :] < HALF), other=0.0).to(tl.float32)
+    q1, q2 = _query_halves(q_ptr, h, M, D, offs_m, mask_m, offs_h)  # for pre-RoPE keys (unused otherwise)
     if s < n_page_splits:
         n_lo = s * pages_per_split
         m_i, l_i, acc = _ragged_pages(q, q1, q2, m_i, l_i, acc, h, H, n_lo, tl.minimum(n_lo + pages_per_split, N),
@@ -125,17 +121,7 @@ def puzzle_ragged_split_kernel(
                                       P, D, W, scaling, mask_m, offs_p, offs_r, offs_d, offs_h,
                                       INT4, PRE_ROPE, SAME_HALVES, BM, BP, BR, BD, BDH)
     else:
-        offs_t = tl.arange(0, BT)
         t_lo = (s - n_page_splits) * tokens_per_split
-        t_hi = tl.minimum(t_lo + tokens_per_split, T)
-        for t0 in range(t_lo, t_hi, BT):
-            tt = t0 + offs_t
-            tm = tt < t_hi
-            k = _load_dense(sk_ptr, tk_ptr, h, tt, tm, TS, T, D, offs_d)
-            v = _load_dense(sv_ptr, tv_ptr, h, tt, tm, TS, T, D, offs_d)
-            scores = dot(q, tl.trans(k)) * scaling
-            scores = tl.where(mask_m[:, None] & tm[None, :], scores, float("-inf"))
-            m_new, l_i, alpha, p = online_softmax_step(m_i, l_i, scores)
-            acc = acc * alpha[:, None] + dot(p, v)
-            m_i = m_new
+        m_i, l_i, acc = _dense_tokens(q, m_i, l_i, acc, h, t_lo, tl.minimum(t_lo + tokens_per_split, T),
+                                      sk_ptr, sv_ptr, tk_ptr, tv_ptr, TS, T, D, scaling, mask_m, offs_d, BT)
     store_split_state(m_ptr, l_ptr, o_ptr, h, s, n_splits, M, D, m_i, l_i, acc, offs_m, offs_d, 0, D)
