@@ -164,15 +164,17 @@ class PuzzlePlusStore(SegmentedStore):
                             right.permute(0, 2, 1, 3, 4).reshape(2, n * H, C, d),
                             evals[..., :C].sqrt().permute(0, 2, 1, 3).reshape(2, n * H, C))
         growth = self._cycle_growth()
+        fixed = self._fixed_bytes(growth)  # the same for every water level the group tries
         return RankRequest(gains_per_byte.float(), self.floor_steps, self.cap_steps,
-                           lambda s: self._projected_bytes(s, growth),
+                           lambda s: self._projected_bytes(s, fixed),
                            dense_bf16_bytes(self.seq_len + growth, H, d))
 
-    def _step_bytes(self) -> float:
-        P, d = self.config.page_size, self.layout.head_dim
-        if self.config.int4:  # packed codes (two per byte) plus one fp16 L column scale per rank
-            return self.step * ((P + d) / 2 + 2)
-        return self.step * (P + d) * self.storage_dtype.itemsize
+    def _step_bytes(self) -> int:
+        """Bytes one rank step adds to an entry (``ragged.factor_bytes`` of a step, less its
+        per-entry part)."""
+        P, d, eb, int4 = self.config.page_size, self.layout.head_dim, self.storage_dtype.itemsize, self.config.int4
+        return ragged.factor_bytes(torch.tensor([self.step]), P, d, eb, int4) - ragged.factor_bytes(
+            torch.tensor([0]), P, d, eb, int4)
 
     def _page_weights(self) -> torch.Tensor | None:
         """``[H, n]`` ``(1 − a) + a · n · mass`` from the observation window's attention (first round
@@ -201,18 +203,30 @@ class PuzzlePlusStore(SegmentedStore):
         tail_after = self.tail_k.shape[1] - self.pending * P
         return max(0, (w + 1) * P - 1 - tail_after)
 
-    def _projected_bytes(self, steps: torch.Tensor, growth: int) -> int:
+    def _fixed_bytes(self, growth: int) -> tuple[int, tuple[set[int], set[int]]]:
+        """What the store holds at the end of the coming cycle besides the pending pages' entries
+        (its bytes now, less the pending pages' dense tokens, plus ``growth`` dense tokens and less
+        the bucket tables the round replaces), and each side's ranks already stored."""
         P, d, H = self.config.page_size, self.layout.head_dim, self.layout.kv_heads
-        eb = self.storage_dtype.itemsize
+        token_bytes = H * 2 * d * self.storage_dtype.itemsize
+        held = self.nbytes() + (growth - self.pending * P) * token_bytes
+        stored = []
+        for old in (self.keys, self.values):
+            held -= 0 if old is None else old.bucket_table.nbytes
+            stored.append(set() if old is None else {b.rank for b in old.buckets})
+        return held, tuple(stored)
+
+    def _projected_bytes(self, steps: torch.Tensor, fixed: tuple[int, tuple[set[int], set[int]]]) -> int:
+        """The store's bytes at the end of the coming cycle if its pending entries keep ``steps``."""
+        P, d = self.config.page_size, self.layout.head_dim
+        held, stored = fixed
         ranks = steps * self.step  # [2·n·H]
         n_entries = ranks.numel() // 2
-        held = self.nbytes() - self.pending * P * H * 2 * d * eb + growth * H * 2 * d * eb
-        for side, old in enumerate((self.keys, self.values)):
+        for side in range(2):
             r = ranks[side * n_entries:(side + 1) * n_entries]
-            held += ragged.factor_bytes(r, P, d, eb, self.config.int4) + n_entries * ragged.table_bytes_per_entry()
-            existing = set() if old is None else {b.rank for b in old.buckets}
-            n_buckets = len(existing | set(torch.unique(r).tolist()))
-            held += ragged.bucket_table_bytes(n_buckets) - (0 if old is None else old.bucket_table.nbytes)
+            held += ragged.factor_bytes(r, P, d, self.storage_dtype.itemsize, self.config.int4)
+            held += n_entries * ragged.table_bytes_per_entry()
+            held += ragged.bucket_table_bytes(len(stored[side] | set(torch.unique(r).tolist())))
         return held
 
     def commit(self, steps: torch.Tensor) -> None:
