@@ -25,6 +25,18 @@ def pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << max(0, math.ceil(math.log2(max(1, n)))))
 
 
+def split_state_buffers(H: int, M: int, D: int, n_splits: int, device) -> tuple[torch.Tensor, ...]:
+    """The split kernels' outputs, uninitialised fp32: ``m, l [H, n_splits, M]``, ``o [H, n_splits, M, D]``."""
+    return (torch.empty(H, n_splits, M, device=device), torch.empty(H, n_splits, M, device=device),
+            torch.empty(H, n_splits, M, D, device=device))
+
+
+def empty_state(H: int, M: int, D: int, device) -> tuple[torch.Tensor, ...]:
+    """The merged state of rows that saw no key: ``m = -inf``, ``l = 0``, ``o = 0`` (fp32)."""
+    return (torch.full((H, M), float("-inf"), device=device), torch.zeros(H, M, device=device),
+            torch.zeros(H, M, D, device=device))
+
+
 @functools.cache
 def _placeholder(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, device=device)

@@ -13,7 +13,7 @@ import torch
 
 from ..anchor import PREFIX_BLOCK, AnchorSegment
 from ..softmax_merge import PartialAttention
-from ._launch import ROW_BLOCK, kernel_arg, launch, pow2, row_blocks
+from ._launch import ROW_BLOCK, kernel_arg, launch, pow2, row_blocks, split_state_buffers
 
 _BLOCK = PREFIX_BLOCK  # prefix-count block of the residual slots
 
@@ -44,9 +44,7 @@ def anchor_segment_attention(
     n = index_k.shape[1]
     n_splits = math.ceil(math.ceil(n / _BLOCK) / blocks_per_split)
     dev = q.device
-    m = torch.empty(H, n_splits, M, device=dev)
-    l = torch.empty(H, n_splits, M, device=dev)
-    o = torch.empty(H, n_splits, M, D, device=dev)
+    m, l, o = split_state_buffers(H, M, D, n_splits, dev)
     W = cos.shape[1]
     launch(anchor_split_kernel, (H, n_splits, row_blocks(M)),
         q.float().contiguous(), kernel_arg(anchor_k), kernel_arg(anchor_v), hmat, signs.float().contiguous(), cos, sin,

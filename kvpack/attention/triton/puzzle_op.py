@@ -14,7 +14,7 @@ import torch
 
 from ..pages import PageSet, PuzzlePages
 from ..softmax_merge import PartialAttention
-from ._launch import ROW_BLOCK, kernel_arg, launch, pow2, row_blocks
+from ._launch import ROW_BLOCK, empty_state, kernel_arg, launch, pow2, row_blocks, split_state_buffers
 
 
 @torch.library.custom_op("kvpack::puzzle_attention", mutates_args=())
@@ -53,11 +53,8 @@ def puzzle_attention(
     elif not N2:
         second = first
     if n_splits == 0:
-        return (torch.full((H, M), float("-inf"), device=dev), torch.zeros(H, M, device=dev),
-                torch.zeros(H, M, D, device=dev))
-    m = torch.empty(H, n_splits, M, device=dev)
-    l = torch.empty(H, n_splits, M, device=dev)
-    o = torch.empty(H, n_splits, M, D, device=dev)
+        return empty_state(H, M, D, dev)
+    m, l, o = split_state_buffers(H, M, D, n_splits, dev)
     W = cos.shape[1] if cos.numel() else D
     launch(puzzle_split_kernel, (H, n_splits, row_blocks(M)),
         q.float().contiguous(), *(kernel_arg(t) for t in first), *(kernel_arg(t) for t in second),

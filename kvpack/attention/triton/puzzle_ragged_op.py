@@ -10,7 +10,7 @@ import torch
 
 from ..ragged_pages import RaggedPuzzlePages
 from ..softmax_merge import PartialAttention
-from ._launch import ROW_BLOCK, kernel_arg, launch, pow2, row_blocks
+from ._launch import ROW_BLOCK, empty_state, kernel_arg, launch, pow2, row_blocks, split_state_buffers
 
 # Ranks per step of a page's rank loop. 64-rank tiles with pre-RoPE INT4 keys took 255 registers
 # and spilled 96 bytes per thread on sm_80 (d = 128, P = 64; benchmarks/kernel_resources.py).
@@ -39,11 +39,8 @@ def puzzle_ragged_attention(
     n_splits = n_page_splits + (math.ceil(T / tokens_per_split) if T else 0)
     dev = q.device
     if n_splits == 0:
-        return (torch.full((H, M), float("-inf"), device=dev), torch.zeros(H, M, device=dev),
-                torch.zeros(H, M, D, device=dev))
-    m = torch.empty(H, n_splits, M, device=dev)
-    l = torch.empty(H, n_splits, M, device=dev)
-    o = torch.empty(H, n_splits, M, D, device=dev)
+        return empty_state(H, M, D, dev)
+    m, l, o = split_state_buffers(H, M, D, n_splits, dev)
     W = cos.shape[1] if cos.numel() else D
     launch(puzzle_ragged_split_kernel, (H, n_splits, row_blocks(M)),
         q.float().contiguous(), *(kernel_arg(t) for t in (lk, rk, lv, rv, lks, rks, lvs, rvs)),
