@@ -15,7 +15,6 @@ exceeded at the end of the coming page cycle. So the bytes stay ≤ budget × de
 
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
 from .allocation import Fit, RankRequest, fit_threshold
@@ -77,8 +76,3 @@ class WholeCacheBudget:
         self.rounds.append(fit)
         for store, request in zip(stores, requests, strict=True):
             store.commit(request.steps_at(fit.threshold))
-
-    @property
-    def lambda_(self) -> float:
-        """λ (∞ before the first round, or when the first round kept floor ranks only)."""
-        return math.inf if self.threshold is None else self.threshold
