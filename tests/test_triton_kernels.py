@@ -262,15 +262,27 @@ def test_anchor_kernel_no_residuals():
     _check_anchor(store, blocks_per_split=2)
 
 
-def test_anchor_store_dispatch_and_recompressed_segments_agree_with_torch():
+@pytest.mark.parametrize("codec,storage,budget", [("hadamard_lloyd_max", "float32", 0.45), ("naive", "bfloat16", 0.38)])
+def test_anchor_kernel_fine_tier(codec, storage, budget):
+    """anchor_plus's 4-bit tier: token-sides with 2-bit, 4-bit and no residual in the same blocks
+    (the budgets are between the 2-bit and the 4-bit saturation points of each storage dtype)."""
+    store = _anchor_store(2, 3, 32, 140, budget=budget, storage_dtype=storage, residual_codec=codec,
+                          above_saturation="residual4")
+    assert min(store.n_residuals) > 0 and min(store.n_fine) > 0  # both tiers are exercised
+    _check_anchor(store, n_q=2, atol=2e-4 if storage == "float32" else 2e-2, blocks_per_split=2)
+
+
+@pytest.mark.parametrize("above_saturation", ["idle", "residual4"])
+def test_anchor_store_dispatch_and_recompressed_segments_agree_with_torch(above_saturation):
     from kvpack.resident import get_codec
 
     outs = []
     for backend in ("torch", "triton"):
         torch.manual_seed(5)
         layout = LayerLayout(layer_idx=0, kv_heads=2, q_heads=6, head_dim=32, rope=RotaryTable(LlamaRotary(32), 32))
-        store = get_codec("anchor", budget=0.4, storage_dtype="float32", recompress_every=40, window=8,
-                          anchors=12, attention_backend=backend).new_store(layout)
+        store = get_codec("anchor", budget=0.5, storage_dtype="float32", recompress_every=40, window=8,
+                          anchors=12, attention_backend=backend,
+                          above_saturation=above_saturation).new_store(layout)
         k, v, q = torch.randn(2, 120, 32), torch.randn(2, 120, 32), torch.randn(6, 120, 32)
         store.append(k, v, q, store.attend(q, k, v, 32 ** -0.5))
         for _ in range(45):  # decode past one re-compression: two segments
@@ -279,6 +291,8 @@ def test_anchor_store_dispatch_and_recompressed_segments_agree_with_torch():
             store.append(kn, vn, qn, out)
         outs.append(out)
         assert len(store.segments) == 2
+        # residual4: both segments (the prompt, and the re-compressed one) hold a fine tier
+        assert all(("fine_mask_k" in seg) == (above_saturation == "residual4") for seg in store.segments)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
 
 

@@ -13,6 +13,11 @@ Layout of one side (keys or values) of a segment of ``n`` tokens, ``H`` KV heads
 bits ``[H, ⌈n/8⌉]`` (which tokens have a residual), ``prefix [H, ⌈n/32⌉]`` int32 (slot of the
 first residual of each 32-token block, counted over all heads before it), ``res [slots, D/4]``
 uint8 (2-bit codes, head-major slots) and ``scale [slots]`` fp32.
+
+Beyond the paper (``anchor_plus``), a side may also hold a **fine tier**: the same four tensors for
+the token-sides whose residual is coded in 4 bits (``res [slots, D/2]``) instead of 2. A token-side
+has at most one residual (its bit is set in at most one of the two masks); both tiers are coded with
+the same rotation, so their residuals share one rotated domain (summed there, unrotated once).
 """
 
 from __future__ import annotations
@@ -32,8 +37,24 @@ PREFIX_BLOCK = 32  # tokens per prefix count (a tile must start on a multiple of
 
 
 @dataclass(frozen=True)
+class FineResiduals:
+    """The fine (4-bit) tier of one side: ``mask [H, ⌈n/8⌉]`` packed bits, ``prefix [H, ⌈n/32⌉]``
+    int32, ``res [slots, D/2]`` uint8 (packed 4-bit codes, head-major slots), ``scale [slots]`` fp32."""
+
+    mask: torch.Tensor
+    prefix: torch.Tensor
+    res: torch.Tensor
+    scale: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """``(mask, prefix, res, scale)``, the order the kernel takes them in."""
+        return self.mask, self.prefix, self.res, self.scale
+
+
+@dataclass(frozen=True)
 class AnchorSide:
-    """One side (keys pre-RoPE, or values) of a segment; layouts in the module doc."""
+    """One side (keys pre-RoPE, or values) of a segment; layouts in the module doc. ``fine``: the
+    4-bit tier (``anchor_plus`` above the 2-bit saturation point), or None (the paper's layout)."""
 
     index: torch.Tensor
     coef: torch.Tensor
@@ -41,10 +62,18 @@ class AnchorSide:
     prefix: torch.Tensor
     res: torch.Tensor
     scale: torch.Tensor
+    fine: FineResiduals | None = None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """``(index, coef, mask, prefix, res, scale)``, the order the kernel takes them in."""
         return self.index, self.coef, self.mask, self.prefix, self.res, self.scale
+
+    def tiers(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(mask, prefix, res, scale)`` of each residual tier held: the 2-bit one, then the fine one."""
+        tiers = [(self.mask, self.prefix, self.res, self.scale)]
+        if self.fine is not None:
+            tiers.append(self.fine.tensors())
+        return tiers
 
 
 @dataclass(frozen=True)
@@ -56,9 +85,11 @@ class AnchorSegment:
             its segments).
         keys, values: the two sides.
         start: position of the segment's first token; ``length``: its tokens ``n``.
-        codec: the residual codec (rotation, levels) the residuals were coded with.
+        codec: the residual codec (rotation, levels) the 2-bit residuals were coded with.
         rope: the layer's RoPE table (keys are rotated to ``start + t``).
         tile: tokens per PyTorch attention tile (a multiple of 32).
+        fine_codec: the 4-bit codec of the fine tier (same rotation as ``codec``), or None when no
+            side has a fine tier.
     """
 
     anchor_k: torch.Tensor
@@ -70,9 +101,14 @@ class AnchorSegment:
     codec: ResidualCodec
     rope: RotaryTable
     tile: int
+    fine_codec: ResidualCodec | None = None
 
     def side(self, name: str) -> AnchorSide:
         return self.keys if name == "k" else self.values
+
+    def tier_codecs(self) -> list[ResidualCodec]:
+        """The codec of each tier :meth:`AnchorSide.tiers` lists (2-bit, then the fine one)."""
+        return [self.codec] if self.fine_codec is None else [self.codec, self.fine_codec]
 
     def tiles(self) -> Iterator[tuple[int, int]]:
         """``(lo, hi)`` of every attention tile, in position order."""
@@ -80,24 +116,27 @@ class AnchorSegment:
             yield lo, min(lo + self.tile, self.length)
 
 
-def tile_residuals(seg: AnchorSegment, side: str, lo: int, hi: int):
-    """The tile's stored residuals of one side: ``(where, rotated)`` — flat ``head * n + token``
-    positions ``[N]`` (head-major, ascending) and the residuals in the codec's rotated domain
-    ``[N, D]`` — or None when the tile has none. ``lo`` must be a multiple of 32."""
+def tile_residuals(seg: AnchorSegment, side: str, lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The tile's stored residuals of one side, one ``(where, rotated)`` per tier that has any in the
+    tile: flat ``head * n + token`` positions ``[N]`` (head-major, ascending) and the residuals in the
+    codecs' shared rotated domain ``[N, D]``. ``lo`` must be a multiple of 32."""
     s = seg.side(side)
     H = s.index.shape[0]
     n = hi - lo
-    # lo is a multiple of 32: the tile's bits start on a byte boundary.
-    mask = unpack_bits(s.mask[:, lo // 8: (hi + 7) // 8], 1, n).bool()
-    where = mask.flatten().nonzero().squeeze(-1)
-    if not where.numel():
-        return None
-    # Slot = prefix count of the token's 32-token block + residuals before it in the block.
-    padded = F.pad(mask, (0, (-n) % PREFIX_BLOCK)).reshape(H, -1, PREFIX_BLOCK).int()
-    before = (padded.cumsum(-1) - padded).reshape(H, -1)[:, :n]
-    blocks = s.prefix[:, lo // PREFIX_BLOCK: lo // PREFIX_BLOCK + padded.shape[1]]
-    slots = (blocks.repeat_interleave(PREFIX_BLOCK, dim=1)[:, :n] + before).flatten().index_select(0, where).long()
-    return where, seg.codec.rotated(s.res.index_select(0, slots), s.scale.index_select(0, slots))
+    found = []
+    for (mask_bits, prefix, res, scale), codec in zip(s.tiers(), seg.tier_codecs()):
+        # lo is a multiple of 32: the tile's bits start on a byte boundary.
+        mask = unpack_bits(mask_bits[:, lo // 8: (hi + 7) // 8], 1, n).bool()
+        where = mask.flatten().nonzero().squeeze(-1)
+        if not where.numel():
+            continue
+        # Slot = prefix count of the token's 32-token block + residuals before it in the block.
+        padded = F.pad(mask, (0, (-n) % PREFIX_BLOCK)).reshape(H, -1, PREFIX_BLOCK).int()
+        before = (padded.cumsum(-1) - padded).reshape(H, -1)[:, :n]
+        blocks = prefix[:, lo // PREFIX_BLOCK: lo // PREFIX_BLOCK + padded.shape[1]]
+        slots = (blocks.repeat_interleave(PREFIX_BLOCK, dim=1)[:, :n] + before).flatten().index_select(0, where).long()
+        found.append((where, codec.rotated(res.index_select(0, slots), scale.index_select(0, slots))))
+    return found
 
 
 def scaled_anchors(seg: AnchorSegment, side: str, lo: int, hi: int, anchors: torch.Tensor) -> torch.Tensor:
@@ -117,10 +156,11 @@ def tile_side(seg: AnchorSegment, side: str, lo: int, hi: int, anchors: torch.Te
     H, _, D = anchors.shape
     n = hi - lo
     x = scaled_anchors(seg, side, lo, hi, anchors)
-    res = tile_residuals(seg, side, lo, hi)
-    if res is not None:
-        where, rotated = res
-        x = x.reshape(H * n, D).index_add_(0, where, seg.codec.unrotate(rotated)).reshape(H, n, D)
+    tiers = tile_residuals(seg, side, lo, hi)
+    if tiers:  # the tiers share the rotation: unrotate all their residuals at once
+        where = torch.cat([w for w, _ in tiers])
+        residuals = seg.codec.unrotate(torch.cat([r for _, r in tiers]))
+        x = x.reshape(H * n, D).index_add_(0, where, residuals).reshape(H, n, D)
     return x
 
 
@@ -146,18 +186,18 @@ def tile_value_sum(seg: AnchorSegment, lo: int, hi: int, p: torch.Tensor,
     index = s.index[:, lo:hi].long()[:, None, :].expand(-1, rows, -1)
     bins = torch.zeros(H, rows, anchors.shape[1], dtype=p.dtype, device=p.device).scatter_add_(2, index, weights)
     out = torch.bmm(bins, anchors)
-    res = tile_residuals(seg, "v", lo, hi)
-    if res is not None:
-        where, rotated = res
-        heads = where // n
-        p_res = p.permute(0, 2, 1).reshape(H * n, rows).index_select(0, where)  # [N, rows]
-        counts = torch.bincount(heads, minlength=H).tolist()
+    tiers = tile_residuals(seg, "v", lo, hi)
+    if tiers:
         summed = torch.zeros(H, rows, anchors.shape[2], dtype=p.dtype, device=p.device)
-        offset = 0
-        for h, c in enumerate(counts):  # where is head-major: each head's residuals are contiguous
-            if c:
-                summed[h] = p_res[offset: offset + c].T @ rotated[offset: offset + c]
-                offset += c
+        p_flat = p.permute(0, 2, 1).reshape(H * n, rows)
+        for where, rotated in tiers:  # summed in the shared rotated domain, unrotated once
+            p_res = p_flat.index_select(0, where)  # [N, rows]
+            counts = torch.bincount(where // n, minlength=H).tolist()
+            offset = 0
+            for h, c in enumerate(counts):  # where is head-major: each head's residuals are contiguous
+                if c:
+                    summed[h] += p_res[offset: offset + c].T @ rotated[offset: offset + c]
+                    offset += c
         out += seg.codec.unrotate(summed)
     return out
 

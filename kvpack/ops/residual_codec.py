@@ -1,19 +1,23 @@
-"""AnchorKV's 2-bit residual codecs: the paper's (randomized Hadamard + Lloyd–Max) and the naive ablation.
+"""AnchorKV's residual codecs: the paper's (randomized Hadamard + Lloyd–Max) and the naive ablation.
 
-Both store, per residual ``r [D]``, ``D/4`` bytes of packed 2-bit codes and one fp32 scale, and
+Both store, per residual ``r [D]``, ``D · bits / 8`` bytes of packed codes and one fp32 scale, and
 decode as ``x̂ = (scale · levels[codes]) Hᵀ ⊙ signs`` — the Triton kernel reads ``levels``,
-``matrix`` and ``signs`` and does the same for either codec.
+``matrix`` and ``signs`` and does the same for either codec. The paper's residuals are 2-bit
+(``bits = 2``, the default); ``anchor_plus``'s fine tier (beyond the paper) codes its residuals in 4
+bits with the same rotation, so residuals of both tiers share one rotated domain.
 
 - :class:`HadamardLloydMax` (the paper, §3.4): rotate with a seeded randomized Hadamard transform,
   scale by the RMS ``‖r‖ / √D`` (the rotated coordinates are then near N(0, 1)), code with the 4-level
   Lloyd–Max quantizer of N(0, 1).
 - :class:`NaiveTwoBit` (the "naive 2-bit" ablation of Fig. 5): no rotation, per-residual absmax
-  scale, 4 evenly spaced levels ``absmax · {−1, −⅓, ⅓, 1}`` (round to nearest).
+  scale, ``2^bits`` evenly spaced levels over ``[−absmax, absmax]`` (2 bits: ``absmax · {−1, −⅓, ⅓,
+  1}``), round to nearest.
 
 Levels are rounded once to fp16-representable values (11 significant bits: ±0.452881, ±1.510742 for
-Lloyd–Max instead of ±0.452780, ±1.510418; the Gaussian MSE 0.1174818 changes by 2e-8, the optimum
-being flat), and thresholds sit at their midpoints. Decoding is then exact in a GPU kernel's fp16 tensor-core
-products: levels × the ±1 Hadamard matrix (:attr:`ResidualCodec.kernel_matrix`) in fp32 accumulation.
+2-bit Lloyd–Max instead of ±0.452780, ±1.510418; the Gaussian MSE 0.1174818 changes by 2e-8, the
+optimum being flat; at 4 bits it is 0.0095010 and changes by 3e-8), and thresholds sit at their
+midpoints. Decoding is then exact in a GPU kernel's fp16 tensor-core products: levels × the ±1
+Hadamard matrix (:attr:`ResidualCodec.kernel_matrix`) in fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from . import lloyd_max
 from .bitpack import pack_bits
 from .hadamard import RandomizedHadamard
 
-BITS = 2
+BITS = 2  # the paper's residuals
+FINE_BITS = 4  # anchor_plus's fine tier (beyond the paper)
 SCALE_BYTES = 4  # fp32 per-residual scale
 
 
@@ -42,10 +47,10 @@ def midpoints(levels) -> tuple[float, ...]:
 
 
 @functools.lru_cache(maxsize=8)
-def _packed_table(levels: tuple[float, ...], device_type: str) -> torch.Tensor:
-    """``[256, 4]`` levels of every byte of packed 2-bit codes (first code in the lowest bits)."""
+def _packed_table(levels: tuple[float, ...], bits: int, device_type: str) -> torch.Tensor:
+    """``[256, 8 / bits]`` levels of every byte of packed ``bits``-bit codes (first code in the lowest bits)."""
     byte = torch.arange(256)[:, None]
-    codes = (byte >> (torch.arange(8 // BITS)[None, :] * BITS)) & (2 ** BITS - 1)
+    codes = (byte >> (torch.arange(8 // bits)[None, :] * bits)) & (2 ** bits - 1)
     return torch.tensor(levels)[codes].to(device_type)
 
 
@@ -56,14 +61,18 @@ class ResidualCodec:
     levels: tuple[float, ...] = ()
     thresholds: tuple[float, ...] = ()
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, bits: int = BITS):
+        if bits not in (BITS, FINE_BITS):
+            raise ValueError(f"residual codes must have {BITS} or {FINE_BITS} bits, got {bits}")
         self.dim = dim
+        self.bits = bits
         self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._levels_on_device: dict[torch.device, torch.Tensor] = {}
 
     @staticmethod
-    def bytes_per_residual(dim: int) -> int:
+    def bytes_per_residual(dim: int, bits: int = BITS) -> int:
         """``b_res``: packed codes plus the scale."""
-        return dim * BITS // 8 + SCALE_BYTES
+        return dim * bits // 8 + SCALE_BYTES
 
     # Subclasses: rotation (matrix [D, D], signs [D]) and the scale of a rotated residual.
     matrix: torch.Tensor
@@ -83,16 +92,16 @@ class ResidualCodec:
         return (r.float() * signs) @ matrix
 
     def encode(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``r [n, D]`` -> packed codes ``[n, D/4]`` uint8 and fp32 scales ``[n]``."""
+        """``r [n, D]`` -> packed codes ``[n, D · bits / 8]`` uint8 and fp32 scales ``[n]``."""
         y = self.rotate(r)
         scale = self._scale(y)
         unit = y / scale.clamp_min(1e-30)[:, None]
         codes = torch.bucketize(unit.contiguous(), torch.tensor(self.thresholds, device=r.device)).to(torch.uint8)
-        return pack_bits(codes, BITS), scale
+        return pack_bits(codes, self.bits), scale
 
     def rotated(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """Packed codes ``[n, D/4]`` and scales ``[n]`` -> the residuals in the rotated domain ``[n, D]``."""
-        table = _packed_table(self.levels, codes.device.type)
+        """Packed codes ``[n, D · bits / 8]`` and scales ``[n]`` -> the residuals in the rotated domain ``[n, D]``."""
+        table = _packed_table(self.levels, self.bits, codes.device.type)
         # index_select, not table[codes]: advanced indexing is several times slower on CPU.
         levels = table.index_select(0, codes.reshape(-1).long()).reshape(codes.shape[0], -1)
         return levels[:, : self.dim] * scale.float()[:, None]
@@ -107,7 +116,7 @@ class ResidualCodec:
         return (y @ matrix) * signs
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """Packed codes ``[n, D/4]`` and scales ``[n]`` -> residuals ``[n, D]`` fp32."""
+        """Packed codes ``[n, D · bits / 8]`` and scales ``[n]`` -> residuals ``[n, D]`` fp32."""
         return self.unrotate(self.rotated(codes, scale))
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,6 +128,14 @@ class ResidualCodec:
             self._on_device[device] = (self.matrix.to(device), self.signs.to(device),
                                        self.kernel_matrix[0].to(device))
         return self._on_device[device]
+
+    def levels_on(self, device: torch.device) -> torch.Tensor:
+        """The levels ``[2^bits]`` fp32 (fp16 values) on ``device``, copied there once (the kernel's
+        table of the fine tier's 16 levels)."""
+        device = torch.device(device)
+        if device not in self._levels_on_device:
+            self._levels_on_device[device] = torch.tensor(self.levels, dtype=torch.float32, device=device)
+        return self._levels_on_device[device]
 
     @functools.cached_property
     def kernel_matrix(self) -> tuple[torch.Tensor, float]:
@@ -133,15 +150,16 @@ class ResidualCodec:
 
 
 class HadamardLloydMax(ResidualCodec):
-    """The paper's codec: randomized Hadamard rotation (seeded signs), RMS scale, Gaussian Lloyd–Max levels."""
+    """The paper's codec: randomized Hadamard rotation (seeded signs), RMS scale, Gaussian Lloyd–Max
+    levels (``2^bits`` of them; the rotation depends on ``seed`` only, not on ``bits``)."""
 
     name = "hadamard_lloyd_max"
 
-    def __init__(self, dim: int, seed: int):
-        super().__init__(dim)
+    def __init__(self, dim: int, seed: int, bits: int = BITS):
+        super().__init__(dim, bits)
         rot = RandomizedHadamard(dim, seed=seed)
         self.matrix, self.signs = rot.matrix, rot.signs
-        self.levels = fp16_exact(lloyd_max.lloyd_max_gaussian(2 ** BITS)[0])
+        self.levels = fp16_exact(lloyd_max.lloyd_max_gaussian(2 ** bits)[0])
         self.thresholds = midpoints(self.levels)
 
     def _scale(self, y):
@@ -150,15 +168,17 @@ class HadamardLloydMax(ResidualCodec):
 
 
 class NaiveTwoBit(ResidualCodec):
-    """The naive ablation: no rotation, absmax scale, 4 evenly spaced levels over ``[−absmax, absmax]``."""
+    """The naive ablation: no rotation, absmax scale, ``2^bits`` evenly spaced levels over
+    ``[−absmax, absmax]`` (the name is the paper's ablation; ``bits = 4`` is the fine tier's form)."""
 
     name = "naive"
-    levels = fp16_exact((-1.0, -1 / 3, 1 / 3, 1.0))
-    thresholds = midpoints(levels)
     rotates = False
 
-    def __init__(self, dim: int):
-        super().__init__(dim)
+    def __init__(self, dim: int, bits: int = BITS):
+        super().__init__(dim, bits)
+        n = 2 ** bits
+        self.levels = fp16_exact(tuple(-1.0 + 2.0 * i / (n - 1) for i in range(n)))
+        self.thresholds = midpoints(self.levels)
         self.matrix = torch.eye(dim)
         self.signs = torch.ones(dim)
 
@@ -169,9 +189,10 @@ class NaiveTwoBit(ResidualCodec):
 RESIDUAL_CODECS = ("hadamard_lloyd_max", "naive")
 
 
-def make_residual_codec(name: str, dim: int, seed: int) -> ResidualCodec:
+def make_residual_codec(name: str, dim: int, seed: int, bits: int = BITS) -> ResidualCodec:
+    """The named codec with ``bits``-bit codes; codecs of one ``(name, dim, seed)`` share their rotation."""
     if name == "hadamard_lloyd_max":
-        return HadamardLloydMax(dim, seed)
+        return HadamardLloydMax(dim, seed, bits)
     if name == "naive":
-        return NaiveTwoBit(dim)
+        return NaiveTwoBit(dim, bits)
     raise ValueError(f"residual codec must be one of {RESIDUAL_CODECS}, got {name!r}")

@@ -26,6 +26,9 @@ def anchor_segment_attention(
     res_k: torch.Tensor, scale_k: torch.Tensor,
     index_v: torch.Tensor, coef_v: torch.Tensor, mask_v: torch.Tensor, prefix_v: torch.Tensor,
     res_v: torch.Tensor, scale_v: torch.Tensor,
+    fine_mask_k: torch.Tensor, fine_prefix_k: torch.Tensor, fine_res_k: torch.Tensor, fine_scale_k: torch.Tensor,
+    fine_mask_v: torch.Tensor, fine_prefix_v: torch.Tensor, fine_res_v: torch.Tensor, fine_scale_v: torch.Tensor,
+    fine_levels: torch.Tensor,
     levels: list[float], hfactor: float, scaling: float, first_position: int, blocks_per_split: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax state ``(m [H, M], l [H, M], o [H, M, D])`` fp32 of grouped queries ``q [H, M, D]``
@@ -33,7 +36,8 @@ def anchor_segment_attention(
     (layouts in ``anchor_decode.anchor_split_kernel``; ``cos``/``sin`` are the shared RoPE tables of
     ``RotaryTable.table``, half-width rows when both halves are equal). The residual codec enters as
     its fp16 ``levels``, its rotation ``hfactor · hmat`` with ``hmat`` fp16 and exactly 0/±1
-    (``ResidualCodec.kernel_matrix``), and its ``signs``."""
+    (``ResidualCodec.kernel_matrix``), and its ``signs``. The fine (4-bit) tier's eight tensors and its
+    16 ``fine_levels`` (fp32) are empty when the segment has none."""
     from .anchor_decode import anchor_split_kernel
     from .split_merge import merge_splits
 
@@ -46,19 +50,24 @@ def anchor_segment_attention(
     dev = q.device
     m, l, o = split_state_buffers(H, M, D, n_splits, dev)
     W = cos.shape[1]
+    fine = fine_mask_k.numel() > 0
     launch(anchor_split_kernel, (H, n_splits, row_blocks(M)),
         q.float().contiguous(), kernel_arg(anchor_k), kernel_arg(anchor_v), hmat, signs.float().contiguous(), cos, sin,
         *(kernel_arg(t) for t in (index_k, coef_k, mask_k, prefix_k, res_k, scale_k)),
         *(kernel_arg(t) for t in (index_v, coef_v, mask_v, prefix_v, res_v, scale_v)),
+        *(kernel_arg(t) for t in (fine_mask_k, fine_prefix_k, fine_res_k, fine_scale_k)),
+        *(kernel_arg(t) for t in (fine_mask_v, fine_prefix_v, fine_res_v, fine_scale_v)), kernel_arg(fine_levels),
         m, l, o, M, anchor_k.shape[1], D, n, scaling, hfactor, first_position, W, blocks_per_split, n_splits, *levels,
-        SAME_HALVES=W != D, BM=ROW_BLOCK, BD=pow2(D), BDH=pow2(D // 2), BT=_BLOCK,
+        SAME_HALVES=W != D, FINE=fine, BM=ROW_BLOCK, BD=pow2(D), BDH=pow2(D // 2), BT=_BLOCK,
     )
     return merge_splits(m, l, o)  # one more launch (flash-decoding's reduction)
 
 
 @anchor_segment_attention.register_fake
 def _(q, anchor_k, anchor_v, hmat, signs, cos, sin, index_k, coef_k, mask_k, prefix_k, res_k, scale_k,
-      index_v, coef_v, mask_v, prefix_v, res_v, scale_v, levels, hfactor, scaling, first_position, blocks_per_split):
+      index_v, coef_v, mask_v, prefix_v, res_v, scale_v, fine_mask_k, fine_prefix_k, fine_res_k, fine_scale_k,
+      fine_mask_v, fine_prefix_v, fine_res_v, fine_scale_v, fine_levels, levels, hfactor, scaling, first_position,
+      blocks_per_split):
     H, M, D = q.shape
     return q.new_empty(H, M, dtype=torch.float32), q.new_empty(H, M, dtype=torch.float32), \
         q.new_empty(H, M, D, dtype=torch.float32)
@@ -78,11 +87,14 @@ def anchor_partials(segments: list[AnchorSegment], qg: torch.Tensor, scaling: fl
     _, signs, hmat = codec.on(dev)
     hfactor = codec.kernel_matrix[1]
     cos, sin = segments[0].rope.table(max(seg.start + seg.length for seg in segments), dev)
+    none = torch.empty(0, device=dev)
     states = []
     for seg in segments:
         bps = blocks_per_split or max(1, math.ceil(math.ceil(seg.length / _BLOCK) / 32))
+        fine = [*seg.keys.fine.tensors(), *seg.values.fine.tensors(), seg.fine_codec.levels_on(dev)] \
+            if seg.fine_codec is not None else [none] * 9
         m, l, o = anchor_segment_attention(
             qg.float(), seg.anchor_k, seg.anchor_v, hmat, signs, cos, sin, *seg.keys.tensors(),
-            *seg.values.tensors(), [float(x) for x in codec.levels], hfactor, float(scaling), seg.start, bps)
+            *seg.values.tensors(), *fine, [float(x) for x in codec.levels], hfactor, float(scaling), seg.start, bps)
         states.append(PartialAttention(m=m, l=l, o=o))
     return states

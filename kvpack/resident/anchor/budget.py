@@ -1,6 +1,7 @@
 """AnchorKV's byte budget (Eq. 9): what the anchors and metadata cost (``M_base``) and how many
-2-bit residuals the rest of ``θ M_full`` buys. Pure functions of sizes; the layout they count is
-described in :mod:`kvpack.attention.anchor`."""
+2-bit residuals the rest of ``θ M_full`` buys; and, beyond the paper (``anchor_plus``), what a budget
+above the 2-bit saturation point buys: 4-bit residuals (the fine tier) and more anchors. Pure
+functions of sizes; the layout they count is described in :mod:`kvpack.attention.anchor`."""
 
 from __future__ import annotations
 
@@ -8,12 +9,18 @@ import math
 
 from ...attention.anchor import PREFIX_BLOCK
 from ...ops.accounting import dense_bf16_bytes
-from ...ops.residual_codec import ResidualCodec
+from ...ops.residual_codec import BITS, FINE_BITS, ResidualCodec
 
 
-def residual_bytes(head_dim: int) -> int:
-    """``b_res``: packed 2-bit codes of one residual plus its scale."""
-    return ResidualCodec.bytes_per_residual(head_dim)
+def residual_bytes(head_dim: int, bits: int = BITS) -> int:
+    """``b_res``: packed ``bits``-bit codes of one residual plus its scale (2 bits: the paper's)."""
+    return ResidualCodec.bytes_per_residual(head_dim, bits)
+
+
+def fine_tier_bytes(seq_len: int, kv_heads: int) -> int:
+    """Metadata of the fine (4-bit) tier of a segment, both sides: its bitmask and per-32-token
+    prefix counts, as the 2-bit tier's (the codes and scales are counted per residual)."""
+    return 2 * kv_heads * (math.ceil(seq_len / 8) + math.ceil(seq_len / PREFIX_BLOCK) * 4)
 
 
 def index_bytes_for(n_anchors: int, narrow: bool) -> int:
@@ -66,14 +73,42 @@ def anchors_for_budget(theta: float, seq_len: int, kv_heads: int, head_dim: int,
     return k, index_bytes
 
 
-def anchors_above_saturation(theta: float, seq_len: int, kv_heads: int, head_dim: int, n_anchors: int,
-                             anchor_bytes: int = 2, narrow_index: bool = False) -> int:
-    """Beyond the paper (``anchor_plus``): the anchors a budget above the 2-bit saturation point buys.
+def saturation_cost(seq_len: int, kv_heads: int, head_dim: int, n_anchors: int, anchor_bytes: int = 2,
+                    index_bytes: int = 2, bits: int = BITS) -> int:
+    """Bytes of a segment where every non-anchor token-side has a ``bits``-bit residual (with 4 bits,
+    the fine tier's metadata included)."""
+    fine = fine_tier_bytes(seq_len, kv_heads) if bits == FINE_BITS else 0
+    return (base_bytes(seq_len, kv_heads, head_dim, n_anchors, anchor_bytes, index_bytes) + fine
+            + 2 * kv_heads * (seq_len - n_anchors) * residual_bytes(head_dim, bits))
 
-    At ``k = n_anchors``, ``θ M_full`` may buy a residual for every non-anchor token-side and leave
-    bytes unspent (Eq. 9 has nothing more to buy: AnchorKV's budget curve stops there). Each further
-    anchor stores one more token exactly in place of its residual, for a net
-    ``2 H (D · anchor_bytes − b_res)`` bytes; this returns the largest ``k ≥ n_anchors`` (at most
+
+def fine_residual_slots(theta: float, seq_len: int, kv_heads: int, head_dim: int, n_anchors: int,
+                        anchor_bytes: int = 2, index_bytes: int = 2) -> int:
+    """Beyond the paper (``anchor_plus``, ``above_saturation = "residual4"``): how many token-sides a
+    budget above the 2-bit saturation point upgrades from a 2-bit to a 4-bit residual.
+
+    Past saturation every non-anchor token-side has a 2-bit residual; the fine tier's metadata
+    (:func:`fine_tier_bytes`) is paid once, then each upgrade costs ``b_res(4) − b_res(2) = D/4``
+    bytes. Returns 0 when the budget does not reach saturation plus the tier's metadata plus one
+    upgrade, and at most ``2 H (S − k)`` (every candidate upgraded).
+    """
+    budget = theta * dense_bf16_bytes(seq_len, kv_heads, head_dim)
+    spare = (budget - saturation_cost(seq_len, kv_heads, head_dim, n_anchors, anchor_bytes, index_bytes)
+             - fine_tier_bytes(seq_len, kv_heads))
+    step = residual_bytes(head_dim, FINE_BITS) - residual_bytes(head_dim)
+    if spare < step:
+        return 0
+    return min(2 * kv_heads * (seq_len - n_anchors), math.floor(spare / step))
+
+
+def anchors_above_saturation(theta: float, seq_len: int, kv_heads: int, head_dim: int, n_anchors: int,
+                             anchor_bytes: int = 2, narrow_index: bool = False, bits: int = BITS) -> int:
+    """Beyond the paper (``anchor_plus``): the anchors a budget above the ``bits``-bit saturation point buys.
+
+    At ``k = n_anchors``, ``θ M_full`` may buy a ``bits``-bit residual for every non-anchor token-side
+    and leave bytes unspent (with 2 bits, Eq. 9 has nothing more to buy: AnchorKV's budget curve
+    stops there). Each further anchor stores one more token exactly in place of its residual, for a
+    net ``2 H (D · anchor_bytes − b_res)`` bytes; this returns the largest ``k ≥ n_anchors`` (at most
     ``seq_len``) whose anchors, metadata and a residual for every remaining token-side fit
     ``θ M_full``, or ``n_anchors`` when the budget does not reach saturation. The cost is
     non-decreasing in ``k`` (the uint8 → int16 index step at 257 anchors included), so a bisection
@@ -82,9 +117,7 @@ def anchors_above_saturation(theta: float, seq_len: int, kv_heads: int, head_dim
     budget = theta * dense_bf16_bytes(seq_len, kv_heads, head_dim)
 
     def cost(k: int) -> int:
-        index = index_bytes_for(k, narrow_index)
-        return (base_bytes(seq_len, kv_heads, head_dim, k, anchor_bytes, index)
-                + 2 * kv_heads * (seq_len - k) * residual_bytes(head_dim))
+        return saturation_cost(seq_len, kv_heads, head_dim, k, anchor_bytes, index_bytes_for(k, narrow_index), bits)
 
     if cost(n_anchors) > budget:
         return n_anchors

@@ -12,7 +12,7 @@ from ...ops.residual_codec import RESIDUAL_CODECS
 
 RANKINGS = ("utility", "attention", "residual_norm", "cosine", "random")
 RESIDUAL_SPLITS = ("pooled", "per_head")
-ABOVE_SATURATION = ("idle", "anchors")
+ABOVE_SATURATION = ("idle", "anchors", "residual4")
 
 
 @dataclass
@@ -55,9 +55,12 @@ class AnchorConfig(MethodConfig):
         narrow_index: store the per-token anchor indices as uint8 when ``k ≤ 256`` (int16
             otherwise); the byte saved per token and side buys residuals.
         above_saturation: what a budget beyond the 2-bit saturation point (a residual for every
-            non-anchor token-side) buys: ``idle`` (the paper: nothing, the bytes stay unspent) or
+            non-anchor token-side) buys: ``idle`` (the paper: nothing, the bytes stay unspent),
             ``anchors`` (more anchors — more tokens stored exactly — until the budget is spent;
-            ``budget.anchors_above_saturation``). Applies when ``anchors`` is unset.
+            ``budget.anchors_above_saturation``; applies when ``anchors`` is unset) or
+            ``residual4`` (a fine tier: the highest-ranked token-sides get a 4-bit residual instead
+            of a 2-bit one, same rotation, 16 Lloyd–Max levels, ``budget.fine_residual_slots``;
+            once every token-side has one, more anchors when ``anchors`` is unset).
     """
 
     budget: float | None = option(0.1, number(0.0, 1.0, low_open=True), "the retain fraction θ")

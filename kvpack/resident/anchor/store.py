@@ -34,6 +34,12 @@ coefficients ``[H, S]`` (fp16) for each side,
 residual bitmasks ``[H, ⌈S/8⌉]`` (packed bits) and per-32-token prefix counts ``[H, ⌈S/32⌉]``
 (int32) for each side — the decoder finds a token's residual slot from them in O(1). Each stored
 residual costs ``b_res = D/4`` code bytes + a 4-byte scale.
+
+Beyond the paper, ``above_saturation = "residual4"`` spends a budget past the 2-bit saturation point
+on a fine tier: the top-ranked token-sides (same ranking, same pooled K/V split as step 4) get a
+4-bit residual (``D/2`` code bytes + a 4-byte scale; same rotation and scale rule, the 16-level
+Gaussian Lloyd–Max codebook) instead of their 2-bit one, held as a second bitmask, prefix counts,
+codes and scales per side (``fine_*``).
 """
 
 from __future__ import annotations
@@ -43,14 +49,21 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ...attention.anchor import PREFIX_BLOCK, AnchorSegment, AnchorSide, anchor_tile_partials, reconstruct_tile
+from ...attention.anchor import (
+    PREFIX_BLOCK,
+    AnchorSegment,
+    AnchorSide,
+    FineResiduals,
+    anchor_tile_partials,
+    reconstruct_tile,
+)
 from ...attention.scores import observation_scores
 from ...attention.softmax_merge import dense_partial, group_queries, prefill_attention, ungroup_output
 from ...attention.triton import history_and_chunk, use_triton
 from ...attention.triton.anchor_op import anchor_partials
 from ...ops.accounting import dense_bf16_bytes
 from ...ops.bitpack import pack_bits
-from ...ops.residual_codec import make_residual_codec
+from ...ops.residual_codec import BITS, FINE_BITS, make_residual_codec
 from ...ops.rope import apply_rope, invert_rope
 from ...registry import register_method
 from ..base import LayerLayout, LayerStore
@@ -58,6 +71,7 @@ from .budget import (
     anchors_above_saturation,
     anchors_for_budget,
     base_bytes,
+    fine_residual_slots,
     index_bytes_for,
     residual_bytes,
     residual_slots,
@@ -75,6 +89,15 @@ from .selection import (
 )
 
 
+def _slot_prefix(chosen: torch.Tensor) -> torch.Tensor:
+    """Per-32-token prefix counts ``[H, ⌈n/32⌉]`` int32 of a residual mask ``chosen [H, n]``: the
+    slot of a head's first residual in block b is the number of residuals of earlier heads and blocks
+    (slots are head-major)."""
+    H, n = chosen.shape
+    counts = F.pad(chosen, (0, (-n) % PREFIX_BLOCK)).reshape(H, -1, PREFIX_BLOCK).sum(-1).flatten()
+    return (counts.cumsum(0) - counts).reshape(H, -1).to(torch.int32)
+
+
 @register_method("anchor")
 class AnchorStore(LayerStore):
     """One sequence, one layer: anchors, compressed segments (the prompt, then any re-compressed
@@ -85,7 +108,8 @@ class AnchorStore(LayerStore):
     int32, ``res_*`` ``[slots, D/4]`` uint8, ``scale_*`` ``[slots]`` fp32; ``tail_k``/``tail_v``; with
     ``recompress_every``, the observation buffer ``obs_q``/``obs_y`` ``[Hq, ≤W, D]``, ``obs_lse``
     ``[Hq, ≤W]`` fp32 and ``obs_pos`` ``[≤W]`` int32 (the last decode queries, their outputs and
-    softmax normalisers, which score a re-compressed segment's residuals).
+    softmax normalisers, which score a re-compressed segment's residuals). A segment with a fine tier
+    also holds ``fine_mask_*``, ``fine_prefix_*``, ``fine_res_*`` ``[slots, D/2]`` and ``fine_scale_*``.
     """
 
     Config = AnchorConfig
@@ -98,8 +122,11 @@ class AnchorStore(LayerStore):
         if layout.rope is None:
             raise ValueError("anchor: AnchorKV works on pre-RoPE keys and needs the model's rotary embedding")
         d = layout.head_dim
-        self.residual_codec = make_residual_codec(config.residual_codec, d,
-                                                  seed=config.seed * 1_000_003 + layout.layer_idx)
+        seed = config.seed * 1_000_003 + layout.layer_idx
+        self.residual_codec = make_residual_codec(config.residual_codec, d, seed=seed)
+        # The fine tier's codec: the same rotation (same seed), 4-bit codes.
+        self.fine_codec = (make_residual_codec(config.residual_codec, d, seed=seed, bits=FINE_BITS)
+                           if config.above_saturation == "residual4" else None)
         empty = torch.empty(layout.kv_heads, 0, d, dtype=self.storage_dtype)
         self.tail_k, self.tail_v = empty, empty.clone()
         self.anchors: dict[str, torch.Tensor] = {}
@@ -109,7 +136,8 @@ class AnchorStore(LayerStore):
         self.n_prompt = 0
         self.n_anchors: int | None = None
         self.index_bytes = 2
-        self.n_residuals = (0, 0)
+        self.n_residuals = (0, 0)  # 2-bit residuals (keys, values)
+        self.n_fine = (0, 0)  # 4-bit residuals of the fine tier
         self._last_lse: torch.Tensor | None = None
 
     def tensors(self):
@@ -121,8 +149,11 @@ class AnchorStore(LayerStore):
     def resolved_params(self):
         if self.n_anchors is None:
             return {}
-        return {"anchors": self.n_anchors, "residuals_k": self.n_residuals[0], "residuals_v": self.n_residuals[1],
-                "segments": len(self.segments)}
+        params = {"anchors": self.n_anchors, "residuals_k": self.n_residuals[0], "residuals_v": self.n_residuals[1],
+                  "segments": len(self.segments)}
+        if self.fine_codec is not None:
+            params.update(fine_residuals_k=self.n_fine[0], fine_residuals_v=self.n_fine[1])
+        return params
 
     @property
     def n_compressed(self) -> int:
@@ -154,26 +185,36 @@ class AnchorStore(LayerStore):
             return usage, usage.clone()
         return utilities(q_obs, y_obs, k_post, v, apply_rope(r_k, cos, sin), r_v, scaling, obs_pos, alpha=alpha)
 
-    def _segment(self, sides, u_k, u_v, n_res) -> dict[str, torch.Tensor]:
+    def _segment(self, sides, u_k, u_v, n_res, n_fine=0) -> dict[str, torch.Tensor]:
         """Store one segment: ``sides`` = ((index, gamma, residual) for keys, same for values);
-        ``u_k``/``u_v`` ``[H, n]`` rank the residual candidates (``-inf``: never a residual)."""
+        ``u_k``/``u_v`` ``[H, n]`` rank the residual candidates (``-inf``: never a residual);
+        ``n_res`` residuals, of which the ``n_fine`` top-ranked are 4-bit (the fine tier)."""
         cfg = self.config
-        H, n = u_k.shape
         n_k = n_res // 2
         choose = top_pooled if cfg.residual_split == "pooled" else top_per_head
-        masks = (choose(pool_neighbourhood(u_k, cfg.residual_pooling), n_k),
-                 choose(pool_neighbourhood(u_v, cfg.residual_pooling), n_res - n_k))
+        ranks = (pool_neighbourhood(u_k, cfg.residual_pooling), pool_neighbourhood(u_v, cfg.residual_pooling))
+        masks = (choose(ranks[0], n_k), choose(ranks[1], n_res - n_k))
+        fine = None
+        if n_fine:  # the same ranking and K/V split among the token-sides that have a residual
+            f_k = n_fine // 2
+            fine = tuple(choose(rank.masked_fill(~mask, float("-inf")), count)
+                         for rank, mask, count in zip(ranks, masks, (f_k, n_fine - f_k)))
+            masks = tuple(mask & ~f for mask, f in zip(masks, fine))
         index_dtype = torch.uint8 if self.index_bytes == 1 else torch.int16
         seg = {}
-        for name, (idx, gamma, r), mask in zip(("k", "v"), sides, masks):
+        for i, (name, (idx, gamma, r), mask) in enumerate(zip(("k", "v"), sides, masks)):
             seg[f"index_{name}"] = idx.to(index_dtype)
             seg[f"coef_{name}"] = gamma.to(torch.float16)
-            seg[f"mask_{name}"] = pack_bits(mask.to(torch.uint8), 1)
-            counts = F.pad(mask, (0, (-n) % PREFIX_BLOCK)).reshape(H, -1, PREFIX_BLOCK).sum(-1)
-            # Slot of a head's first residual in block b: all residuals of earlier heads and blocks.
-            seg[f"prefix_{name}"] = (counts.flatten().cumsum(0) - counts.flatten()).reshape(H, -1).to(torch.int32)
-            seg[f"res_{name}"], seg[f"scale_{name}"] = self.residual_codec.encode(r[mask])  # head-major slots
+            tiers = [("", mask, self.residual_codec)]
+            if fine is not None:
+                tiers.append(("fine_", fine[i], self.fine_codec))
+            for prefix, chosen, codec in tiers:
+                seg[f"{prefix}mask_{name}"] = pack_bits(chosen.to(torch.uint8), 1)
+                seg[f"{prefix}prefix_{name}"] = _slot_prefix(chosen)
+                seg[f"{prefix}res_{name}"], seg[f"{prefix}scale_{name}"] = codec.encode(r[chosen])  # head-major
         self.n_residuals = (self.n_residuals[0] + int(masks[0].sum()), self.n_residuals[1] + int(masks[1].sum()))
+        if fine is not None:
+            self.n_fine = (self.n_fine[0] + int(fine[0].sum()), self.n_fine[1] + int(fine[1].sum()))
         return seg
 
     def compress_prompt(self, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, out: torch.Tensor,
@@ -189,14 +230,19 @@ class AnchorStore(LayerStore):
         if W >= S:
             raise ValueError(f"anchor: window W = {W} must be shorter than the prompt ({S} tokens)")
         itemsize = self.storage_dtype.itemsize
+        n_fine = 0
         if cfg.residuals:
             n_anchors = cfg.anchors if cfg.anchors is not None else max(math.floor(S * cfg.anchor_fraction), W)
             if n_anchors > S:
                 raise ValueError(f"anchor: k = {n_anchors} anchors exceed the prompt's {S} tokens")
-            if cfg.above_saturation == "anchors" and cfg.anchors is None:  # beyond the paper
-                n_anchors = anchors_above_saturation(cfg.budget, S, H, D, n_anchors, itemsize, cfg.narrow_index)
+            if cfg.above_saturation != "idle" and cfg.anchors is None:  # beyond the paper: more anchors
+                # past the saturation point of the residuals the mode buys (every token-side 2-bit, or 4-bit)
+                bits = FINE_BITS if self.fine_codec is not None else BITS
+                n_anchors = anchors_above_saturation(cfg.budget, S, H, D, n_anchors, itemsize, cfg.narrow_index, bits)
             self.index_bytes = index_bytes_for(n_anchors, cfg.narrow_index)
             n_res = residual_slots(cfg.budget, S, H, D, n_anchors, itemsize, self.index_bytes)
+            if self.fine_codec is not None:
+                n_fine = fine_residual_slots(cfg.budget, S, H, D, n_anchors, itemsize, self.index_bytes)
         else:  # ablation: the whole budget on anchors
             n_anchors, self.index_bytes = anchors_for_budget(cfg.budget, S, H, D, W, itemsize, cfg.narrow_index)
             n_res = 0
@@ -220,7 +266,7 @@ class AnchorStore(LayerStore):
         u_k = u_k.masked_fill(is_anchor, float("-inf"))
         u_v = u_v.masked_fill(is_anchor, float("-inf"))
         self.anchors = {"anchor_k": ak.to(self.storage_dtype), "anchor_v": av.to(self.storage_dtype)}
-        self.segments = [self._segment(sides, u_k, u_v, n_res)]
+        self.segments = [self._segment(sides, u_k, u_v, n_res, n_fine)]
         self.segment_spans = [(0, S)]
         self.n_prompt, self.n_anchors = S, n_anchors
 
@@ -241,13 +287,15 @@ class AnchorStore(LayerStore):
         m_full = dense_bf16_bytes(n, H, D)
         m_base = base_bytes(n, H, D, 0, index_bytes=self.index_bytes)
         n_res = max(0, math.floor((cfg.budget * m_full - m_base) / residual_bytes(D))) if cfg.residuals else 0
+        n_fine = (fine_residual_slots(cfg.budget, n, H, D, 0, index_bytes=self.index_bytes)
+                  if cfg.residuals and self.fine_codec is not None else 0)
         o = self.obs
         group, rows = lay.group, o["obs_q"].shape[1]
         u_k, u_v = self._ranking_scores(sides, k_pre, k, v, cos, sin, o["obs_q"].float().reshape(H, group * rows, D),
                                         o["obs_y"].float().reshape(H, group * rows, D),
                                         o["obs_pos"].long().repeat(group),
                                         scaling, key_positions=pos, lse=o["obs_lse"].reshape(H, group * rows))
-        self.segments.append(self._segment(sides, u_k, u_v, n_res))
+        self.segments.append(self._segment(sides, u_k, u_v, n_res, n_fine))
         self.segment_spans.append((start, n))
         self.tail_k, self.tail_v = self.tail_k[:, n:].clone(), self.tail_v[:, n:].clone()
 
@@ -317,11 +365,16 @@ class AnchorStore(LayerStore):
         """The compressed segments as attention reads them (no store internals beyond these)."""
         views = []
         for seg, (start, n) in zip(self.segments, self.segment_spans):
-            k, v = (AnchorSide(*(seg[f"{name}_{side}"] for name in ("index", "coef", "mask", "prefix", "res", "scale")))
+            has_fine = "fine_mask_k" in seg
+            k, v = (AnchorSide(*(seg[f"{name}_{side}"] for name in ("index", "coef", "mask", "prefix", "res", "scale")),
+                               fine=FineResiduals(*(seg[f"fine_{name}_{side}"] for name in ("mask", "prefix", "res",
+                                                                                             "scale")))
+                               if has_fine else None)
                     for side in ("k", "v"))
             views.append(AnchorSegment(anchor_k=self.anchors["anchor_k"], anchor_v=self.anchors["anchor_v"], keys=k,
                                        values=v, start=start, length=n, codec=self.residual_codec,
-                                       rope=self.layout.rope, tile=self.config.tile))
+                                       rope=self.layout.rope, tile=self.config.tile,
+                                       fine_codec=self.fine_codec if has_fine else None))
         return views
 
     def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
