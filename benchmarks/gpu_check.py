@@ -213,6 +213,7 @@ CONFIGS = [
     ("puzzle", {"budget": 0.6, "key_rope": "pre"}, "puzzle pre-RoPE 0.6"),
     ("puzzle", {"page_size": 64, "budget": 0.6, "int4": True}, "puzzle P=64 INT4 0.6"),
     ("anchor", {"budget": 0.1}, "anchor theta 0.1"),
+    ("anchor_plus", {"budget": 0.3, "above_saturation": "residual4"}, "anchor_plus 4-bit tier 0.3"),
     ("puzzle_plus", {"budget": 0.5, "int4": False, "key_rope": "post"}, "puzzle_plus P=64 0.5"),
     ("puzzle_plus", {"budget": 0.5, "key_rope": "pre", "int4": True}, "puzzle_plus pre-RoPE INT4 0.5"),
 ]
