@@ -118,3 +118,21 @@ def test_anchor_needle_with_pooled_ranking_and_narrow_index(smollm2, theta):
     assert result.config["residual_pooling"] == 15 and result.config["narrow_index"] is True
     assert result.kv_bytes <= theta * result.dense_kv_bytes + 9 * 30 * 3 * 64 * 2 * 2  # + 9 dense decode tokens
     assert answer in result.text
+
+
+@pytest.mark.parametrize("mode", ["anchors", "residual4"])
+def test_anchor_plus_spends_the_budget_past_saturation(smollm2, mode):
+    """Issue 16: past AnchorKV's 2-bit saturation point (0.203 of the dense bytes here) ``anchor_plus``
+    spends the budget — on more anchors, or on 4-bit residuals for the top-ranked token-sides — and
+    still retrieves, within θ."""
+    model, tok = smollm2
+    prompt, answer = needle_prompt(tok, n_tokens=2048, depth=0.4, seed=31)
+    result = generate(model, tok, prompt, "anchor_plus", dict(budget=0.3, above_saturation=mode), max_new_tokens=10)
+    decode_tokens = 9 * 30 * 3 * 64 * 2 * 2  # 9 dense decode tokens, 30 layers
+    assert 0.29 * result.dense_kv_bytes <= result.kv_bytes <= 0.3 * result.dense_kv_bytes + decode_tokens
+    if mode == "residual4":  # first layer's choice: a partial upgrade at 0.3, default anchors
+        assert 0 < result.config["fine_residuals_k"] < 3 * (2048 - result.config["anchors"])
+        assert result.config["anchors"] == 32
+    else:
+        assert result.config["anchors"] > 32
+    assert answer in result.text
