@@ -41,6 +41,9 @@ CONFIGS = [
     ("+ residual_pooling 15", {"residual_pooling": 15}),
     ("+ narrow_index", {"narrow_index": True}),
     ("+ both", {"residual_pooling": 15, "narrow_index": True}),
+    # Past the 2-bit saturation point (anchor_plus's options; below it both build "+ both"'s cache).
+    ("+ both, past: anchors", {"residual_pooling": 15, "narrow_index": True, "above_saturation": "anchors"}),
+    ("+ both, past: residual4", {"residual_pooling": 15, "narrow_index": True, "above_saturation": "residual4"}),
 ]
 
 
@@ -64,7 +67,7 @@ def main() -> None:
     print(f"# bench_anchor_ablation  ({machine()}), SmolLM2, {args.tokens}-token prompt, "
           f"{len(cont)} teacher-forced tokens; FullKV continuation ppl "
           f"{math.exp(-ref[:-1].gather(1, targets[:, None]).mean()):.2f}")
-    print("θ      config                  ratio    KL     top-1   ppl    anchors  residuals(k,v)  s")
+    print("θ      config                    ratio    KL     top-1   ppl    anchors  residuals(k,v)  4-bit(k,v)      s")
     for budget in (float(b) for b in args.budgets.split(",")):
         for label, cfg in CONFIGS:
             if args.only and args.only not in label:
@@ -73,16 +76,16 @@ def main() -> None:
             try:
                 built = get_method("anchor", budget=budget, **cfg).from_prefill(model, prefill)
             except ValueError as exc:
-                print(f"{budget:<6} {label:<22} refused: {exc}")
+                print(f"{budget:<6} {label:<24} refused: {exc}")
                 continue
             logp = teacher_forced_logprobs(model, built, cont, total)
             kl = (ref.exp() * (ref - logp)).sum(-1).mean().item()
             top1 = (ref.argmax(-1) == logp.argmax(-1)).float().mean().item()
             ppl = math.exp(-logp[:-1].gather(1, targets[:, None]).mean().item())
             store = built.cache.kvpack_layers[0].rows[0]
-            print(f"{budget:<6} {label:<22} {built.kv_bytes / built.dense_kv_bytes:.4f}  {kl:.4f}  {top1:.3f}  "
+            print(f"{budget:<6} {label:<24} {built.kv_bytes / built.dense_kv_bytes:.4f}  {kl:.4f}  {top1:.3f}  "
                   f"{ppl:6.2f}  {store.n_anchors:>6}   {json.dumps(list(store.n_residuals)):<14}  "
-                  f"{time.perf_counter() - start:.1f}", flush=True)
+                  f"{json.dumps(list(store.n_fine)):<14}  {time.perf_counter() - start:.1f}", flush=True)
 
 
 if __name__ == "__main__":
