@@ -240,7 +240,7 @@ def test_select_anchors_window_top_votes_and_seeded_random(rho):
 def test_budget_above_saturation_buys_anchors_with_above_saturation_anchors():
     """Issue 16: past the 2-bit saturation point (a residual for every non-anchor token-side) the
     paper's AnchorKV leaves the budget unspent; ``above_saturation="anchors"`` (anchor_plus's
-    default) spends it on more anchors — exact tokens — and stays within θ."""
+    alternative to its default 4-bit tier) spends it on more anchors — exact tokens — and stays within θ."""
     from kvpack.resident.anchor import anchors_above_saturation
 
     k, v, q = _inputs()
