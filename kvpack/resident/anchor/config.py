@@ -60,7 +60,8 @@ class AnchorConfig(MethodConfig):
             ``budget.anchors_above_saturation``; applies when ``anchors`` is unset) or
             ``residual4`` (a fine tier: the highest-ranked token-sides get a 4-bit residual instead
             of a 2-bit one, same rotation, 16 Lloyd–Max levels, ``budget.fine_residual_slots``;
-            once every token-side has one, more anchors when ``anchors`` is unset).
+            once every token-side has one, more anchors when ``anchors`` is unset; with
+            ``residuals = false`` there is nothing to upgrade and it has no effect).
     """
 
     budget: float | None = option(0.1, number(0.0, 1.0, low_open=True), "the retain fraction θ")
