@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -54,6 +55,15 @@ def _packed_table(levels: tuple[float, ...], bits: int, device_type: str) -> tor
     return torch.tensor(levels)[codes].to(device_type)
 
 
+class DeviceTables(NamedTuple):
+    """A codec's tables on one device (:meth:`ResidualCodec.on`)."""
+
+    matrix: torch.Tensor  # [D, D] rotation
+    signs: torch.Tensor  # [D]
+    kernel_matrix: torch.Tensor  # [D, D] fp16, entries exactly 0/±1 (ResidualCodec.kernel_matrix)
+    levels: torch.Tensor  # [2^bits] fp32 (fp16 values): the kernel's table of the fine tier's levels
+
+
 class ResidualCodec:
     """Shared decode path: levels from packed codes, times the scale, through the inverse rotation."""
 
@@ -66,8 +76,7 @@ class ResidualCodec:
             raise ValueError(f"residual codes must have {BITS} or {FINE_BITS} bits, got {bits}")
         self.dim = dim
         self.bits = bits
-        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._levels_on_device: dict[torch.device, torch.Tensor] = {}
+        self._on_device: dict[torch.device, DeviceTables] = {}
 
     @staticmethod
     def bytes_per_residual(dim: int, bits: int = BITS) -> int:
@@ -88,8 +97,8 @@ class ResidualCodec:
         if not self.rotates:
             return r.float()
         # H is symmetric, so x @ H == (H xᵀ)ᵀ.
-        matrix, signs, _ = self.on(r.device)
-        return (r.float() * signs) @ matrix
+        tables = self.on(r.device)
+        return (r.float() * tables.signs) @ tables.matrix
 
     def encode(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``r [n, D]`` -> packed codes ``[n, D · bits / 8]`` uint8 and fp32 scales ``[n]``."""
@@ -112,30 +121,23 @@ class ResidualCodec:
         if not self.rotates:
             return y
         # H is symmetric: inverse of x -> H (s ⊙ x) is y -> s ⊙ (H y).
-        matrix, signs, _ = self.on(y.device)
-        return (y @ matrix) * signs
+        tables = self.on(y.device)
+        return (y @ tables.matrix) * tables.signs
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Packed codes ``[n, D · bits / 8]`` and scales ``[n]`` -> residuals ``[n, D]`` fp32."""
         return self.unrotate(self.rotated(codes, scale))
 
-    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(matrix, signs, kernel matrix M16)`` on ``device``, copied there once and kept: a decode
-        step then moves nothing from the host (a per-step host-to-device copy would also stall the
-        GPU and break CUDA-graph capture)."""
+    def on(self, device: torch.device) -> DeviceTables:
+        """The codec's tables on ``device`` (rotation, signs, kernel matrix M16, levels), copied there
+        once and kept: a decode step then moves nothing from the host (a per-step host-to-device copy
+        would also stall the GPU and break CUDA-graph capture)."""
         device = torch.device(device)
         if device not in self._on_device:
-            self._on_device[device] = (self.matrix.to(device), self.signs.to(device),
-                                       self.kernel_matrix[0].to(device))
+            self._on_device[device] = DeviceTables(
+                self.matrix.to(device), self.signs.to(device), self.kernel_matrix[0].to(device),
+                torch.tensor(self.levels, dtype=torch.float32, device=device))
         return self._on_device[device]
-
-    def levels_on(self, device: torch.device) -> torch.Tensor:
-        """The levels ``[2^bits]`` fp32 (fp16 values) on ``device``, copied there once (the kernel's
-        table of the fine tier's 16 levels)."""
-        device = torch.device(device)
-        if device not in self._levels_on_device:
-            self._levels_on_device[device] = torch.tensor(self.levels, dtype=torch.float32, device=device)
-        return self._levels_on_device[device]
 
     @functools.cached_property
     def kernel_matrix(self) -> tuple[torch.Tensor, float]:

@@ -89,14 +89,15 @@ def anchor_partials(segments: list[AnchorSegment], qg: torch.Tensor, scaling: fl
         return []
     dev = qg.device
     codec = segments[0].codec  # levels, rotation matrix and signs of the layer's residual codec
-    _, signs, hmat = codec.on(dev)
+    tables = codec.on(dev)
+    signs, hmat = tables.signs, tables.kernel_matrix
     hfactor = codec.kernel_matrix[1]
     cos, sin = segments[0].rope.table(max(seg.start + seg.length for seg in segments), dev)
     none = torch.empty(0, device=dev)
     states = []
     for seg in segments:
         bps = blocks_per_split or max(1, math.ceil(math.ceil(seg.length / _BLOCK) / 32))
-        fine = [*seg.keys.fine.tensors(), *seg.values.fine.tensors(), seg.fine_codec.levels_on(dev)] \
+        fine = [*seg.keys.fine.tensors(), *seg.values.fine.tensors(), seg.fine_codec.on(dev).levels] \
             if seg.fine_codec is not None else [none] * 9
         m, l, o = anchor_segment_attention(
             qg.float(), seg.anchor_k, seg.anchor_v, hmat, signs, cos, sin, *seg.keys.tensors(),
