@@ -16,10 +16,13 @@ from ..softmax_merge import PartialAttention
 from ._launch import ROW_BLOCK, kernel_arg, launch, pow2, row_blocks, split_state_buffers
 
 _BLOCK = PREFIX_BLOCK  # prefix-count block of the residual slots
-# Warps per program when a segment has a fine tier. Compiled for d = 128 (benchmarks/kernel_resources.py)
-# at Triton's default of 4, decoding both tiers spilled 104 bytes per thread on sm_80 and sm_90 (255
-# registers); at 8 the same tiles take 221 (sm_80) and 206 (sm_90) registers and spill nothing.
-FINE_TIER_WARPS = 8
+# Warps per program. Compiled for d = 128 (benchmarks/kernel_resources.py) at Triton's default of 4,
+# the 2-bit kernel spilled 16-80 bytes per thread on sm_80 (0-64 on sm_90) where the segment length
+# is not a multiple of 16 (most prompts: Triton cannot then assume aligned per-token rows), and the
+# 4-bit tier 104 bytes even at aligned lengths. At 8, the 2-bit kernel takes 176-219 registers and
+# spills nothing; the 4-bit tier takes 206-221 at aligned lengths, and 255 with 16 (sm_80) / 64
+# (sm_90) bytes spilled otherwise (not removed: docs/kernels.md).
+KERNEL_WARPS = 8
 
 
 @torch.library.custom_op("kvpack::anchor_segment_attention", mutates_args=())
@@ -63,7 +66,7 @@ def anchor_segment_attention(
         *(kernel_arg(t) for t in (fine_mask_v, fine_prefix_v, fine_res_v, fine_scale_v)), kernel_arg(fine_levels),
         m, l, o, M, anchor_k.shape[1], D, n, scaling, hfactor, first_position, W, blocks_per_split, n_splits, *levels,
         SAME_HALVES=W != D, FINE=fine, BM=ROW_BLOCK, BD=pow2(D), BDH=pow2(D // 2), BT=_BLOCK,
-        **({"num_warps": FINE_TIER_WARPS} if fine else {}),
+        num_warps=KERNEL_WARPS,
     )
     return merge_splits(m, l, o)  # one more launch (flash-decoding's reduction)
 
