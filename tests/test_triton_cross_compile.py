@@ -35,7 +35,7 @@ KNOWN_SPILLS = {
 }
 
 
-def test_kernels_compile_for_a100_and_h100_without_spills():
+def test_kernels_compile_for_a100_and_h100_without_new_spills():
     """One decode step (GQA group of 4 rows) and a 64-query chunk (256 rows, as a prefill over the
     stored history): the chunk's rows go to programs in blocks of 16, so it compiles to the decode
     step's resources (with one block of all its rows, it spilled up to 4 KB per thread). Two store
