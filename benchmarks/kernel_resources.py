@@ -7,8 +7,8 @@ Triton compiles one binary per specialization of the integer arguments (divisibl
 1), so the segment length matters: ``--tokens`` takes several store lengths, by default 2040 (not a
 multiple of 16, two 32-token blocks per program: what most real prompts compile to) and 1024 (a
 multiple of 16, one block per program); they differ by up to 38 registers and in spills.
-``--queries 1,64`` also compiles the launch of a 64-query chunk (a prefill over the stored history: 256 query rows, taken in
-blocks of 16 per program).
+``--queries 1,64`` also compiles the launch of a 64-query chunk (a prefill over the stored history:
+256 query rows, taken in blocks of 16 per program).
 
 Usage: python benchmarks/kernel_resources.py [--arch 80,90] [--tokens 2040,1024] [--queries 1] [--json]
 (without TRITON_INTERPRET; exits 1 if a kernel fails to compile)
