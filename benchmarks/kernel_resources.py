@@ -38,27 +38,29 @@ VARIANTS = CONFIGS + [
 ]
 
 
-def compile_rows(arches: list[int], queries: list[int], n_tokens: int, chunk: bool) -> tuple[list[dict], bool]:
+H, G, D = 2, 4, 128  # registers and shared memory depend on d, the group and the tiles, not on H
+
+
+def store_rows(arches: list[int], queries: list[int], n_tokens: int) -> tuple[list[dict], bool]:
     """Compile facts of every configuration for stores of ``n_tokens`` tokens, per architecture and
-    queries per launch (and of the chunk attention that ends a decode step when ``chunk``), and
-    whether any compile failed (each failure is reported on stderr; the rest still compile)."""
-    H, G, d = 2, 4, 128  # registers and shared memory depend on d, the group and the tiles, not on H
+    queries per launch, and whether any compile failed (each failure is reported on stderr; the
+    rest still compile)."""
     rows, failed = [], False
-    stores = [(label, method, build_store(method, {**cfg, "attention_backend": "torch"}, H, G, d, n_tokens,
+    stores = [(label, method, build_store(method, {**cfg, "attention_backend": "torch"}, H, G, D, n_tokens,
                                           torch.device("cpu")))
               for method, cfg, label in VARIANTS]
     for n_q in queries:
-        qg = group_queries(torch.randn(H * G, n_q, d), H)
+        qg = group_queries(torch.randn(H * G, n_q, D), H)
         for arch in arches:
             for label, method, (store, _, _) in stores:
                 try:
                     with compile_only(arch) as builds:
                         if method == "puzzle":
-                            puzzle_partial(store.pages_view(), qg, d ** -0.5)
+                            puzzle_partial(store.pages_view(), qg, D ** -0.5)
                         elif method == "puzzle_plus":
-                            ragged_puzzle_partial(store.pages_view(), qg, d ** -0.5)
+                            ragged_puzzle_partial(store.pages_view(), qg, D ** -0.5)
                         else:
-                            anchor_partials(store.segment_views(), qg, d ** -0.5)
+                            anchor_partials(store.segment_views(), qg, D ** -0.5)
                 except Exception as e:  # report every configuration, then fail
                     failed = True
                     print(f"sm_{arch} {label} ({n_tokens} tokens, {n_q} queries): compile FAILED: "
@@ -66,16 +68,21 @@ def compile_rows(arches: list[int], queries: list[int], n_tokens: int, chunk: bo
                     continue
                 rows += [{"config": label, "tokens": n_tokens, "queries": n_q, **dataclasses.asdict(b)}
                          for b in builds]
-            if not chunk:
-                continue
-            # The end of a decode step (the chunk's attention merged with two stored states and a
-            # stored tail), for the longest chunk it takes; it does not depend on the stores.
-            n_c = min(n_q, FUSED_CHUNK_MAX)
-            states = [PartialAttention(torch.zeros(H, G * n_c), torch.ones(H, G * n_c), torch.zeros(H, G * n_c, d))] * 2
-            chunk_qkv = group_queries(torch.randn(H * G, n_c, d), H), torch.randn(H, n_c, d), torch.randn(H, n_c, d)
+    return rows, failed
+
+
+def chunk_rows(arches: list[int], queries: list[int]) -> tuple[list[dict], bool]:
+    """Compile facts of the end of a decode step (the chunk's attention merged with two stored states
+    and a stored tail), for the longest chunk it takes; it does not depend on the stores."""
+    rows, failed = [], False
+    for n_q in queries:
+        n_c = min(n_q, FUSED_CHUNK_MAX)
+        for arch in arches:
+            states = [PartialAttention(torch.zeros(H, G * n_c), torch.ones(H, G * n_c), torch.zeros(H, G * n_c, D))] * 2
+            chunk = group_queries(torch.randn(H * G, n_c, D), H), torch.randn(H, n_c, D), torch.randn(H, n_c, D)
             try:
                 with compile_only(arch) as builds:
-                    fused_history_and_chunk(states, *chunk_qkv, d ** -0.5, H * G, tail=(torch.randn(H, 40, d),) * 2)
+                    fused_history_and_chunk(states, *chunk, D ** -0.5, H * G, tail=(torch.randn(H, 40, D),) * 2)
             except Exception as e:
                 failed = True
                 print(f"sm_{arch} chunk attend ({n_c} queries): compile FAILED: {type(e).__name__}: {e}",
@@ -96,9 +103,9 @@ def main() -> int:
     arches = [int(a) for a in args.arch.split(",")]
     queries = [int(n) for n in args.queries.split(",")]
     token_counts = [int(t) for t in args.tokens.split(",")]
-    rows, failed = [], False
-    for i, n_tokens in enumerate(token_counts):
-        more, bad = compile_rows(arches, queries, n_tokens, chunk=i == 0)
+    rows, failed = chunk_rows(arches, queries)
+    for n_tokens in token_counts:
+        more, bad = store_rows(arches, queries, n_tokens)
         rows, failed = rows + more, failed or bad
     if args.json:
         print(json.dumps(rows))
