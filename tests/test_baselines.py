@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from kvpack import attach
+from kvpack.attention.quantized import dequantize_minmax
 from kvpack.attention.scores import accumulated_attention, observation_scores
 from kvpack.hf.cache import cache_kwargs
 from kvpack.ops.bitpack import pack_bits, unpack_bits
 from kvpack.resident import LayerLayout, get_codec
-from kvpack.resident.quant import dequantize_minmax, quantize_minmax
+from kvpack.resident.quant import quantize_minmax
 
 from .helpers import correlated_kv, tiny_llama
 

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.softmax_merge import dense_partial
+from ..attention.cpu import NATIVE_CHOICES, use_native
+from ..attention.quantized import QuantizedBlocks, kivi_partial, quantized_blocks_partials
 from ..config import MethodConfig, choice, integer, option
 from ..ops.accounting import dense_bf16_bytes
-from ..ops.bitpack import pack_bits, unpack_bits
+from ..ops.bitpack import pack_bits
 from ..registry import register_method
 from .base import LayerLayout
 from .segmented import SegmentedStore
@@ -37,7 +38,9 @@ class KIVIConfig(MethodConfig):
         bits: 2 or 4 (None: from ``budget``, else 2).
         group_size: tokens per key group / channels per value group (None: from ``budget``, else 32).
         residual: full-precision recent tokens (None: from ``budget``, else 128, KIVI's default).
-        tile_blocks: quantized blocks dequantized per attention tile.
+        tile_blocks: quantized blocks dequantized per attention tile (the PyTorch path).
+        attention_backend: ``auto`` (the native CPU kernel for CPU tensors where it is built, else
+            PyTorch), ``native`` or ``torch`` (the reference path).
     """
 
     bits: int | None = option(None, choice(2, 4, optional=True), "bits per code (none: from budget, else 2)")
@@ -45,6 +48,7 @@ class KIVIConfig(MethodConfig):
     residual: int | None = option(None, integer(minimum=0, optional=True),
                                   "full-precision recent tokens (none: from budget, else 128)")
     tile_blocks: int = option(64, integer(minimum=1), "quantized blocks dequantized per attention tile")
+    attention_backend: str = option("auto", choice(*NATIVE_CHOICES), "attention path for stored tokens")
 
 
 def quantize_minmax(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,10 +71,6 @@ def quantize_minmax(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor,
     safe = torch.where(scale > 0, scale.float(), torch.ones_like(step))
     codes = torch.round((xf - zero.float()) / safe).clamp(0, levels).to(torch.uint8)
     return codes, scale, zero
-
-
-def dequantize_minmax(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    return codes.float() * scale.float() + zero.float()
 
 
 def kivi_bytes_per_head(seq_len: int, bits: int, group: int, residual: int, head_dim: int, elem_bytes: int) -> int:
@@ -172,16 +172,27 @@ class KIVIStore(SegmentedStore):
             self.blocks[name] = t if name not in self.blocks else torch.cat([self.blocks[name], t], dim=1)
         self.n_blocks += n_new
 
+    def blocks_view(self) -> QuantizedBlocks:
+        """The quantized history as attention reads it (the store's tensors, in place)."""
+        bits, group, _ = self.params
+        b = self.blocks
+        empty = torch.empty(0, dtype=torch.uint8)
+        parts = [b[n] for n in ("kq", "ks", "kz", "vq", "vs", "vz")] if b else [empty] * 6
+        return QuantizedBlocks(*parts, bits=bits, group=group, value_group=min(group, self.layout.head_dim),
+                               head_dim=self.layout.head_dim, tile_blocks=self.config.tile_blocks)
+
     def dequantized(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of blocks ``[lo, hi)`` as ``[H, (hi - lo) * group, d]`` fp32."""
-        bits, group, _ = self.params
-        b, d, H = self.blocks, self.layout.head_dim, self.layout.kv_heads
-        vg = min(group, d)
-        k = dequantize_minmax(unpack_bits(b["kq"][:, lo:hi], bits, d), b["ks"][:, lo:hi], b["kz"][:, lo:hi])
-        v = dequantize_minmax(unpack_bits(b["vq"][:, lo:hi], bits, vg), b["vs"][:, lo:hi], b["vz"][:, lo:hi])
-        return k.reshape(H, -1, d), v.reshape(H, -1, d)
+        return self.blocks_view().dequantized(lo, hi)
+
+    @property
+    def attention_backend(self) -> str:
+        return self.config.attention_backend
+
+    def stored_partials(self, qg, scaling):
+        if self.params is not None and use_native(self.config.attention_backend, qg.device):
+            return [kivi_partial(self.blocks_view(), qg, scaling, (self.tail_k, self.tail_v))]
+        return super().stored_partials(qg, scaling)
 
     def history_partials(self, qg, scaling):
-        tile = self.config.tile_blocks
-        return [dense_partial(qg, *self.dequantized(lo, min(lo + tile, self.n_blocks)), scaling)
-                for lo in range(0, self.n_blocks, tile)]
+        return quantized_blocks_partials(self.blocks_view(), qg, scaling) if self.n_blocks else []

@@ -13,9 +13,9 @@ from abc import abstractmethod
 
 import torch
 
+from ..attention.dense import dense_state
 from ..attention.softmax_merge import (
     PartialAttention,
-    dense_partial,
     group_queries,
     prefill_attention,
 )
@@ -86,19 +86,20 @@ class SegmentedStore(LayerStore):
 
     @property
     def attention_backend(self) -> str:
-        """``auto`` / ``triton`` / ``torch`` (``kvpack.attention.triton.use_triton``): codecs with
-        Triton kernels return their config's choice; the rest compute in PyTorch."""
-        return "torch"
+        """The config's ``attention_backend`` (``auto`` / ``triton`` / ``native`` / ``torch``; see
+        ``kvpack.attention.triton.use_triton`` and ``kvpack.attention.cpu.use_native``); ``torch`` for
+        a config without one."""
+        return getattr(self.config, "attention_backend", "torch")
 
     def stored_partials(self, qg: torch.Tensor, scaling: float) -> list[PartialAttention]:
         """Partial states of grouped queries over everything stored: sink, history, tail (the
         PyTorch path; codecs with a fused kernel override it)."""
         states = []
         if self.sink_k.shape[1]:
-            states.append(dense_partial(qg, self.sink_k, self.sink_v, scaling))
+            states.append(dense_state(qg, self.sink_k, self.sink_v, scaling, self.attention_backend))
         states.extend(self.history_partials(qg, scaling))
         if self.tail_k.shape[1]:
-            states.append(dense_partial(qg, self.tail_k, self.tail_v, scaling))
+            states.append(dense_state(qg, self.tail_k, self.tail_v, scaling, self.attention_backend))
         return states
 
     def append(self, k, v, q=None, out=None) -> None:

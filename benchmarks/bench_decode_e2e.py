@@ -1,0 +1,176 @@
+"""End-to-end decode speed of every resident method beside transformers' own caches, in one run.
+
+SmolLM2 on CPU, a needle prompt of each length, greedy decoding of ``--new-tokens`` tokens through
+``model.generate`` (``min_new_tokens`` = ``max_new_tokens``, so every row decodes the same number of
+steps). Each row times every step (a streamer's timestamps): the prefill (prompt -> first token, the
+method's compression included) and each later decode step; it prints the median and the mean
+ms/token, the slowest step, and the median's ratio to transformers' ``DynamicCache`` measured in the
+same run (the baseline row, first at each length). Peers: ``DynamicCache`` (SDPA) and transformers'
+``QuantizedCache`` with the quanto backend at 4 and 2 bits (``pip install -e ".[bench]"``; skipped,
+with a line saying so, where optimum-quanto is missing). KV bytes are the bytes the cache's tensors
+hold ÷ the same tokens in bf16 (kvpack's rows; the peers' dense bytes are the model dtype's).
+
+``--torch-path`` adds, for each kvpack row whose method has an ``attention_backend``, the same row
+with ``attention_backend=torch`` (the PyTorch reference path), so the native kernels' gain is measured
+in the same run.
+
+Usage: python benchmarks/bench_decode_e2e.py [--lengths 2048,4096,8192] [--dtypes float32,bfloat16]
+    [--new-tokens 40] [--rows full,kivi@0.25,...] [--torch-path] [--json out.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from _util import machine  # noqa: E402
+from transformers.generation.streamers import BaseStreamer  # noqa: E402
+
+from kvpack import attach  # noqa: E402
+from kvpack.hf.cache import cache_kwargs  # noqa: E402
+from kvpack.hf.models import load_model  # noqa: E402
+from kvpack.methods import get_method  # noqa: E402
+from kvpack.prompts import needle_prompt  # noqa: E402
+
+# Every resident method at its default budget and at 0.25 (anchor's default θ is 0.1; puzzle also at
+# 0.6, the issue's row). "name" = default config; "name@b" = budget b.
+DEFAULT_ROWS = ("full", "puzzle", "puzzle@0.6", "puzzle@0.25", "puzzle_plus", "puzzle_plus@0.25", "anchor",
+                "anchor@0.25", "anchor_plus", "anchor_plus@0.25", "svd", "svd@0.25", "kivi", "kivi@0.25",
+                "streaming", "h2o", "snapkv")
+PEERS = ("dynamic", "quanto4", "quanto2")
+
+
+class StepTimes(BaseStreamer):
+    """Timestamps of generate's puts: the first is the prompt, the second the first new token (the
+    prefill ends there), each later one a decode step."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+        self.start = time.perf_counter()
+
+    def put(self, value):
+        self.stamps.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+    def prefill_s(self) -> float:
+        return self.stamps[1] - self.start
+
+    def steps_ms(self) -> list[float]:
+        return [(b - a) * 1e3 for a, b in zip(self.stamps[1:], self.stamps[2:])]
+
+
+def parse_row(row: str) -> tuple[str, dict]:
+    name, _, budget = row.partition("@")
+    return name, ({"budget": float(budget)} if budget else {})
+
+
+def quanto_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.quanto") is not None
+
+
+@torch.no_grad()
+def run_row(model, tok, ids, new_tokens: int, row: str, torch_path: bool) -> dict:
+    """Generate with the row's cache; returns the timings and bytes."""
+    from transformers import DynamicCache, QuantizedCache
+
+    times = StepTimes()
+    kv_ratio = None
+    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=times,
+               attention_mask=torch.ones_like(ids), pad_token_id=tok.pad_token_id)
+    if row in PEERS:
+        if row == "dynamic":
+            cache = DynamicCache(config=model.config)
+        else:
+            cache = QuantizedCache(backend="quanto", config=model.config, nbits=int(row[-1]))
+        times.start = time.perf_counter()
+        out = model.generate(ids, **gen, **cache_kwargs(model, cache))
+        if row == "dynamic":
+            kv_ratio = model.dtype.itemsize / 2
+    else:
+        name, cfg = parse_row(row)
+        if torch_path:
+            cfg["attention_backend"] = "torch"
+        times.start = time.perf_counter()
+        with attach(model, name, **cfg) as cache:
+            out = model.generate(ids, **gen, **cache_kwargs(model, cache))
+        kv_ratio = cache.kv_bytes() / cache.dense_kv_bytes()
+    steps = times.steps_ms()
+    return {"row": row + (" [torch path]" if torch_path else ""), "prefill_s": times.prefill_s(),
+            "median_ms": statistics.median(steps), "mean_ms": statistics.fmean(steps), "max_ms": max(steps),
+            "kv_ratio": kv_ratio, "new_tokens": out.shape[1] - ids.shape[1], "text_ids": out[0, ids.shape[1]:].tolist()}
+
+
+def has_backend(row: str) -> bool:
+    name, _ = parse_row(row)
+    return name not in PEERS and hasattr(get_method(name).config, "attention_backend")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="2048,4096,8192")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--new-tokens", type=int, default=40)
+    parser.add_argument("--rows", default=",".join(PEERS + DEFAULT_ROWS),
+                        help="comma-separated rows: dynamic, quanto4, quanto2, METHOD or METHOD@BUDGET")
+    parser.add_argument("--torch-path", action="store_true", help="also each kvpack row on the PyTorch path")
+    parser.add_argument("--json", help="append every row as a JSON line to this file")
+    args = parser.parse_args()
+    rows = [r for r in args.rows.split(",") if r]
+    if "dynamic" in rows:  # the baseline runs first at each length
+        rows.remove("dynamic")
+    rows.insert(0, "dynamic")
+    if not quanto_available() and any(r.startswith("quanto") for r in rows):
+        print("# optimum-quanto is not installed (pip install -e '.[bench]'): QuantizedCache rows skipped")
+        rows = [r for r in rows if not r.startswith("quanto")]
+    from kvpack.attention.cpu import native
+
+    lib = native()  # built before any row is timed (a first build takes about a minute)
+    print(f"# bench_decode_e2e ({machine()}), {args.new_tokens} new tokens per row; native CPU kernels: "
+          f"{'built' if lib is not None else 'unavailable (PyTorch path)'}")
+    for dtype_name in args.dtypes.split(","):
+        model, tok = load_model("smollm2", dtype=getattr(torch, dtype_name))
+        for n in map(int, args.lengths.split(",")):
+            prompt, _ = needle_prompt(tok, n, 0.5, seed=0)
+            ids = tok(prompt, return_tensors="pt").input_ids
+            print(f"\n## {dtype_name}, {ids.shape[1]} prompt tokens")
+            print(f"{'cache':<32}{'prefill s':>10}{'ms/token':>10}{'mean':>8}{'slowest':>9}{'vs Dynamic':>12}"
+                  f"{'KV / bf16':>11}")
+            base = None
+            warm_ids = ids[:, :1024]  # every row once on a short prompt first: one-time builds and caches not timed
+            plan = [(r, False) for r in rows] + [(r, True) for r in rows if args.torch_path and has_backend(r)]
+            for row, torch_path in plan:
+                try:
+                    run_row(model, tok, warm_ids, 2, row, torch_path)
+                    res = run_row(model, tok, ids, args.new_tokens, row, torch_path)
+                except Exception as exc:  # a row that cannot run says why; the others go on
+                    print(f"{row:<32} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                    continue
+                if base is None:
+                    base = res
+                res.update(dtype=dtype_name, prompt_tokens=ids.shape[1],
+                           same_tokens=res["text_ids"] == base["text_ids"], ratio=res["median_ms"] / base["median_ms"])
+                kv = "—" if res["kv_ratio"] is None else f"{res['kv_ratio']:.3f}"
+                print(f"{res['row']:<32}{res['prefill_s']:>10.2f}{res['median_ms']:>10.1f}{res['mean_ms']:>8.1f}"
+                      f"{res['max_ms']:>9.1f}{res['ratio']:>11.2f}x{kv:>11}", flush=True)
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps({k: v for k, v in res.items() if k != "text_ids"}) + "\n")
+        del model
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

@@ -1,0 +1,278 @@
+// Pieces every kvpack CPU decode kernel shares: element loads, a vectorisable exp, the online-softmax
+// state of a block of query rows, and the split-K driver over (KV head x split) on torch's own pool.
+//
+// Layout conventions (as the Triton kernels): grouped queries q [H, M, D] fp32 contiguous (M = GQA
+// group x queries); every kernel returns the merged softmax state m, l [H, M], o [H, M, D] fp32 over
+// what it read (m = -inf, l = 0, o = 0 for rows that saw no key).
+//
+// Numerics: fp32 accumulation; inputs fp32 / bf16 / fp16 are widened on load. exp is a degree-6
+// polynomial on 2^frac (relative error < 3e-7 on [-87, 0], the range the online softmax feeds it;
+// 0 below -87), written as a plain loop so the compiler vectorises it (no -ffast-math: the -inf
+// of rows that saw no key must stay -inf).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace kvpack {
+
+using State = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) {  // bf16 is the top half of an fp32
+  uint32_t bits = uint32_t(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline float widen(c10::Half x) {
+#if defined(__F16C__)
+  return _cvtsh_ss(x.x);
+#else
+  return static_cast<float>(x);
+#endif
+}
+
+template <typename T>
+inline void widen_row(const T* __restrict src, float* __restrict dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
+}
+
+// Dot product with one vector accumulator and one horizontal sum (the compiler's own `omp simd`
+// reduction ends in a serial chain of scalar adds, measured as the hot spot of the first kernels).
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  int64_t i = 0;
+  float acc = 0.f;
+#if defined(__AVX512F__)
+  __m512 v = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), v);
+  acc = _mm512_reduce_add_ps(v);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 v = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), v);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  acc = _mm_cvtss_f32(h);
+#endif
+  for (; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// Sum of n floats (same reason as dot).
+inline float sum(const float* __restrict a, int64_t n) {
+  int64_t i = 0;
+  float acc = 0.f;
+#if defined(__AVX512F__)
+  __m512 v = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) v = _mm512_add_ps(_mm512_loadu_ps(a + i), v);
+  acc = _mm512_reduce_add_ps(v);
+#endif
+  for (; i < n; ++i) acc += a[i];
+  return acc;
+}
+
+// y += a * x
+inline void axpy(float a, const float* __restrict x, float* __restrict y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+inline float exp_approx(float x) {
+  // e^x = 2^i * 2^f with i = round(x log2 e), f in [-1/2, 1/2]; 2^f = e^(f ln 2) by its Taylor series to
+  // degree 6 (truncation error (ln 2 / 2)^7 / 7! < 1.3e-7 relative).
+  const float t = std::max(x, -87.f) * 1.4426950408889634f;
+  const float fi = std::floor(t + 0.5f);
+  const float g = (t - fi) * 0.6931471805599453f;
+  float p = 1.f / 720.f;
+  p = p * g + 1.f / 120.f;
+  p = p * g + 1.f / 24.f;
+  p = p * g + 1.f / 6.f;
+  p = p * g + 0.5f;
+  p = p * g + 1.f;
+  p = p * g + 1.f;
+  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return x < -87.f ? 0.f : p * scale;
+}
+
+// x[i] = exp(x[i] - shift)
+inline void exp_shifted(float* __restrict x, float shift, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 sh = _mm512_set1_ps(shift), lo = _mm512_set1_ps(-87.f), log2e = _mm512_set1_ps(1.4426950408889634f),
+               ln2 = _mm512_set1_ps(0.6931471805599453f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_sub_ps(_mm512_loadu_ps(x + i), sh);
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(v, lo), log2e);
+    const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 g = _mm512_mul_ps(_mm512_sub_ps(t, fi), ln2);
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f));
+    const __m512 r = _mm512_scalef_ps(p, fi);  // p * 2^fi
+    _mm512_storeu_ps(x + i, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, lo, _CMP_GE_OQ), r));
+  }
+#endif
+  for (; i < n; ++i) x[i] = exp_approx(x[i] - shift);
+}
+
+inline float max_of(const float* __restrict x, int64_t n) {
+  int64_t i = 0;
+  float best = NEG_INF;
+#if defined(__AVX512F__)
+  __m512 v = _mm512_set1_ps(NEG_INF);
+  for (; i + 16 <= n; i += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(x + i));
+  best = _mm512_reduce_max_ps(v);
+#endif
+  for (; i < n; ++i) best = std::max(best, x[i]);
+  return best;
+}
+
+// The online-softmax state of M query rows (head_dim D) over the keys folded in so far.
+struct RowsState {
+  int64_t M, D;
+  std::vector<float> m, l, o;  // [M], [M], [M, D]
+  RowsState(int64_t M_, int64_t D_) : M(M_), D(D_), m(M_, NEG_INF), l(M_, 0.f), o(M_ * D_, 0.f) {}
+
+  // Fold a block of scaled logits s [M, B] (row stride `stride`) in: on return s holds the
+  // unnormalised probabilities exp(s - m_new) and the outputs are rescaled to the new maxima; the
+  // caller then adds p @ values into o.
+  void absorb(float* s, int64_t B, int64_t stride) {
+    for (int64_t i = 0; i < M; ++i) {
+      float* row = s + i * stride;
+      const float m_new = std::max(m[i], max_of(row, B));
+      if (m_new == NEG_INF) {  // nothing seen yet (cannot happen for finite logits)
+        std::fill(row, row + B, 0.f);
+        continue;
+      }
+      const float alpha = m[i] == NEG_INF ? 0.f : exp_approx(m[i] - m_new);
+      exp_shifted(row, m_new, B);
+      l[i] = l[i] * alpha + sum(row, B);
+      if (alpha != 1.f) {
+        float* oi = o.data() + i * D;
+#pragma omp simd
+        for (int64_t c = 0; c < D; ++c) oi[c] *= alpha;
+      }
+      m[i] = m_new;
+    }
+  }
+};
+
+// Runs body(h, s, state) for every (KV head h, split s) on torch's intra-op pool and merges the splits'
+// states by log-sum-exp into m, l [H, M], o [H, M, D].
+template <typename Body>
+State split_k(int64_t H, int64_t n_splits, int64_t M, int64_t D, const at::TensorOptions& opts, Body&& body) {
+  auto m = at::full({H, M}, NEG_INF, opts);
+  auto l = at::zeros({H, M}, opts);
+  auto o = at::zeros({H, M, D}, opts);
+  if (n_splits == 0 || H == 0 || M == 0) return {m, l, o};
+  std::vector<float> sm(H * n_splits * M), sl(H * n_splits * M), so(H * n_splits * M * D);
+  at::parallel_for(0, H * n_splits, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t h = job / n_splits, s = job % n_splits;
+      RowsState st(M, D);
+      body(h, s, st);
+      std::copy(st.m.begin(), st.m.end(), sm.begin() + job * M);
+      std::copy(st.l.begin(), st.l.end(), sl.begin() + job * M);
+      std::copy(st.o.begin(), st.o.end(), so.begin() + job * M * D);
+    }
+  });
+  float* pm = m.data_ptr<float>();
+  float* pl = l.data_ptr<float>();
+  float* po = o.data_ptr<float>();
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t i = 0; i < M; ++i) {
+      float mx = NEG_INF;
+      for (int64_t s = 0; s < n_splits; ++s) mx = std::max(mx, sm[(h * n_splits + s) * M + i]);
+      if (mx == NEG_INF) continue;
+      float lsum = 0.f;
+      float* out = po + (h * M + i) * D;
+      for (int64_t s = 0; s < n_splits; ++s) {
+        const int64_t r = (h * n_splits + s) * M + i;
+        if (sm[r] == NEG_INF) continue;
+        const float w = std::exp(sm[r] - mx);
+        lsum += sl[r] * w;
+        axpy(w, so.data() + r * D, out, D);
+      }
+      pm[h * M + i] = mx;
+      pl[h * M + i] = lsum;
+    }
+  }
+  return {m, l, o};
+}
+
+// Scores of M rows q [M, D] against `n` keys given as fp32 rows k [n, D]: s[i * stride + t].
+inline void scores_block(const float* q, const float* k, int64_t M, int64_t n, int64_t D, float scaling, float* s,
+                         int64_t stride) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < M; ++i) s[i * stride + t] = dot(q + i * D, k + t * D, D) * scaling;
+}
+
+// o [M, D] += p [M, n] (row stride `stride`) @ v [n, D] (fp32 rows).
+inline void accumulate_values(const float* p, int64_t stride, const float* v, int64_t M, int64_t n, int64_t D,
+                              float* o) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < M; ++i) axpy(p[i * stride + t], v + t * D, o + i * D, D);
+}
+
+// Fold dense tokens [t0, t1) of k, v [T, D] (one head, element type T_) into the state, BT at a time.
+template <typename E>
+void dense_tokens(const float* q, const E* k, const E* v, int64_t t0, int64_t t1, int64_t D, float scaling,
+                  RowsState& st) {
+  constexpr int64_t BT = 32;
+  std::vector<float> kb(BT * D), vb(BT * D), s(st.M * BT);
+  for (int64_t a = t0; a < t1; a += BT) {
+    const int64_t n = std::min(BT, t1 - a);
+    widen_row(k + a * D, kb.data(), n * D);
+    scores_block(q, kb.data(), st.M, n, D, scaling, s.data(), BT);
+    st.absorb(s.data(), n, BT);
+    widen_row(v + a * D, vb.data(), n * D);
+    accumulate_values(s.data(), BT, vb.data(), st.M, n, D, st.o.data());
+  }
+}
+
+inline void check_queries(const at::Tensor& q) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(),
+              "kvpack CPU kernels take grouped queries [H, M, D] as contiguous fp32 CPU tensors, got ",
+              q.scalar_type(), " ", q.sizes());
+}
+
+inline void check_dense(const at::Tensor& t, const at::Tensor& q, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.dim() == 3 && t.size(0) == q.size(0) &&
+                  t.size(2) == q.size(2),
+              name, " must be a contiguous CPU tensor [H=", q.size(0), ", T, D=", q.size(2), "], got ", t.sizes());
+}
+
+// Calls f with a typed null pointer of t's element type (fp32 / bf16 / fp16).
+template <typename F>
+void with_dtype(const at::Tensor& t, const char* name, F&& f) {
+  switch (t.scalar_type()) {
+    case at::kFloat: f(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: f(static_cast<c10::BFloat16*>(nullptr)); break;
+    case at::kHalf: f(static_cast<c10::Half*>(nullptr)); break;
+    default: TORCH_CHECK(false, name, ": expected float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+}
+
+// Splits of `n` items, `per` at a time.
+inline int64_t n_chunks(int64_t n, int64_t per) { return per > 0 ? (n + per - 1) / per : 0; }
+
+}  // namespace kvpack

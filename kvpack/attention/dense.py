@@ -1,0 +1,49 @@
+"""Attention over dense keys/values as one custom op, ``kvpack::dense_attention``.
+
+Its default implementation is the PyTorch path (:func:`softmax_merge.dense_partial`); its CPU kernel
+is native code (``kvpack/attention/cpu/csrc/dense.cpp``: split-K over the tokens, keys and values
+widened to fp32 a tile at a time, never a converted copy of the whole region). Stores call
+:func:`dense_state` with their ``attention_backend``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cpu
+from .softmax_merge import PartialAttention, dense_partial
+
+TOKENS_PER_SPLIT = 512  # dense tokens per (head, split) job of the native kernel
+
+
+@torch.library.custom_op("kvpack::dense_attention", mutates_args=())
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                    tokens_per_split: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax state ``(m [H, M], l [H, M], o [H, M, D])`` fp32 of grouped queries ``q [H, M, D]`` over
+    dense ``k, v [H, T, D]`` (fp32/bf16/fp16). Default implementation: the PyTorch path."""
+    st = dense_partial(q, k, v, scaling)
+    return st.m.float(), st.l.float(), st.o.float()
+
+
+@dense_attention.register_fake
+def _(q, k, v, scaling, tokens_per_split):
+    H, M, D = q.shape
+    return q.new_empty(H, M), q.new_empty(H, M), q.new_empty(H, M, D)
+
+
+@dense_attention.register_kernel("cpu")
+def _(q, k, v, scaling, tokens_per_split):
+    lib = cpu.native()
+    if lib is None:
+        st = dense_partial(q, k, v, scaling)
+        return st.m, st.l, st.o
+    return lib.dense_attention(q, k.contiguous(), v.contiguous(), scaling, tokens_per_split)
+
+
+def dense_state(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, backend: str = "auto",
+                ) -> PartialAttention:
+    """State of grouped queries ``qg [H, M, d]`` over dense ``k, v [H, T, d]``: the native kernel where
+    ``backend`` picks it for these tensors (``cpu.use_native``), the PyTorch path otherwise."""
+    if qg.dtype != torch.float64 and cpu.use_native(backend, qg.device):
+        return PartialAttention(*dense_attention(qg.float().contiguous(), k, v, float(scaling), TOKENS_PER_SPLIT))
+    return dense_partial(qg, k, v, scaling)
