@@ -115,16 +115,16 @@ def build_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
         raise ValueError('kvtc serde: "calibration" (a directory written by `kvpack calibrate --key-rope post`) '
                          "is required")
     fused_order = str(kwargs.get("fused_order", "vllm_cpu"))
-    # The same test vLLM makes before choosing its AMX kernels (vllm/v1/attention/backends/cpu_attn.py).
-    if fused_order == "vllm_cpu" and torch.cpu._is_amx_tile_supported():
-        raise ValueError("kvtc serde: this CPU has AMX, where vLLM's CPU kernels lay KV blocks out in a way the "
-                         "vllm_cpu order does not describe (it is the AVX-512 'vec' layout)")
     key = store_key()
     if kwargs.get("require_mac", False) not in (True, False):
         raise ValueError(f'kvtc serde: "require_mac" must be true or false, got {kwargs["require_mac"]!r}')
     if kwargs.get("require_mac", False) and key is None:
         raise ValueError(f'kvtc serde: "require_mac" is set but {KEY_ENV} is not (the MAC key, 16+ bytes, the same '
                          "in every process sharing the store)")
+    # The same test vLLM makes before choosing its AMX kernels (vllm/v1/attention/backends/cpu_attn.py).
+    if fused_order == "vllm_cpu" and torch.cpu._is_amx_tile_supported():
+        raise ValueError("kvtc serde: this CPU has AMX, where vLLM's CPU kernels lay KV blocks out in a way the "
+                         "vllm_cpu order does not describe (it is the AVX-512 'vec' layout)")
     codec = ChunkCodec(load_calibration(kwargs["calibration"]), float(kwargs.get("ratio", 16)),
                        fused_order=fused_order, exact_tokens=int(kwargs.get("exact_tokens", 4)), mac_key=key)
     align = int(kwargs.get("align", DEFAULT_ALIGN))

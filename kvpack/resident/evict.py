@@ -24,9 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention.cpu import NATIVE_CHOICES
+from ..attention.dense import dense_state
 from ..attention.scores import accumulated_attention, observation_scores
-from ..attention.softmax_merge import attend_history_and_chunk, dense_partial, group_queries, prefill_attention
-from ..config import MethodConfig, boolean, integer, number, option
+from ..attention.softmax_merge import attend_history_and_chunk, group_queries, prefill_attention
+from ..config import MethodConfig, boolean, choice, integer, number, option
 from ..ops.accounting import dense_bf16_bytes
 from ..registry import register_method
 from .base import LayerLayout, LayerStore
@@ -39,10 +41,13 @@ class EvictionConfig(MethodConfig):
     Attributes:
         budget: fraction of the prompt's dense bytes kept (required; default 0.25).
         score_chunk: query rows per chunk when computing attention statistics.
+        attention_backend: ``auto`` (the native CPU kernel for CPU tensors where it is built, else
+            PyTorch), ``native`` or ``torch``.
     """
 
     budget: float | None = option(0.25, number(0.0, 1.0, low_open=True), "fraction of the prompt's dense bytes kept")
     score_chunk: int = option(256, integer(minimum=1), "query rows per chunk of attention statistics")
+    attention_backend: str = option("auto", choice(*NATIVE_CHOICES), "attention path for the kept tokens")
 
 
 class EvictionStore(LayerStore):
@@ -76,7 +81,7 @@ class EvictionStore(LayerStore):
         if self.seq_len == 0:
             return prefill_attention(q, k, v, scaling)
         qg = group_queries(q, self.layout.kv_heads)
-        history = [dense_partial(qg, self.k, self.v, scaling)]
+        history = [dense_state(qg, self.k, self.v, scaling, self.config.attention_backend)]
         return attend_history_and_chunk(history, qg, k, v, scaling, self.layout.q_heads)[0].to(q.dtype)
 
     def append(self, k, v, q=None, out=None):

@@ -38,7 +38,8 @@ class FullStore(LayerStore):
     ``DynamicCache`` concatenates every step; the first FullKV did it twice, in ``attend`` and in
     ``append``, and decoded 1.2-1.4x slower). ``attend`` writes the chunk into the buffer and reads a
     view of it; the ``append`` that follows for the same chunk only counts it. The bytes reported
-    are the whole buffer's: at most ``GROW_TOKENS - 1`` reserved tokens beyond the stored ones.
+    are the whole buffer's: exactly the stored tokens after the first chunk (a prefill), then at most
+    ``GROW_TOKENS - 1`` reserved tokens beyond them while decoding.
     """
 
     Config = FullConfig
@@ -66,7 +67,8 @@ class FullStore(LayerStore):
         """Write the chunk at ``[seq_len, seq_len + n)`` of the buffer, growing it when full."""
         end = self.seq_len + k.shape[1]
         if end > self.k_buf.shape[1]:
-            capacity = -(-end // GROW_TOKENS) * GROW_TOKENS
+            # The first chunk (a prefill) gets exactly its size; later growth rounds up to GROW_TOKENS.
+            capacity = end if not self.seq_len else -(-end // GROW_TOKENS) * GROW_TOKENS
             shape = (self.layout.kv_heads, capacity, self.layout.head_dim)
             k_buf = torch.empty(shape, dtype=self.storage_dtype, device=k.device)
             v_buf = torch.empty(shape, dtype=self.storage_dtype, device=k.device)

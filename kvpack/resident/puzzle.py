@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention.cpu import use_native
 from ..attention.pages import PageSet, PuzzlePages, puzzle_pages_partials
 from ..attention.triton import KERNEL_CHOICES, use_triton
 from ..attention.triton.puzzle_op import puzzle_partial
@@ -55,8 +56,9 @@ class PuzzleConfig(MethodConfig):
         int4: quantize the factors to symmetric INT4 with Σ^½ absorbed into both (paper §4.3).
         tile_pages: factorized pages processed per attention tile (bounds transient memory).
         attention_backend: attention path for stored tokens: ``auto`` (the Triton kernel for CUDA tensors when
-            Triton is installed, else PyTorch), ``triton`` (always; CPU only under
-            ``TRITON_INTERPRET=1``) or ``torch``.
+            Triton is installed, the native CPU kernel for CPU tensors where it is built, else PyTorch),
+            ``triton`` (always; CPU only under ``TRITON_INTERPRET=1``), ``native`` (the CPU kernel) or
+            ``torch`` (the reference).
         budget: when set, the ranks are chosen per input as the largest pair whose total bytes
             (factors and dense regions, for the coming page cycle) stay within ``budget × dense``.
     """
@@ -324,8 +326,11 @@ class PuzzleStore(SegmentedStore):
         return self.config.attention_backend
 
     def stored_partials(self, qg, scaling):
-        if use_triton(self.config.attention_backend, qg.device):
+        backend = self.config.attention_backend
+        if use_triton(backend, qg.device):
             return [puzzle_partial(self.pages_view(), qg, scaling)]
+        if use_native(backend, qg.device):
+            return [puzzle_partial(self.pages_view(), qg, scaling, native=True)]
         return super().stored_partials(qg, scaling)
 
     def history_partials(self, qg, scaling):

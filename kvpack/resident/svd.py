@@ -5,7 +5,9 @@ window as PuzzleKV, and between them a single truncated SVD per KV head for keys
 values, ``X ≈ U_r (Σ_r W_rᵀ)``, with the rank chosen per input so that the total — factors plus
 dense regions — meets the budget (the paper's ρ_global = r (S + d) / (S d)). Keys post-RoPE.
 Compression happens once, at the end of prefill; generated tokens stay in the dense tail.
-Attention reads the factors like one long PuzzleKV page (``kvpack.attention.pages``).
+Attention reads the factors like one long PuzzleKV page (``kvpack.attention.pages``); the native
+CPU path is dense attention in rank space: logits ``(q B_Kᵀ) · U_K[t]``, output ``(Σ_t p_t U_V[t]) B_V``
+(``kvpack::dense_attention`` over ``U_K``, ``U_V`` with the query projected once per step).
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention.cpu import NATIVE_CHOICES, use_native
+from ..attention.dense import dense_state
 from ..attention.pages import factorized_pages_partial
-from ..config import MethodConfig, integer, number, option
+from ..attention.softmax_merge import PartialAttention
+from ..config import MethodConfig, choice, integer, number, option
 from ..ops.accounting import dense_bf16_bytes
 from ..registry import register_method
 from .base import LayerLayout
@@ -26,13 +31,15 @@ from .segmented import SegmentedStore
 @dataclass
 class SVDConfig(MethodConfig):
     """Attributes: budget (default 0.6); page_size: the sink and window unit, as PuzzleKV (32);
-    sink_pages, window_pages: dense pages at the start and the end (1 and 1)."""
+    sink_pages, window_pages: dense pages at the start and the end (1 and 1); attention_backend:
+    ``auto`` (the native CPU kernel for CPU tensors where it is built), ``native`` or ``torch``."""
 
     budget: float | None = option(0.6, number(0.0, 1.0, low_open=True),
                                   "fraction of the dense bf16 bytes (picks the rank)")
     page_size: int = option(32, integer(minimum=1), "the sink and window unit, as PuzzleKV")
     sink_pages: int = option(1, integer(minimum=0), "dense pages at the start")
     window_pages: int = option(1, integer(minimum=0), "dense pages at the end")
+    attention_backend: str = option("auto", choice(*NATIVE_CHOICES), "attention path for stored tokens")
 
 
 def svd_rank_for_budget(seq_len: int, compressed: int, head_dim: int, budget: float, elem_bytes: int) -> int:
@@ -88,6 +95,10 @@ class SVDStore(SegmentedStore):
         if not self.factors:
             return []
         f = self.factors
+        if qg.dtype != torch.float64 and use_native(self.config.attention_backend, qg.device):
+            q_rank = torch.einsum("hmd,hrd->hmr", qg.float(), f["bk"].float()).contiguous()  # q B_Kᵀ [H, M, r]
+            st = dense_state(q_rank, f["uk"], f["uv"], scaling, "native")
+            return [PartialAttention(st.m, st.l, torch.einsum("hmr,hrd->hmd", st.o, f["bv"].float()))]
         # The whole compressed region as a single "page" of n tokens.
         return [factorized_pages_partial(qg, f["uk"][:, None], f["bk"][:, None], f["uv"][:, None], f["bv"][:, None],
                                          scaling)]

@@ -3,7 +3,9 @@
 Kernels run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (how CI checks them).
 Importing this package never imports Triton; :func:`triton_available` says whether it can be used.
 Codecs choose with their ``attention_backend`` setting: ``auto`` (Triton for CUDA tensors when Triton is
-installed, PyTorch otherwise), ``triton`` (always; on CPU only under the interpreter) or ``torch``.
+installed, the native CPU kernels for CPU tensors where they are built, PyTorch otherwise), ``triton``
+(always; on CPU only under the interpreter), ``native`` (the CPU kernels, ``kvpack.attention.cpu``) or
+``torch`` (the reference path).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from ..softmax_merge import attend_history_and_chunk, dense_partial
 
-KERNEL_CHOICES = ("auto", "triton", "torch")
+KERNEL_CHOICES = ("auto", "triton", "native", "torch")
 
 
 _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # looked up once, without importing it
@@ -36,7 +38,7 @@ def use_triton(choice: str, device: torch.device) -> bool:
         ValueError: ``choice == "triton"`` where Triton cannot run (not installed, or CPU tensors
             without ``TRITON_INTERPRET=1``).
     """
-    if choice == "torch":
+    if choice in ("torch", "native"):
         return False
     runnable = triton_installed() and (device.type == "cuda" or interpreter_on())
     if choice == "triton":

@@ -1,8 +1,10 @@
 """The PuzzleKV decode kernel as a PyTorch custom op (``kvpack::puzzle_attention``), plus its launcher.
 
 Registered with ``torch.library.custom_op`` and a fake (meta) implementation, so ``torch.compile``
-traces around the Triton launch. :func:`puzzle_partial` is what ``PuzzleStore`` calls with its
-:class:`PuzzlePages` view: it returns
+traces around the Triton launch. One schema, two backends: the Triton kernel (CUDA tensors; CPU
+tensors under ``TRITON_INTERPRET=1``, called directly) and the native CPU kernel
+(``kvpack/attention/cpu/csrc/puzzle.cpp``), registered as the op's ``cpu`` kernel.
+:func:`puzzle_partial` is what ``PuzzleStore`` calls with its :class:`PuzzlePages` view: it returns
 the merged softmax state of the grouped queries over the layer's sink, factorized pages and tail.
 """
 
@@ -12,13 +14,13 @@ import math
 
 import torch
 
+from .. import cpu
 from ..pages import PageSet, PuzzlePages
 from ..softmax_merge import PartialAttention
 from ._launch import ROW_BLOCK, empty_state, kernel_arg, launch, pow2, row_blocks, split_state_buffers
 
 
-@torch.library.custom_op("kvpack::puzzle_attention", mutates_args=())
-def puzzle_attention(
+def _triton_puzzle_attention(
     q: torch.Tensor, lk: torch.Tensor, rk: torch.Tensor, lv: torch.Tensor, rv: torch.Tensor,
     lks: torch.Tensor, rks: torch.Tensor, lvs: torch.Tensor, rvs: torch.Tensor,
     lk2: torch.Tensor, rk2: torch.Tensor, lv2: torch.Tensor, rv2: torch.Tensor,
@@ -69,6 +71,32 @@ def puzzle_attention(
     return merge_splits(m, l, o)  # one more launch (flash-decoding's reduction)
 
 
+@torch.library.custom_op("kvpack::puzzle_attention", mutates_args=())
+def puzzle_attention(
+    q: torch.Tensor, lk: torch.Tensor, rk: torch.Tensor, lv: torch.Tensor, rv: torch.Tensor,
+    lks: torch.Tensor, rks: torch.Tensor, lvs: torch.Tensor, rvs: torch.Tensor,
+    lk2: torch.Tensor, rk2: torch.Tensor, lv2: torch.Tensor, rv2: torch.Tensor,
+    lks2: torch.Tensor, rks2: torch.Tensor, lvs2: torch.Tensor, rvs2: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor,
+    tail_k: torch.Tensor, tail_v: torch.Tensor,
+    page_size: int, rank_k: int, rank_v: int, scaling: float, int4: bool, pre_rope: bool, first_position: int,
+    pages_per_split: int, tokens_per_split: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax state over a PuzzleKV layer (arguments: :func:`_triton_puzzle_attention`); the Triton
+    kernel by default, the native kernel for CPU tensors."""
+    return _triton_puzzle_attention(q, lk, rk, lv, rv, lks, rks, lvs, rvs, lk2, rk2, lv2, rv2, lks2, rks2, lvs2, rvs2,
+                                    cos, sin, sink_k, sink_v, tail_k, tail_v, page_size, rank_k, rank_v, scaling,
+                                    int4, pre_rope, first_position, pages_per_split, tokens_per_split)
+
+
+@puzzle_attention.register_kernel("cpu")
+def _(*args):
+    lib = cpu.native()
+    if lib is None:  # only reached under TRITON_INTERPRET=1 where use_native said no: the interpreter
+        return _triton_puzzle_attention(*args)
+    return lib.puzzle_attention(*args)
+
+
 @puzzle_attention.register_fake
 def _(q, lk, rk, lv, rv, lks, rks, lvs, rvs, lk2, rk2, lv2, rv2, lks2, rks2, lvs2, rvs2, cos, sin, sink_k, sink_v,
       tail_k, tail_v, page_size, rank_k, rank_v, scaling, int4, pre_rope, first_position, pages_per_split,
@@ -79,17 +107,19 @@ def _(q, lk, rk, lv, rv, lks, rks, lvs, rvs, lk2, rk2, lv2, rv2, lks2, rks2, lvs
 
 
 def puzzle_partial(pages: PuzzlePages, qg: torch.Tensor, scaling: float, pages_per_split: int | None = None,
-                   tokens_per_split: int = 256) -> PartialAttention:
+                   tokens_per_split: int = 256, native: bool = False) -> PartialAttention:
     """Merged state of ``qg [kv_heads, rows, d]`` over everything a PuzzleKV store holds (its
     :class:`PuzzlePages` view), read in place: no per-step copy of the factors or of RoPE rows.
 
     Args:
         pages_per_split: factorized pages per program (default: about 32 programs per KV head).
         tokens_per_split: dense tokens per program.
+        native: run the op's native CPU kernel (CPU tensors); otherwise the Triton kernel (on CPU
+            tensors: the interpreter, called directly rather than through the op's CPU kernel).
     """
     d = pages.head_dim
     pre_rope = pages.rope is not None
-    if pre_rope and d % 4:
+    if pre_rope and d % 4 and not native:
         raise ValueError(f"the Triton PuzzleKV kernel needs head_dim % 4 == 0 for pre-RoPE keys, got {d}")
     if len(pages.sets) > 2:
         raise ValueError(f"the Triton PuzzleKV kernel reads at most two page sets, got {len(pages.sets)}")
@@ -108,7 +138,8 @@ def puzzle_partial(pages: PuzzlePages, qg: torch.Tensor, scaling: float, pages_p
     if N and pre_rope:
         cos, sin = pages.rope.table(first + N * P, qg.device)
     pps = pages_per_split or max(1, math.ceil(N / 32))  # the recent set (<= max(8, √N) pages) adds a few
-    m, l, o = puzzle_attention(qg.float(), *mats, cos, sin, pages.sink_k, pages.sink_v, pages.tail_k, pages.tail_v,
+    op = puzzle_attention if native or qg.device.type != "cpu" else _triton_puzzle_attention
+    m, l, o = op(qg.float().contiguous(), *mats, cos, sin, pages.sink_k, pages.sink_v, pages.tail_k, pages.tail_v,
                                P, pages.rank_k, pages.rank_v, float(scaling), pages.int4, pre_rope, first, pps,
                                tokens_per_split)
     return PartialAttention(m=m, l=l, o=o)

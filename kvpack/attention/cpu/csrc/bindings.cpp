@@ -9,9 +9,18 @@ State kivi_attention(const at::Tensor& q, const at::Tensor& kq, const at::Tensor
                      const at::Tensor& vq, const at::Tensor& vs, const at::Tensor& vz, const at::Tensor& tail_k,
                      const at::Tensor& tail_v, int64_t bits, int64_t group, int64_t value_group, double scaling,
                      int64_t blocks_per_split, int64_t tokens_per_split);
+State puzzle_attention(const at::Tensor& q, const at::Tensor& lk, const at::Tensor& rk, const at::Tensor& lv,
+                       const at::Tensor& rv, const at::Tensor& lks, const at::Tensor& rks, const at::Tensor& lvs,
+                       const at::Tensor& rvs, const at::Tensor& lk2, const at::Tensor& rk2, const at::Tensor& lv2,
+                       const at::Tensor& rv2, const at::Tensor& lks2, const at::Tensor& rks2, const at::Tensor& lvs2,
+                       const at::Tensor& rvs2, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& sink_k,
+                       const at::Tensor& sink_v, const at::Tensor& tail_k, const at::Tensor& tail_v, int64_t page_size,
+                       int64_t rank_k, int64_t rank_v, double scaling, bool int4, bool pre_rope, int64_t first_position,
+                       int64_t pages_per_split, int64_t tokens_per_split);
 }  // namespace kvpack
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_attention", &kvpack::dense_attention, "softmax state of grouped queries over dense K/V");
+  m.def("puzzle_attention", &kvpack::puzzle_attention, "softmax state over a PuzzleKV layer's pages, sink, tail");
   m.def("kivi_attention", &kvpack::kivi_attention, "softmax state over KIVI's quantized blocks and residual");
 }

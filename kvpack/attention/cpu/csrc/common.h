@@ -50,16 +50,48 @@ inline void widen_row(const T* __restrict src, float* __restrict dst, int64_t n)
   for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
 }
 
-// Dot product with one vector accumulator and one horizontal sum (the compiler's own `omp simd`
-// reduction ends in a serial chain of scalar adds, measured as the hot spot of the first kernels).
+// Dot product, sum and y += a x. With AVX-512 the last partial vector is a masked load, so a short
+// row (a rank of 12, a page of 32 tokens) costs one or two vector operations and no scalar epilogue;
+// the compiler's own `omp simd` reduction ended in a serial chain of scalar adds, and its loops' scalar
+// prologues and epilogues cost more than the work at these lengths (both measured as hot spots).
+#if defined(__AVX512F__)
+inline __mmask16 tail_mask(int64_t n) { return __mmask16((1u << n) - 1); }
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  __m512 v = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), v);
+  if (i < n) {
+    const __mmask16 m = tail_mask(n - i);
+    v = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), v);
+  }
+  return _mm512_reduce_add_ps(v);
+}
+
+inline float sum(const float* __restrict a, int64_t n) {
+  __m512 v = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) v = _mm512_add_ps(_mm512_loadu_ps(a + i), v);
+  if (i < n) v = _mm512_add_ps(_mm512_maskz_loadu_ps(tail_mask(n - i), a + i), v);
+  return _mm512_reduce_add_ps(v);
+}
+
+inline void axpy(float a, const float* __restrict x, float* __restrict y, int64_t n) {
+  const __m512 av = _mm512_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  if (i < n) {
+    const __mmask16 m = tail_mask(n - i);
+    _mm512_mask_storeu_ps(y + i, m,
+                          _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
+  }
+}
+#else
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   int64_t i = 0;
   float acc = 0.f;
-#if defined(__AVX512F__)
-  __m512 v = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), v);
-  acc = _mm512_reduce_add_ps(v);
-#elif defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
   __m256 v = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), v);
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -71,24 +103,17 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return acc;
 }
 
-// Sum of n floats (same reason as dot).
 inline float sum(const float* __restrict a, int64_t n) {
-  int64_t i = 0;
   float acc = 0.f;
-#if defined(__AVX512F__)
-  __m512 v = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) v = _mm512_add_ps(_mm512_loadu_ps(a + i), v);
-  acc = _mm512_reduce_add_ps(v);
-#endif
-  for (; i < n; ++i) acc += a[i];
+  for (int64_t i = 0; i < n; ++i) acc += a[i];
   return acc;
 }
 
-// y += a * x
 inline void axpy(float a, const float* __restrict x, float* __restrict y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
+#endif
 
 inline float exp_approx(float x) {
   // e^x = 2^i * 2^f with i = round(x log2 e), f in [-1/2, 1/2]; 2^f = e^(f ln 2) by its Taylor series to

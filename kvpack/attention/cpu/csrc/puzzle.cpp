@@ -1,0 +1,268 @@
+// kvpack::puzzle_attention on CPU: grouped queries over one PuzzleKV layer — dense sink, factorized
+// pages of the main and the recent set (read in place), dense tail — split-K over pages and tokens.
+//
+// A page's logits are (q R_K^T) L_K^T and its output (p L_V) R_V: the query meets the factors in rank
+// space and a page's dense K/V never exist. Pre-RoPE keys are rebuilt for one page at a time in a
+// [P, D] buffer (L_K R_K), rotated at their positions (rotate_half convention) and dotted with the
+// queries; values still go through their factors. INT4 factors (nibble - 8 times an fp16 scale:
+// per column for L_K, R_K, R_V, per row for L_V; low nibble = even element) are widened one page at a
+// time. Layouts as puzzle_decode.puzzle_split_kernel's docstring.
+#include "common.h"
+
+namespace kvpack {
+namespace {
+
+struct FactorSet {
+  const void *lk, *rk, *lv, *rv;              // float form: E*, INT4 form: uint8_t*
+  const c10::Half *lks, *rks, *lvs, *rvs;     // INT4 scales (null in float form)
+  int64_t n;                                  // pages per head
+};
+
+// One page's factors as fp32, the left factors transposed so that every inner loop runs over the
+// page's P tokens or the D channels (ranks are small: 12-16 at the defaults, too short to vectorise):
+// lkT [RK, P], rk [RK, D], lvT [RV, P], rv [RV, D]; `scratch` holds a left factor before its transpose.
+struct Page {
+  std::vector<float> lkT, rk, lvT, rv, scratch;
+  Page(int64_t P, int64_t RK, int64_t RV, int64_t D)
+      : lkT(RK * P), rk(RK * D), lvT(RV * P), rv(RV * D), scratch(P * std::max(RK, RV)) {}
+};
+
+inline void transpose(const float* src, int64_t rows, int64_t cols, float* dst) {  // [rows, cols] -> [cols, rows]
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+}
+
+// Every byte's two nibbles minus 8, as floats.
+struct NibbleTable {
+  float v[256][2];
+  NibbleTable() {
+    for (int b = 0; b < 256; ++b) {
+      v[b][0] = float((b & 0xF) - 8);
+      v[b][1] = float((b >> 4) - 8);
+    }
+  }
+};
+
+// rows x cols INT4 matrix (packed rows of ceil(cols / 2) bytes) -> fp32 [rows, cols], times an fp16
+// scale per column (col_scales, [cols]) or per row (row_scales, [rows]).
+void widen_int4(const uint8_t* src, const c10::Half* col_scales, const c10::Half* row_scales, int64_t rows,
+                int64_t cols, float* dst, std::vector<float>& scale_buf) {
+  static const NibbleTable table;
+  const int64_t stride = (cols + 1) / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = src + r * stride;
+    float* out = dst + r * cols;
+    for (int64_t c = 0; c + 1 < cols; c += 2) std::memcpy(out + c, table.v[row[c / 2]], 8);
+    if (cols % 2) out[cols - 1] = table.v[row[cols / 2]][0];
+  }
+  // Scales in a second pass (after the copies above have left the store buffer).
+  if (col_scales) {
+    scale_buf.resize(cols);
+    widen_row(col_scales, scale_buf.data(), cols);
+    const float* sc = scale_buf.data();
+    for (int64_t r = 0; r < rows; ++r) {
+      float* out = dst + r * cols;
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) out[c] *= sc[c];
+    }
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float a = widen(row_scales[r]);
+      float* out = dst + r * cols;
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) out[c] *= a;
+    }
+  }
+}
+
+template <typename E>
+void load_page(const FactorSet& f, bool int4, int64_t page, int64_t P, int64_t RK, int64_t RV, int64_t D, Page& out,
+               std::vector<float>& scale_buf) {
+  float* tmp = out.scratch.data();
+  if (int4) {
+    const int64_t rkc = (RK + 1) / 2, rvc = (RV + 1) / 2, dc = (D + 1) / 2;
+    widen_int4(static_cast<const uint8_t*>(f.lk) + page * P * rkc, f.lks + page * RK, nullptr, P, RK, tmp, scale_buf);
+    transpose(tmp, P, RK, out.lkT.data());
+    widen_int4(static_cast<const uint8_t*>(f.rk) + page * RK * dc, f.rks + page * D, nullptr, RK, D, out.rk.data(),
+               scale_buf);
+    widen_int4(static_cast<const uint8_t*>(f.lv) + page * P * rvc, nullptr, f.lvs + page * P, P, RV, tmp, scale_buf);
+    transpose(tmp, P, RV, out.lvT.data());
+    widen_int4(static_cast<const uint8_t*>(f.rv) + page * RV * dc, f.rvs + page * D, nullptr, RV, D, out.rv.data(),
+               scale_buf);
+    return;
+  }
+  widen_row(static_cast<const E*>(f.lk) + page * P * RK, tmp, P * RK);
+  transpose(tmp, P, RK, out.lkT.data());
+  widen_row(static_cast<const E*>(f.rk) + page * RK * D, out.rk.data(), RK * D);
+  widen_row(static_cast<const E*>(f.lv) + page * P * RV, tmp, P * RV);
+  transpose(tmp, P, RV, out.lvT.data());
+  widen_row(static_cast<const E*>(f.rv) + page * RV * D, out.rv.data(), RV * D);
+}
+
+struct Geometry {
+  int64_t M, D, P, RK, RV;
+  float scaling;
+  bool int4, pre_rope;
+  const float* cos;  // [positions, W]
+  const float* sin;
+  int64_t W;
+};
+
+// Fold pages [n0, n1) of one set (its page n at position pos0 + n P) of head h into the state.
+template <typename E>
+void factor_pages(const float* q, const FactorSet& f, int64_t h, int64_t n0, int64_t n1, int64_t pos0,
+                  const Geometry& g, RowsState& st) {
+  const int64_t M = g.M, D = g.D, P = g.P, RK = g.RK, RV = g.RV, half = D / 2;
+  Page pg(P, RK, RV, D);
+  std::vector<float> qr(M * RK), s(M * P), u(M * RV), keys(g.pre_rope ? P * D : 0), scale_buf;
+  for (int64_t n = n0; n < n1; ++n) {
+    load_page<E>(f, g.int4, h * f.n + n, P, RK, RV, D, pg, scale_buf);
+    std::fill(s.begin(), s.end(), 0.f);
+    if (g.pre_rope) {
+      // K = L_K R_K, one row per token: row p = sum_r lkT[r, p] R_K[r]; then rotated at its position.
+      std::fill(keys.begin(), keys.end(), 0.f);
+      for (int64_t p = 0; p < P; ++p) {
+        float* k = keys.data() + p * D;
+        for (int64_t r = 0; r < RK; ++r) axpy(pg.lkT[r * P + p], pg.rk.data() + r * D, k, D);
+        const int64_t pos = pos0 + n * P + p;
+        const float* c = g.cos + pos * g.W;
+        const float* sn = g.sin + pos * g.W;
+        const float* c2 = g.W == D ? c + half : c;  // equal halves: the table keeps one
+        const float* s2 = g.W == D ? sn + half : sn;
+#pragma omp simd
+        for (int64_t j = 0; j < half; ++j) {
+          const float k1 = k[j], k2 = k[j + half];
+          k[j] = k1 * c[j] - k2 * sn[j];
+          k[j + half] = k2 * c2[j] + k1 * s2[j];
+        }
+      }
+      scores_block(q, keys.data(), M, P, D, 1.f, s.data(), P);
+    } else {
+      // (q R_K^T) L_K^T: the query in rank space, then s[i, :] = sum_r qr[i, r] lkT[r, :].
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t r = 0; r < RK; ++r) qr[i * RK + r] = dot(q + i * D, pg.rk.data() + r * D, D);
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t r = 0; r < RK; ++r) axpy(qr[i * RK + r], pg.lkT.data() + r * P, s.data() + i * P, P);
+    }
+    for (int64_t x = 0; x < M * P; ++x) s[x] *= g.scaling;
+    st.absorb(s.data(), P, P);
+    // (p L_V) R_V: u[i, r] = p[i, :] . lvT[r, :], then o[i] += sum_r u[i, r] R_V[r].
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t r = 0; r < RV; ++r) u[i * RV + r] = dot(s.data() + i * P, pg.lvT.data() + r * P, P);
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t r = 0; r < RV; ++r) axpy(u[i * RV + r], pg.rv.data() + r * D, st.o.data() + i * D, D);
+  }
+}
+
+FactorSet factor_set(const at::Tensor& lk, const at::Tensor& rk, const at::Tensor& lv, const at::Tensor& rv,
+                     const at::Tensor& lks, const at::Tensor& rks, const at::Tensor& lvs, const at::Tensor& rvs,
+                     bool int4, int64_t H, int64_t P, int64_t RK, int64_t RV, int64_t D, const char* which) {
+  FactorSet f{};
+  f.n = lk.numel() ? lk.size(1) : 0;
+  if (!f.n) return f;
+  const int64_t rkc = int4 ? (RK + 1) / 2 : RK, rvc = int4 ? (RV + 1) / 2 : RV, dc = int4 ? (D + 1) / 2 : D;
+  const int64_t N = f.n;
+  auto expect = [&](const at::Tensor& t, int64_t numel, const char* name) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.numel() == numel, "puzzle_attention: ", which, " ",
+                name, " must be contiguous with ", numel, " elements, got ", t.sizes());
+  };
+  expect(lk, H * N * P * rkc, "lk");
+  expect(rk, H * N * RK * dc, "rk");
+  expect(lv, H * N * P * rvc, "lv");
+  expect(rv, H * N * RV * dc, "rv");
+  f.lk = lk.data_ptr();
+  f.rk = rk.data_ptr();
+  f.lv = lv.data_ptr();
+  f.rv = rv.data_ptr();
+  if (int4) {
+    for (const auto* t : {&lk, &rk, &lv, &rv})
+      TORCH_CHECK(t->scalar_type() == at::kByte, "puzzle_attention: INT4 factors must be uint8, got ",
+                  t->scalar_type());
+    expect(lks, H * N * RK, "lk scales");
+    expect(rks, H * N * D, "rk scales");
+    expect(lvs, H * N * P, "lv scales");
+    expect(rvs, H * N * D, "rv scales");
+    for (const auto* t : {&lks, &rks, &lvs, &rvs})
+      TORCH_CHECK(t->scalar_type() == at::kHalf, "puzzle_attention: INT4 scales must be fp16");
+    f.lks = lks.data_ptr<c10::Half>();
+    f.rks = rks.data_ptr<c10::Half>();
+    f.lvs = lvs.data_ptr<c10::Half>();
+    f.rvs = rvs.data_ptr<c10::Half>();
+  } else {
+    for (const auto* t : {&rk, &lv, &rv})
+      TORCH_CHECK(t->scalar_type() == lk.scalar_type(), "puzzle_attention: factors of one set must share a dtype");
+  }
+  return f;
+}
+
+}  // namespace
+
+State puzzle_attention(const at::Tensor& q, const at::Tensor& lk, const at::Tensor& rk, const at::Tensor& lv,
+                       const at::Tensor& rv, const at::Tensor& lks, const at::Tensor& rks, const at::Tensor& lvs,
+                       const at::Tensor& rvs, const at::Tensor& lk2, const at::Tensor& rk2, const at::Tensor& lv2,
+                       const at::Tensor& rv2, const at::Tensor& lks2, const at::Tensor& rks2, const at::Tensor& lvs2,
+                       const at::Tensor& rvs2, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& sink_k,
+                       const at::Tensor& sink_v, const at::Tensor& tail_k, const at::Tensor& tail_v, int64_t page_size,
+                       int64_t rank_k, int64_t rank_v, double scaling, bool int4, bool pre_rope, int64_t first_position,
+                       int64_t pages_per_split, int64_t tokens_per_split) {
+  check_queries(q);
+  for (const auto* t : {&sink_k, &sink_v, &tail_k, &tail_v}) check_dense(*t, q, "puzzle_attention: dense tokens");
+  TORCH_CHECK(sink_k.scalar_type() == tail_k.scalar_type() && sink_v.scalar_type() == tail_v.scalar_type() &&
+                  sink_k.scalar_type() == sink_v.scalar_type(),
+              "puzzle_attention: sink and tail must share a dtype");
+  const int64_t H = q.size(0), M = q.size(1), D = q.size(2), P = page_size;
+  TORCH_CHECK(P >= 1 && rank_k >= 1 && rank_v >= 1, "puzzle_attention: page size and ranks must be >= 1");
+  const FactorSet a = factor_set(lk, rk, lv, rv, lks, rks, lvs, rvs, int4, H, P, rank_k, rank_v, D, "main set");
+  const FactorSet b = factor_set(lk2, rk2, lv2, rv2, lks2, rks2, lvs2, rvs2, int4, H, P, rank_k, rank_v, D,
+                                 "recent set");
+  Geometry g{M, D, P, rank_k, rank_v, float(scaling), int4, pre_rope, nullptr, nullptr, D};
+  if (pre_rope && (a.n || b.n)) {
+    TORCH_CHECK(D % 2 == 0, "puzzle_attention: pre-RoPE keys need an even head_dim, got ", D);
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                    sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
+                    (cos.size(1) == D || cos.size(1) == D / 2) &&
+                    cos.size(0) >= first_position + (a.n + b.n) * P,
+                "puzzle_attention: the RoPE tables must be fp32 [positions >= ", first_position + (a.n + b.n) * P,
+                ", D or D / 2], got ", cos.sizes());
+    g.cos = cos.data_ptr<float>();
+    g.sin = sin.data_ptr<float>();
+    g.W = cos.size(1);
+  }
+  const int64_t TS = sink_k.size(1), TT = tail_k.size(1), T = TS + TT;
+  const int64_t pps = std::max<int64_t>(1, pages_per_split), tps = std::max<int64_t>(1, tokens_per_split);
+  const int64_t na = n_chunks(a.n, pps), nb = n_chunks(b.n, pps), n_splits = na + nb + n_chunks(T, tps);
+  const float* qp = q.data_ptr<float>();
+  const at::Tensor& factor_dtype = a.n ? lk : (b.n ? lk2 : sink_k);
+  State out;
+  with_dtype(sink_k, "puzzle_attention: dense tokens", [&](auto* dense_tag) {
+    using DE = std::remove_pointer_t<decltype(dense_tag)>;
+    auto run = [&](auto* factor_tag) {
+      using FE = std::remove_pointer_t<decltype(factor_tag)>;
+      out = split_k(H, n_splits, M, D, q.options(), [&](int64_t h, int64_t s, RowsState& st) {
+        const float* qh = qp + h * M * D;
+        if (s < na) {
+          factor_pages<FE>(qh, a, h, s * pps, std::min(a.n, (s + 1) * pps), first_position, g, st);
+        } else if (s < na + nb) {
+          const int64_t n0 = (s - na) * pps;
+          factor_pages<FE>(qh, b, h, n0, std::min(b.n, n0 + pps), first_position + a.n * P, g, st);
+        } else {  // dense tokens: the sink's, then the tail's, each read where it lives
+          const int64_t t0 = (s - na - nb) * tps, t1 = std::min(T, t0 + tps);
+          const DE* sk = static_cast<const DE*>(sink_k.data_ptr()) + h * TS * D;
+          const DE* sv = static_cast<const DE*>(sink_v.data_ptr()) + h * TS * D;
+          const DE* tk = static_cast<const DE*>(tail_k.data_ptr()) + h * TT * D;
+          const DE* tv = static_cast<const DE*>(tail_v.data_ptr()) + h * TT * D;
+          if (t0 < TS) dense_tokens(qh, sk, sv, t0, std::min(t1, TS), D, float(scaling), st);
+          if (t1 > TS) dense_tokens(qh, tk, tv, std::max(t0, TS) - TS, t1 - TS, D, float(scaling), st);
+        }
+      });
+    };
+    if (int4) {
+      run(static_cast<float*>(nullptr));  // the element type is unused for INT4 factors
+    } else {
+      with_dtype(factor_dtype, "puzzle_attention: factors", run);
+    }
+  });
+  return out;
+}
+
+}  // namespace kvpack
