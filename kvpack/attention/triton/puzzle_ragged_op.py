@@ -1,6 +1,8 @@
 """The ``puzzle_plus`` decode kernel as a PyTorch custom op (``kvpack::puzzle_ragged_attention``) and
 its launcher :func:`ragged_puzzle_partial`, which ``PuzzlePlusStore`` calls with its
-:class:`RaggedPuzzlePages` view (every tensor read in place)."""
+:class:`RaggedPuzzlePages` view (every tensor read in place). One schema, two backends: the Triton
+kernel (CUDA; CPU tensors under ``TRITON_INTERPRET=1``, called directly) and the native CPU kernel
+(``kvpack/attention/cpu/csrc/ragged.cpp``), the op's ``cpu`` kernel."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import math
 
 import torch
 
+from .. import cpu
 from ..ragged_pages import RaggedPuzzlePages
 from ..softmax_merge import PartialAttention
 from ._launch import ROW_BLOCK, empty_state, kernel_arg, launch, pow2, row_blocks, split_state_buffers
@@ -17,8 +20,7 @@ from ._launch import ROW_BLOCK, empty_state, kernel_arg, launch, pow2, row_block
 RANK_BLOCK = 32
 
 
-@torch.library.custom_op("kvpack::puzzle_ragged_attention", mutates_args=())
-def puzzle_ragged_attention(
+def _triton_puzzle_ragged_attention(
     q: torch.Tensor, lk: torch.Tensor, rk: torch.Tensor, lv: torch.Tensor, rv: torch.Tensor,
     lks: torch.Tensor, rks: torch.Tensor, lvs: torch.Tensor, rvs: torch.Tensor,
     k_rank: torch.Tensor, k_offset: torch.Tensor, v_rank: torch.Tensor, v_offset: torch.Tensor,
@@ -53,6 +55,31 @@ def puzzle_ragged_attention(
     return merge_splits(m, l, o)
 
 
+@torch.library.custom_op("kvpack::puzzle_ragged_attention", mutates_args=())
+def puzzle_ragged_attention(
+    q: torch.Tensor, lk: torch.Tensor, rk: torch.Tensor, lv: torch.Tensor, rv: torch.Tensor,
+    lks: torch.Tensor, rks: torch.Tensor, lvs: torch.Tensor, rvs: torch.Tensor,
+    k_rank: torch.Tensor, k_offset: torch.Tensor, v_rank: torch.Tensor, v_offset: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor,
+    tail_k: torch.Tensor, tail_v: torch.Tensor,
+    page_size: int, max_rank: int, scaling: float, int4: bool, pre_rope: bool, first_position: int,
+    pages_per_split: int, tokens_per_split: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax state over a ``puzzle_plus`` layer (arguments: :func:`_triton_puzzle_ragged_attention`);
+    the Triton kernel by default, the native kernel for CPU tensors."""
+    return _triton_puzzle_ragged_attention(q, lk, rk, lv, rv, lks, rks, lvs, rvs, k_rank, k_offset, v_rank, v_offset,
+                                           cos, sin, sink_k, sink_v, tail_k, tail_v, page_size, max_rank, scaling,
+                                           int4, pre_rope, first_position, pages_per_split, tokens_per_split)
+
+
+@puzzle_ragged_attention.register_kernel("cpu")
+def _(*args):
+    lib = cpu.native()
+    if lib is None:  # only reached under TRITON_INTERPRET=1 where use_native said no: the interpreter
+        return _triton_puzzle_ragged_attention(*args)
+    return lib.puzzle_ragged_attention(*args)
+
+
 @puzzle_ragged_attention.register_fake
 def _(q, lk, rk, lv, rv, lks, rks, lvs, rvs, k_rank, k_offset, v_rank, v_offset, cos, sin, sink_k, sink_v,
       tail_k, tail_v, page_size, max_rank, scaling, int4, pre_rope, first_position, pages_per_split,
@@ -63,16 +90,19 @@ def _(q, lk, rk, lv, rv, lks, rks, lvs, rvs, k_rank, k_offset, v_rank, v_offset,
 
 
 def ragged_puzzle_partial(pages: RaggedPuzzlePages, qg: torch.Tensor, scaling: float,
-                          pages_per_split: int | None = None, tokens_per_split: int = 256) -> PartialAttention:
+                          pages_per_split: int | None = None, tokens_per_split: int = 256,
+                          native: bool = False) -> PartialAttention:
     """Merged state of ``qg [kv_heads, rows, d]`` over everything a ``puzzle_plus`` store holds.
 
     Args:
         pages_per_split: pages per program (default: about 32 programs per KV head).
         tokens_per_split: dense tokens per program.
+        native: run the op's native CPU kernel (CPU tensors); otherwise the Triton kernel (on CPU
+            tensors: the interpreter, called directly).
     """
     d = pages.head_dim
     pre_rope = pages.rope is not None
-    if pre_rope and d % 4:
+    if pre_rope and d % 4 and not native:
         raise ValueError(f"the Triton puzzle_plus kernel needs head_dim % 4 == 0 for pre-RoPE keys, got {d}")
     if pages.keys is None:
         raise ValueError("ragged_puzzle_partial needs factorized pages (the store has none yet)")
@@ -86,8 +116,9 @@ def ragged_puzzle_partial(pages: RaggedPuzzlePages, qg: torch.Tensor, scaling: f
         cos, sin = pages.rope.table(first + N * P, qg.device)
     max_rank = max(b.rank for side in (keys, values) for b in side.buckets)
     pps = pages_per_split or max(1, math.ceil(N / 32))
-    m, l, o = puzzle_ragged_attention(
-        qg.float(), keys.left, keys.right, values.left, values.right, *scales,
+    op = puzzle_ragged_attention if native or qg.device.type != "cpu" else _triton_puzzle_ragged_attention
+    m, l, o = op(
+        qg.float().contiguous(), keys.left, keys.right, values.left, values.right, *scales,
         keys.rank, keys.offset, values.rank, values.offset, cos, sin,
         pages.sink_k, pages.sink_v, pages.tail_k, pages.tail_v,
         P, max_rank, float(scaling), pages.int4, pre_rope, first, pps, tokens_per_split)

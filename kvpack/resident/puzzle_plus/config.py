@@ -34,7 +34,7 @@ class PuzzlePlusConfig(MethodConfig):
             ``(1 − a) + a · N · mass`` where ``mass`` is the share of the observation window's
             attention that falls on the page (``N`` pages; mean weight 1). 0 = energy only.
         observation_window: last prefill queries whose attention weighs the pages (with ``a > 0``).
-        attention_backend: ``auto`` / ``triton`` / ``torch`` (as for ``puzzle``).
+        attention_backend: ``auto`` / ``triton`` / ``native`` / ``torch`` (as for ``puzzle``).
     """
 
     budget: float | None = option(0.5, number(0.0, 1.0, low_open=True), "whole-cache bytes / dense bf16 bytes")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ...attention.cpu import use_native
 from ...attention.ragged_pages import RaggedPuzzlePages, ragged_pages_partials
 from ...attention.softmax_merge import group_queries
 from ...attention.triton import use_triton
@@ -262,8 +263,11 @@ class PuzzlePlusStore(SegmentedStore):
         return self.config.attention_backend
 
     def stored_partials(self, qg, scaling):
-        if self.n_pages and use_triton(self.config.attention_backend, qg.device):
+        backend = self.config.attention_backend
+        if self.n_pages and use_triton(backend, qg.device):
             return [ragged_puzzle_partial(self.pages_view(), qg, scaling)]
+        if self.n_pages and use_native(backend, qg.device):
+            return [ragged_puzzle_partial(self.pages_view(), qg, scaling, native=True)]
         return super().stored_partials(qg, scaling)
 
     def history_partials(self, qg, scaling):

@@ -17,10 +17,20 @@ State puzzle_attention(const at::Tensor& q, const at::Tensor& lk, const at::Tens
                        const at::Tensor& sink_v, const at::Tensor& tail_k, const at::Tensor& tail_v, int64_t page_size,
                        int64_t rank_k, int64_t rank_v, double scaling, bool int4, bool pre_rope, int64_t first_position,
                        int64_t pages_per_split, int64_t tokens_per_split);
+State puzzle_ragged_attention(const at::Tensor& q, const at::Tensor& lk, const at::Tensor& rk, const at::Tensor& lv,
+                              const at::Tensor& rv, const at::Tensor& lks, const at::Tensor& rks,
+                              const at::Tensor& lvs, const at::Tensor& rvs, const at::Tensor& k_rank,
+                              const at::Tensor& k_offset, const at::Tensor& v_rank, const at::Tensor& v_offset,
+                              const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& sink_k,
+                              const at::Tensor& sink_v, const at::Tensor& tail_k, const at::Tensor& tail_v,
+                              int64_t page_size, int64_t max_rank, double scaling, bool int4, bool pre_rope,
+                              int64_t first_position, int64_t pages_per_split, int64_t tokens_per_split);
 }  // namespace kvpack
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_attention", &kvpack::dense_attention, "softmax state of grouped queries over dense K/V");
   m.def("puzzle_attention", &kvpack::puzzle_attention, "softmax state over a PuzzleKV layer's pages, sink, tail");
+  m.def("puzzle_ragged_attention", &kvpack::puzzle_ragged_attention,
+        "softmax state over a puzzle_plus layer's per-page-rank pages, sink, tail");
   m.def("kivi_attention", &kvpack::kivi_attention, "softmax state over KIVI's quantized blocks and residual");
 }

@@ -7,7 +7,7 @@
 // queries; values still go through their factors. INT4 factors (nibble - 8 times an fp16 scale:
 // per column for L_K, R_K, R_V, per row for L_V; low nibble = even element) are widened one page at a
 // time. Layouts as puzzle_decode.puzzle_split_kernel's docstring.
-#include "common.h"
+#include "pages.h"
 
 namespace kvpack {
 namespace {
@@ -17,63 +17,6 @@ struct FactorSet {
   const c10::Half *lks, *rks, *lvs, *rvs;     // INT4 scales (null in float form)
   int64_t n;                                  // pages per head
 };
-
-// One page's factors as fp32, the left factors transposed so that every inner loop runs over the
-// page's P tokens or the D channels (ranks are small: 12-16 at the defaults, too short to vectorise):
-// lkT [RK, P], rk [RK, D], lvT [RV, P], rv [RV, D]; `scratch` holds a left factor before its transpose.
-struct Page {
-  std::vector<float> lkT, rk, lvT, rv, scratch;
-  Page(int64_t P, int64_t RK, int64_t RV, int64_t D)
-      : lkT(RK * P), rk(RK * D), lvT(RV * P), rv(RV * D), scratch(P * std::max(RK, RV)) {}
-};
-
-inline void transpose(const float* src, int64_t rows, int64_t cols, float* dst) {  // [rows, cols] -> [cols, rows]
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
-}
-
-// Every byte's two nibbles minus 8, as floats.
-struct NibbleTable {
-  float v[256][2];
-  NibbleTable() {
-    for (int b = 0; b < 256; ++b) {
-      v[b][0] = float((b & 0xF) - 8);
-      v[b][1] = float((b >> 4) - 8);
-    }
-  }
-};
-
-// rows x cols INT4 matrix (packed rows of ceil(cols / 2) bytes) -> fp32 [rows, cols], times an fp16
-// scale per column (col_scales, [cols]) or per row (row_scales, [rows]).
-void widen_int4(const uint8_t* src, const c10::Half* col_scales, const c10::Half* row_scales, int64_t rows,
-                int64_t cols, float* dst, std::vector<float>& scale_buf) {
-  static const NibbleTable table;
-  const int64_t stride = (cols + 1) / 2;
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint8_t* row = src + r * stride;
-    float* out = dst + r * cols;
-    for (int64_t c = 0; c + 1 < cols; c += 2) std::memcpy(out + c, table.v[row[c / 2]], 8);
-    if (cols % 2) out[cols - 1] = table.v[row[cols / 2]][0];
-  }
-  // Scales in a second pass (after the copies above have left the store buffer).
-  if (col_scales) {
-    scale_buf.resize(cols);
-    widen_row(col_scales, scale_buf.data(), cols);
-    const float* sc = scale_buf.data();
-    for (int64_t r = 0; r < rows; ++r) {
-      float* out = dst + r * cols;
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) out[c] *= sc[c];
-    }
-  } else {
-    for (int64_t r = 0; r < rows; ++r) {
-      const float a = widen(row_scales[r]);
-      float* out = dst + r * cols;
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) out[c] *= a;
-    }
-  }
-}
 
 template <typename E>
 void load_page(const FactorSet& f, bool int4, int64_t page, int64_t P, int64_t RK, int64_t RV, int64_t D, Page& out,
@@ -99,58 +42,16 @@ void load_page(const FactorSet& f, bool int4, int64_t page, int64_t P, int64_t R
   widen_row(static_cast<const E*>(f.rv) + page * RV * D, out.rv.data(), RV * D);
 }
 
-struct Geometry {
-  int64_t M, D, P, RK, RV;
-  float scaling;
-  bool int4, pre_rope;
-  const float* cos;  // [positions, W]
-  const float* sin;
-  int64_t W;
-};
-
 // Fold pages [n0, n1) of one set (its page n at position pos0 + n P) of head h into the state.
 template <typename E>
 void factor_pages(const float* q, const FactorSet& f, int64_t h, int64_t n0, int64_t n1, int64_t pos0,
                   const Geometry& g, RowsState& st) {
-  const int64_t M = g.M, D = g.D, P = g.P, RK = g.RK, RV = g.RV, half = D / 2;
-  Page pg(P, RK, RV, D);
-  std::vector<float> qr(M * RK), s(M * P), u(M * RV), keys(g.pre_rope ? P * D : 0), scale_buf;
+  Page pg(g.P, g.RK, g.RV, g.D);
+  PageScratch w(g);
+  std::vector<float> scale_buf;
   for (int64_t n = n0; n < n1; ++n) {
-    load_page<E>(f, g.int4, h * f.n + n, P, RK, RV, D, pg, scale_buf);
-    std::fill(s.begin(), s.end(), 0.f);
-    if (g.pre_rope) {
-      // K = L_K R_K, one row per token: row p = sum_r lkT[r, p] R_K[r]; then rotated at its position.
-      std::fill(keys.begin(), keys.end(), 0.f);
-      for (int64_t p = 0; p < P; ++p) {
-        float* k = keys.data() + p * D;
-        for (int64_t r = 0; r < RK; ++r) axpy(pg.lkT[r * P + p], pg.rk.data() + r * D, k, D);
-        const int64_t pos = pos0 + n * P + p;
-        const float* c = g.cos + pos * g.W;
-        const float* sn = g.sin + pos * g.W;
-        const float* c2 = g.W == D ? c + half : c;  // equal halves: the table keeps one
-        const float* s2 = g.W == D ? sn + half : sn;
-#pragma omp simd
-        for (int64_t j = 0; j < half; ++j) {
-          const float k1 = k[j], k2 = k[j + half];
-          k[j] = k1 * c[j] - k2 * sn[j];
-          k[j + half] = k2 * c2[j] + k1 * s2[j];
-        }
-      }
-      scores_block(q, keys.data(), M, P, D, 1.f, s.data(), P);
-    } else {
-      // (q R_K^T) L_K^T: the query in rank space, then s[i, :] = sum_r qr[i, r] lkT[r, :].
-      for (int64_t i = 0; i < M; ++i)
-        for (int64_t r = 0; r < RK; ++r) qr[i * RK + r] = dot(q + i * D, pg.rk.data() + r * D, D);
-      for (int64_t i = 0; i < M; ++i)
-        for (int64_t r = 0; r < RK; ++r) axpy(qr[i * RK + r], pg.lkT.data() + r * P, s.data() + i * P, P);
-    }
-    for (int64_t x = 0; x < M * P; ++x) s[x] *= g.scaling;
-    st.absorb(s.data(), P, P);
-    // (p L_V) R_V: u[i, r] = p[i, :] . lvT[r, :], then o[i] += sum_r u[i, r] R_V[r].
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t r = 0; r < RV; ++r) u[i * RV + r] = dot(s.data() + i * P, pg.lvT.data() + r * P, P);
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t r = 0; r < RV; ++r) axpy(u[i * RV + r], pg.rv.data() + r * D, st.o.data() + i * D, D);
+    load_page<E>(f, g.int4, h * f.n + n, g.P, g.RK, g.RV, g.D, pg, scale_buf);
+    fold_page(q, pg, g.RK, g.RV, pos0 + n * g.P, g, w, st);
   }
 }
 

@@ -1,0 +1,294 @@
+"""kvpack's native CPU kernels against the fp64 PyTorch reference, on deliberately odd shapes.
+
+Each kernel is the ``cpu`` kernel of a ``kvpack::`` custom op; the reference is the op's PyTorch path
+computed in fp64 from the same stored codes/factors. Shapes: token counts that are not a multiple of
+any tile or split (1, 17, 97, 1000), GQA groups of 1, 3 and 4 query rows per KV head, head_dim 64, 128
+and 256 (48 where a kernel has a generic path), empty regions (no pages, no tail), splits of a few
+tokens. The kernels must build here: CI has a compiler, so a failed build fails these tests instead of
+skipping them (``KVPACK_NATIVE=0`` is the one named way to run without them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from kvpack.attention import cpu
+from kvpack.attention.dense import dense_attention, dense_state
+from kvpack.attention.pages import puzzle_pages_partials
+from kvpack.attention.quantized import kivi_attention, kivi_partial, quantized_blocks_partials
+from kvpack.attention.softmax_merge import PartialAttention, dense_partial, finalize, merge_partials
+from kvpack.attention.triton.puzzle_op import puzzle_partial
+from kvpack.ops.rope import LlamaRotary, RotaryTable
+from kvpack.resident.base import LayerLayout
+from kvpack.resident.puzzle import PuzzleConfig, PuzzleStore
+from kvpack.resident.quant import KIVIConfig, KIVIStore
+from kvpack.resident.svd import SVDConfig, SVDStore
+
+if cpu.native_disabled():
+    pytest.skip(f"{cpu.NATIVE_ENV}=0: the native CPU kernels are turned off", allow_module_level=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    lib = cpu.native()
+    assert lib is not None, "the native CPU kernels did not build (see the warning): g++ and ninja are needed"
+    return lib
+
+
+def close(a: PartialAttention, ref: PartialAttention, atol: float = 2e-5) -> None:
+    """Same normalised output and the same log-sum-exp (m + log l) as the reference."""
+    out, want = finalize(PartialAttention(a.m.double(), a.l.double(), a.o.double())), finalize(ref)
+    torch.testing.assert_close(out, want, atol=atol, rtol=1e-4)
+    seen = ref.l > 0
+    lse, want_lse = a.m.double() + a.l.double().log(), ref.m + ref.l.log()
+    torch.testing.assert_close(lse[seen], want_lse[seen], atol=atol, rtol=1e-5)
+    assert torch.equal(a.l > 0, seen)
+
+
+def queries(H: int, group: int, d: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(H, group, d, generator=torch.Generator().manual_seed(seed))
+
+
+# -- dense --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T,group,d,dtype,per", [
+    (1, 1, 64, torch.float32, 512), (17, 3, 64, torch.bfloat16, 5), (97, 4, 128, torch.float16, 32),
+    (1000, 3, 256, torch.bfloat16, 512), (1000, 1, 48, torch.float32, 7),
+])
+def test_dense_kernel_matches_fp64_reference(T, group, d, dtype, per):
+    g = torch.Generator().manual_seed(T)
+    H = 2
+    q = queries(H, group, d)
+    k, v = (torch.randn(H, T, d, generator=g) * 2).to(dtype), torch.randn(H, T, d, generator=g).to(dtype)
+    got = PartialAttention(*dense_attention(q, k, v, d ** -0.5, per))
+    close(got, dense_partial(q.double(), k.double(), v.double(), d ** -0.5))
+
+
+def test_dense_kernel_with_no_tokens_is_the_empty_state():
+    q = queries(2, 3, 64)
+    m, l, o = dense_attention(q, torch.empty(2, 0, 64), torch.empty(2, 0, 64), 0.125, 64)
+    assert torch.isneginf(m).all() and (l == 0).all() and (o == 0).all()
+
+
+def test_dense_kernel_refuses_mismatched_shapes():
+    q = queries(2, 3, 64)
+    with pytest.raises(RuntimeError, match="keys must be a contiguous CPU tensor"):
+        dense_attention(q, torch.randn(3, 5, 64), torch.randn(3, 5, 64), 0.125, 64)
+    with pytest.raises(RuntimeError, match="must match"):
+        dense_attention(q, torch.randn(2, 5, 64), torch.randn(2, 5, 64).half(), 0.125, 64)
+
+
+# -- KIVI ---------------------------------------------------------------------------------------
+
+
+def kivi_store(bits: int, group: int, d: int, T: int, residual: int, H: int = 2, seed: int = 0) -> KIVIStore:
+    g = torch.Generator().manual_seed(seed)
+    store = KIVIStore(LayerLayout(0, H, H * 3, d), KIVIConfig(bits=bits, group_size=group, residual=residual,
+                                                              attention_backend="torch"))
+    store.append(torch.randn(H, T, d, generator=g) * 3 + 1, torch.randn(H, T, d, generator=g))
+    return store
+
+
+@pytest.mark.parametrize("bits,group,d,T,residual,rows", [
+    (2, 32, 64, 1000, 128, 3),    # the default shape (AVX-512 path: 16-byte rows)
+    (4, 32, 128, 97, 17, 4),      # 4-bit, blocks + a residual that is no multiple of anything
+    (2, 64, 256, 200, 0, 1),      # 256-d keys, 64-token groups, no residual: blocks only
+    (4, 16, 48, 53, 5, 3),        # 48-d: the generic (table) path
+    (2, 32, 64, 20, 128, 3),      # residual only: no block yet
+])
+def test_kivi_kernel_matches_fp64_reference(bits, group, d, T, residual, rows):
+    store = kivi_store(bits, group, d, T, residual)
+    H = store.layout.kv_heads
+    q = queries(H, rows, d, seed=1)
+    view = store.blocks_view()
+    ref = quantized_blocks_partials(view, q.double(), 0.1) if store.n_blocks else []
+    if store.tail_k.shape[1]:
+        ref.append(dense_partial(q.double(), store.tail_k.double(), store.tail_v.double(), 0.1))
+    close(kivi_partial(view, q, 0.1, (store.tail_k, store.tail_v)), merge_partials(ref))
+    if store.n_blocks:  # a split per block and one per 3 residual tokens
+        b = view
+        got = kivi_attention(q, b.kq, b.ks, b.kz, b.vq, b.vs, b.vz, store.tail_k, store.tail_v, bits, group,
+                             b.value_group, 0.1, 1, 3)
+        close(PartialAttention(*got), merge_partials(ref))
+
+
+def test_kivi_store_native_path_equals_torch_path():
+    store = kivi_store(2, 32, 64, 777, 40)
+    q = queries(2, 3, 64, seed=3)
+    want = merge_partials(store.stored_partials(q.double(), 0.125))
+    store.config = dataclasses.replace(store.config, attention_backend="native")
+    (got,) = store.stored_partials(q, 0.125)
+    close(got, want)
+
+
+# -- PuzzleKV -------------------------------------------------------------------------------------
+
+
+def puzzle_store(d: int, T: int, extra: int, H: int, **cfg) -> PuzzleStore:
+    g = torch.Generator().manual_seed(T + d)
+    layout = LayerLayout(0, H, H * 3, d, rope=RotaryTable(LlamaRotary(d), d))
+    store = PuzzleStore(layout, PuzzleConfig(attention_backend="torch", **cfg))
+    store.append(torch.randn(H, T, d, generator=g), torch.randn(H, T, d, generator=g))
+    if extra:  # decoded tokens: pages factorized since the prefill form the recent set
+        store.append(torch.randn(H, extra, d, generator=g), torch.randn(H, extra, d, generator=g))
+    return store
+
+
+def puzzle_reference(store: PuzzleStore, q: torch.Tensor, scaling: float) -> PartialAttention:
+    pages = store.pages_view()
+    states = puzzle_pages_partials(pages, q.double(), scaling)
+    for k, v in ((pages.sink_k, pages.sink_v), (pages.tail_k, pages.tail_v)):
+        if k.shape[1]:
+            states.append(dense_partial(q.double(), k.double(), v.double(), scaling))
+    return merge_partials(states)
+
+
+CASES = [
+    # d, T, extra, H, rows, config
+    (64, 1000, 70, 3, 3, {}),
+    (64, 1000, 70, 3, 3, {"int4": True}),
+    (64, 1000, 70, 3, 3, {"key_rope": "pre"}),
+    (64, 1000, 70, 3, 3, {"key_rope": "pre", "int4": True}),
+    (128, 97, 0, 2, 4, {"page_size": 16, "rank_k": 5, "rank_v": 7, "storage_dtype": "float32"}),
+    (128, 301, 40, 2, 1, {"page_size": 64, "rank_k": 9, "rank_v": 3, "int4": True, "key_rope": "pre"}),
+    (256, 200, 0, 1, 4, {"page_size": 32, "rank_k": 17, "rank_v": 11, "storage_dtype": "float16"}),
+    (64, 40, 0, 2, 3, {}),  # shorter than sink + window: no page at all
+]
+
+
+@pytest.mark.parametrize("d,T,extra,H,rows,cfg", CASES)
+def test_puzzle_kernel_matches_fp64_reference(d, T, extra, H, rows, cfg):
+    store = puzzle_store(d, T, extra, H, **cfg)
+    q = queries(H, rows, d, seed=2)
+    ref = puzzle_reference(store, q, d ** -0.5)
+    for pps, tps in ((None, 256), (1, 7)):
+        got = puzzle_partial(store.pages_view(), q, d ** -0.5, pages_per_split=pps, tokens_per_split=tps,
+                             native=True)
+        close(got, ref)
+
+
+def test_puzzle_store_uses_the_native_kernel_on_auto(monkeypatch):
+    store = puzzle_store(64, 500, 0, 2, int4=True)
+    lib, calls = cpu.native(), []
+
+    class Spy:  # the op's CPU kernel looks the library up at call time
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(lib, name)
+
+    monkeypatch.setattr(cpu, "native", lambda: Spy())
+    store.config = dataclasses.replace(store.config, attention_backend="auto")
+    (got,) = store.stored_partials(queries(2, 3, 64), 0.125)
+    assert calls == ["puzzle_attention"]
+    close(got, puzzle_reference(store, queries(2, 3, 64), 0.125))
+
+
+# -- puzzle_plus: pages at per-(head, page) ranks -----------------------------------------------------
+
+
+def ragged_store(H: int, d: int, T: int, seed: int = 0, **cfg):
+    from kvpack.resident.puzzle_plus import PuzzlePlusConfig, PuzzlePlusStore
+
+    g = torch.Generator().manual_seed(seed)
+    layout = LayerLayout(0, H, H * 3, d, rope=RotaryTable(LlamaRotary(d), d))
+    store = PuzzlePlusStore(layout, PuzzlePlusConfig(attention_backend="torch", **cfg))
+    # Channels of decaying energy, so the water-filling gives pages different ranks.
+    k = torch.randn(H, T, d, generator=g) @ torch.diag(torch.logspace(0.5, -1, d))
+    v = torch.randn(H, T, d, generator=g) @ torch.diag(torch.logspace(0.3, -0.5, d))
+    q = torch.randn(H * 3, T, d, generator=g)
+    store.scaling = d ** -0.5
+    store.append(k, v, q=q, out=torch.zeros_like(q))
+    return store
+
+
+@pytest.mark.parametrize("d,T,rows,cfg", [
+    (64, 1000, 3, {}),                                                        # the defaults: INT4, pre-RoPE, P = 64
+    (64, 1000, 3, {"int4": False, "key_rope": "post", "storage_dtype": "float32", "budget": 0.9}),
+    (128, 301, 4, {"page_size": 16, "int4": False, "key_rope": "pre", "budget": 0.9}),
+    (32, 400, 1, {"page_size": 24, "int4": True, "key_rope": "post", "budget": 0.6, "rank_step": 2}),
+])
+def test_puzzle_plus_kernel_matches_fp64_reference(d, T, rows, cfg):
+    from kvpack.attention.ragged_pages import ragged_pages_partials
+    from kvpack.attention.triton.puzzle_ragged_op import ragged_puzzle_partial
+
+    store = ragged_store(2, d, T, **cfg)
+    ranks = torch.cat([store.keys.rank.flatten(), store.values.rank.flatten()])
+    assert ranks.unique().numel() > 1  # mixed ranks, or the test would not test them
+    pages = store.pages_view()
+    q = queries(2, rows, d, seed=5)
+    states = ragged_pages_partials(pages, q.double(), d ** -0.5)
+    for k, v in ((pages.sink_k, pages.sink_v), (pages.tail_k, pages.tail_v)):
+        if k.shape[1]:
+            states.append(dense_partial(q.double(), k.double(), v.double(), d ** -0.5))
+    ref = merge_partials(states)
+    for pps, tps in ((None, 256), (1, 5)):
+        close(ragged_puzzle_partial(pages, q, d ** -0.5, pages_per_split=pps, tokens_per_split=tps, native=True), ref)
+
+
+def test_puzzle_plus_kernel_refuses_a_corrupted_rank_table():
+    from kvpack.attention.triton.puzzle_ragged_op import ragged_puzzle_partial
+
+    store = ragged_store(2, 64, 600, int4=False, key_rope="post", budget=0.9)
+    store.keys.offset[0, 0] = 10**6  # an entry pointing far past the factor buffers
+    with pytest.raises(RuntimeError, match="beyond the factor buffers"):
+        ragged_puzzle_partial(store.pages_view(), queries(2, 3, 64), 0.125, native=True)
+
+
+# -- SVD ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d,T,budget", [(64, 1000, 0.6), (128, 333, 0.25)])
+def test_svd_rank_space_path_matches_reference(d, T, budget):
+    g = torch.Generator().manual_seed(d)
+    store = SVDStore(LayerLayout(0, 2, 6, d), SVDConfig(budget=budget, attention_backend="torch"))
+    store.append(torch.randn(2, T, d, generator=g), torch.randn(2, T, d, generator=g))
+    q = queries(2, 3, d, seed=4)
+    ref = merge_partials(store.history_partials(q.double(), d ** -0.5))
+    store.config = dataclasses.replace(store.config, attention_backend="native")
+    (got,) = store.history_partials(q, d ** -0.5)
+    close(got, ref)
+
+
+# -- dispatch -------------------------------------------------------------------------------------
+
+
+def test_backend_choice():
+    cpu_dev, meta = torch.device("cpu"), torch.device("meta")
+    assert cpu.use_native("auto", cpu_dev) and cpu.use_native("native", cpu_dev)
+    assert not cpu.use_native("torch", cpu_dev) and not cpu.use_native("triton", cpu_dev)
+    assert not cpu.use_native("auto", meta)
+    with pytest.raises(ValueError, match="native.*CPU kernels"):
+        cpu.use_native("native", meta)
+
+
+def test_fp64_queries_stay_on_the_reference_path():
+    q = queries(2, 3, 64).double()
+    k = v = torch.randn(2, 9, 64)
+    st = dense_state(q, k, v, 0.125, "auto")
+    assert st.o.dtype == torch.float64  # the fp64 reference is never routed to the fp32 kernel
+
+
+def test_build_key_changes_with_the_sources(monkeypatch, tmp_path):
+    key = cpu.build_key()
+    assert len(key) == 16 and key == cpu.build_key()
+    fake = tmp_path / "csrc"
+    fake.mkdir()
+    for name in cpu.SOURCES:
+        (fake / name).write_bytes((cpu._CSRC / name).read_bytes())
+    (fake / "dense.cpp").write_bytes((fake / "dense.cpp").read_bytes() + b"\n// changed\n")
+    monkeypatch.setattr(cpu, "_CSRC", fake)
+    assert cpu.build_key() != key
+
+
+def test_group_sizes_grid():
+    # every (GQA group, head_dim) pair the models in transformers use most, at one odd length
+    for group, d in itertools.product((1, 3, 4, 8), (64, 128)):
+        q = queries(2, group, d)
+        k, v = torch.randn(2, 33, d).bfloat16(), torch.randn(2, 33, d).bfloat16()
+        close(PartialAttention(*dense_attention(q, k, v, d ** -0.5, 16)),
+              dense_partial(q.double(), k.double(), v.double(), d ** -0.5))
