@@ -239,6 +239,60 @@ def test_puzzle_plus_kernel_refuses_a_corrupted_rank_table():
         ragged_puzzle_partial(store.pages_view(), queries(2, 3, 64), 0.125, native=True)
 
 
+# -- AnchorKV ------------------------------------------------------------------------------------
+
+
+def anchor_store(method: str, H: int, group: int, d: int, T: int, seed: int = 0, **cfg):
+    from kvpack.resident import get_codec
+
+    g = torch.Generator().manual_seed(seed)
+    layout = LayerLayout(0, H, H * group, d, rope=RotaryTable(LlamaRotary(d), d))
+    cfg = {"window": 8, "anchors": 12, **cfg}  # a small fixed cost, so short sequences fit the budget
+    store = get_codec(method, attention_backend="torch", **cfg).new_store(layout)
+    base = torch.randn(H, 6, d, generator=g)  # keys near a few directions, as AnchorKV expects
+    pick = torch.randint(0, 6, (H, T), generator=g)
+    k = torch.gather(base, 1, pick[..., None].expand(-1, -1, d)) * (0.5 + torch.rand(H, T, 1, generator=g))
+    k = k + 0.2 * torch.randn(H, T, d, generator=g)
+    v = torch.randn(H, T, d, generator=g)
+    q = torch.randn(H * group, T, d, generator=g)
+    store.append(k, v, q, store.attend(q, k, v, d ** -0.5))
+    return store
+
+
+@pytest.mark.parametrize("method,H,group,d,T,cfg", [
+    ("anchor", 2, 3, 64, 1000, {"budget": 0.3}),
+    ("anchor", 1, 4, 128, 333, {"budget": 0.2}),
+    ("anchor", 2, 1, 64, 97, {"budget": 0.3, "residual_codec": "naive"}),
+    ("anchor_plus", 2, 3, 64, 1000, {"budget": 0.5}),  # past saturation: the 4-bit tier, uint8 indices
+    ("anchor_plus", 2, 4, 128, 301, {"budget": 0.25}),
+])
+def test_anchor_kernel_matches_fp64_reference(method, H, group, d, T, cfg):
+    from kvpack.attention.triton.anchor_op import anchor_partials
+
+    store = anchor_store(method, H, group, d, T, **cfg)
+    segments = store.segment_views()
+    assert segments and store.n_compressed
+    if method == "anchor_plus" and cfg["budget"] >= 0.5:
+        assert segments[0].keys.fine is not None and segments[0].keys.fine.res.numel()  # the tier is exercised
+    q = queries(H, group, d, seed=6)
+    k_hat, v_hat = store.reconstruct()
+    n = store.n_compressed
+    ref = dense_partial(q.double(), k_hat[:, :n].double(), v_hat[:, :n].double(), d ** -0.5)
+    for bps in (None, 1, 5):
+        close(merge_partials(anchor_partials(segments, q, d ** -0.5, blocks_per_split=bps, native=True)), ref,
+              atol=5e-5)
+
+
+def test_anchor_kernel_refuses_an_index_past_the_anchors():
+    from kvpack.attention.triton.anchor_op import anchor_partials
+
+    store = anchor_store("anchor", 2, 3, 64, 400, budget=0.3)
+    seg = store.segment_views()[0]
+    seg.keys.index[0, 5] = seg.anchor_k.shape[1] + 3
+    with pytest.raises(RuntimeError, match="outside the 12 anchors"):
+        anchor_partials([seg], queries(2, 3, 64), 0.125, native=True)
+
+
 # -- SVD ------------------------------------------------------------------------------------------
 
 

@@ -15,7 +15,8 @@ import os
 
 import torch
 
-from ..softmax_merge import attend_history_and_chunk, dense_partial
+from ..dense import dense_state
+from ..softmax_merge import attend_history_and_chunk
 
 KERNEL_CHOICES = ("auto", "triton", "native", "torch")
 
@@ -69,6 +70,6 @@ def history_and_chunk(history: list, qg: torch.Tensor, k: torch.Tensor, v: torch
 
         return fused_history_and_chunk(history, qg, k, v, scaling, q_heads, tail)
     if tail is not None and tail[0].shape[1]:
-        history = [*history, dense_partial(qg, *tail, scaling)]
+        history = [*history, dense_state(qg, *tail, scaling, backend)]
     out, merged = attend_history_and_chunk(history, qg, k, v, scaling, q_heads)
     return out, merged.m, merged.l

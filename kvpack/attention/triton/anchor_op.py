@@ -2,7 +2,9 @@
 
 :func:`anchor_partials` is what ``AnchorStore`` calls with its :class:`AnchorSegment` views: one
 launch per compressed segment (one segment unless re-compression is on), returning each segment's
-merged softmax state.
+merged softmax state. One schema, two backends: the Triton kernel (CUDA; CPU tensors under
+``TRITON_INTERPRET=1``, called directly) and the native CPU kernel (``kvpack/attention/cpu/csrc/anchor.cpp``),
+the op's ``cpu`` kernel.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import math
 
 import torch
 
+from .. import cpu
 from ..anchor import PREFIX_BLOCK, AnchorSegment
 from ..softmax_merge import PartialAttention
 from ._launch import ROW_BLOCK, kernel_arg, launch, pow2, row_blocks, split_state_buffers
@@ -25,8 +28,7 @@ _BLOCK = PREFIX_BLOCK  # prefix-count block of the residual slots
 KERNEL_WARPS = 8
 
 
-@torch.library.custom_op("kvpack::anchor_segment_attention", mutates_args=())
-def anchor_segment_attention(
+def _triton_anchor_segment_attention(
     q: torch.Tensor, anchor_k: torch.Tensor, anchor_v: torch.Tensor, hmat: torch.Tensor, signs: torch.Tensor,
     cos: torch.Tensor, sin: torch.Tensor,
     index_k: torch.Tensor, coef_k: torch.Tensor, mask_k: torch.Tensor, prefix_k: torch.Tensor,
@@ -71,6 +73,36 @@ def anchor_segment_attention(
     return merge_splits(m, l, o)  # one more launch (flash-decoding's reduction)
 
 
+@torch.library.custom_op("kvpack::anchor_segment_attention", mutates_args=())
+def anchor_segment_attention(
+    q: torch.Tensor, anchor_k: torch.Tensor, anchor_v: torch.Tensor, hmat: torch.Tensor, signs: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor,
+    index_k: torch.Tensor, coef_k: torch.Tensor, mask_k: torch.Tensor, prefix_k: torch.Tensor,
+    res_k: torch.Tensor, scale_k: torch.Tensor,
+    index_v: torch.Tensor, coef_v: torch.Tensor, mask_v: torch.Tensor, prefix_v: torch.Tensor,
+    res_v: torch.Tensor, scale_v: torch.Tensor,
+    fine_mask_k: torch.Tensor, fine_prefix_k: torch.Tensor, fine_res_k: torch.Tensor, fine_scale_k: torch.Tensor,
+    fine_mask_v: torch.Tensor, fine_prefix_v: torch.Tensor, fine_res_v: torch.Tensor, fine_scale_v: torch.Tensor,
+    fine_levels: torch.Tensor,
+    levels: list[float], hfactor: float, scaling: float, first_position: int, blocks_per_split: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax state over one AnchorKV segment (arguments: :func:`_triton_anchor_segment_attention`);
+    the Triton kernel by default, the native kernel for CPU tensors."""
+    return _triton_anchor_segment_attention(
+        q, anchor_k, anchor_v, hmat, signs, cos, sin, index_k, coef_k, mask_k, prefix_k, res_k, scale_k, index_v,
+        coef_v, mask_v, prefix_v, res_v, scale_v, fine_mask_k, fine_prefix_k, fine_res_k, fine_scale_k, fine_mask_v,
+        fine_prefix_v, fine_res_v, fine_scale_v, fine_levels, levels, hfactor, scaling, first_position,
+        blocks_per_split)
+
+
+@anchor_segment_attention.register_kernel("cpu")
+def _(*args):
+    lib = cpu.native()
+    if lib is None:  # only reached under TRITON_INTERPRET=1 where use_native said no: the interpreter
+        return _triton_anchor_segment_attention(*args)
+    return lib.anchor_segment_attention(*args)
+
+
 @anchor_segment_attention.register_fake
 def _(q, anchor_k, anchor_v, hmat, signs, cos, sin, index_k, coef_k, mask_k, prefix_k, res_k, scale_k,
       index_v, coef_v, mask_v, prefix_v, res_v, scale_v, fine_mask_k, fine_prefix_k, fine_res_k, fine_scale_k,
@@ -82,11 +114,13 @@ def _(q, anchor_k, anchor_v, hmat, signs, cos, sin, index_k, coef_k, mask_k, pre
 
 
 def anchor_partials(segments: list[AnchorSegment], qg: torch.Tensor, scaling: float,
-                    blocks_per_split: int | None = None) -> list[PartialAttention]:
+                    blocks_per_split: int | None = None, native: bool = False) -> list[PartialAttention]:
     """States of ``qg [kv_heads, rows, d]`` over AnchorKV segments (the views an ``AnchorStore`` hands out).
 
     Args:
         blocks_per_split: 32-token blocks per program (default: about 32 programs per KV head).
+        native: run the op's native CPU kernel (CPU tensors); otherwise the Triton kernel (on CPU
+            tensors: the interpreter, called directly).
     """
     if not segments:
         return []
@@ -102,8 +136,9 @@ def anchor_partials(segments: list[AnchorSegment], qg: torch.Tensor, scaling: fl
         bps = blocks_per_split or max(1, math.ceil(math.ceil(seg.length / _BLOCK) / 32))
         fine = [*seg.keys.fine.tensors(), *seg.values.fine.tensors(), seg.fine_codec.on(dev).levels] \
             if seg.fine_codec is not None else [none] * 9
-        m, l, o = anchor_segment_attention(
-            qg.float(), seg.anchor_k, seg.anchor_v, hmat, signs, cos, sin, *seg.keys.tensors(),
+        op = anchor_segment_attention if native or dev.type != "cpu" else _triton_anchor_segment_attention
+        m, l, o = op(
+            qg.float().contiguous(), seg.anchor_k, seg.anchor_v, hmat, signs, cos, sin, *seg.keys.tensors(),
             *seg.values.tensors(), *fine, [float(x) for x in codec.levels], hfactor, float(scaling), seg.start, bps)
         states.append(PartialAttention(m=m, l=l, o=o))
     return states

@@ -32,8 +32,9 @@ class AnchorConfig(MethodConfig):
             many tokens, compress them as a new segment (same anchors, Eq. 6/9 over the segment,
             scored by the last W decode queries). None (default): generated tokens stay dense.
         attention_backend: attention over the compressed segments: ``auto`` (the Triton kernel for
-            CUDA tensors when Triton is installed, else PyTorch), ``triton`` (always; CPU only under
-            ``TRITON_INTERPRET=1``) or ``torch``.
+            CUDA tensors when Triton is installed, the native CPU kernel for CPU tensors where it is
+            built, else PyTorch), ``triton`` (always; CPU only under ``TRITON_INTERPRET=1``), ``native``
+            or ``torch`` (the reference).
 
     Ablation switches (paper Fig. 5; the defaults are the paper's method):
         ranking: what ranks the residual candidates: ``utility`` (Eq. 6), ``attention`` (mean

@@ -57,8 +57,10 @@ from ...attention.anchor import (
     anchor_tile_partials,
     reconstruct_tile,
 )
+from ...attention.cpu import use_native
+from ...attention.dense import dense_state
 from ...attention.scores import observation_scores
-from ...attention.softmax_merge import dense_partial, group_queries, prefill_attention, ungroup_output
+from ...attention.softmax_merge import group_queries, prefill_attention, ungroup_output
 from ...attention.triton import history_and_chunk, use_triton
 from ...attention.triton.anchor_op import anchor_partials
 from ...ops.accounting import dense_bf16_bytes
@@ -351,14 +353,17 @@ class AnchorStore(LayerStore):
         kernel or PyTorch tiles, per ``attention_backend``) and the dense tail."""
         states = self._segment_partials(qg, scaling)
         if self.tail_k.shape[1]:
-            states.append(dense_partial(qg, self.tail_k, self.tail_v, scaling))
+            states.append(dense_state(qg, self.tail_k, self.tail_v, scaling, self.config.attention_backend))
         return states
 
     def _segment_partials(self, qg: torch.Tensor, scaling: float) -> list:
         """One partial state per compressed segment (Triton kernel or PyTorch tiles)."""
         segments = self.segment_views()
-        if use_triton(self.config.attention_backend, qg.device):
+        backend = self.config.attention_backend
+        if use_triton(backend, qg.device):
             return anchor_partials(segments, qg, scaling)
+        if segments and use_native(backend, qg.device):
+            return anchor_partials(segments, qg, scaling, native=True)
         return anchor_tile_partials(segments, qg, scaling)
 
     def segment_views(self) -> list[AnchorSegment]:

@@ -1,5 +1,7 @@
 // The CPU kernels of kvpack's decode-attention custom ops, exposed to Python; kvpack/attention/cpu
 // registers each as the "cpu" kernel of its kvpack:: op (one schema, a Triton and a CPU backend).
+#include <pybind11/stl.h>
+
 #include "common.h"
 
 namespace kvpack {
@@ -25,6 +27,16 @@ State puzzle_ragged_attention(const at::Tensor& q, const at::Tensor& lk, const a
                               const at::Tensor& sink_v, const at::Tensor& tail_k, const at::Tensor& tail_v,
                               int64_t page_size, int64_t max_rank, double scaling, bool int4, bool pre_rope,
                               int64_t first_position, int64_t pages_per_split, int64_t tokens_per_split);
+State anchor_segment_attention(
+    const at::Tensor& q, const at::Tensor& anchor_k, const at::Tensor& anchor_v, const at::Tensor& hmat,
+    const at::Tensor& signs, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& index_k,
+    const at::Tensor& coef_k, const at::Tensor& mask_k, const at::Tensor& prefix_k, const at::Tensor& res_k,
+    const at::Tensor& scale_k, const at::Tensor& index_v, const at::Tensor& coef_v, const at::Tensor& mask_v,
+    const at::Tensor& prefix_v, const at::Tensor& res_v, const at::Tensor& scale_v, const at::Tensor& fine_mask_k,
+    const at::Tensor& fine_prefix_k, const at::Tensor& fine_res_k, const at::Tensor& fine_scale_k,
+    const at::Tensor& fine_mask_v, const at::Tensor& fine_prefix_v, const at::Tensor& fine_res_v,
+    const at::Tensor& fine_scale_v, const at::Tensor& fine_levels, const std::vector<double>& levels, double hfactor,
+    double scaling, int64_t first_position, int64_t blocks_per_split);
 }  // namespace kvpack
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -32,5 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("puzzle_attention", &kvpack::puzzle_attention, "softmax state over a PuzzleKV layer's pages, sink, tail");
   m.def("puzzle_ragged_attention", &kvpack::puzzle_ragged_attention,
         "softmax state over a puzzle_plus layer's per-page-rank pages, sink, tail");
+  m.def("anchor_segment_attention", &kvpack::anchor_segment_attention,
+        "softmax state over one AnchorKV segment (anchors, coefficients, residual tiers)");
   m.def("kivi_attention", &kvpack::kivi_attention, "softmax state over KIVI's quantized blocks and residual");
 }

@@ -251,11 +251,42 @@ inline void scores_block(const float* q, const float* k, int64_t M, int64_t n, i
     for (int64_t i = 0; i < M; ++i) s[i * stride + t] = dot(q + i * D, k + t * D, D) * scaling;
 }
 
+// out [D] += sum_t c[t] rows[t] for n rows [n, D]. The output row stays in registers across the n
+// updates: a row buffer updated in memory made each axpy wait on the previous one's store (measured as
+// the hot spot of the first kernels).
+#if defined(__AVX512F__)
+template <int NCH>
+inline void combine_regs(const float* __restrict c, const float* __restrict rows, int64_t n, float* __restrict out) {
+  __m512 acc[NCH];
+  for (int j = 0; j < NCH; ++j) acc[j] = _mm512_loadu_ps(out + 16 * j);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m512 a = _mm512_set1_ps(c[t]);
+    const float* row = rows + t * NCH * 16;
+#pragma GCC unroll 16
+    for (int j = 0; j < NCH; ++j) acc[j] = _mm512_fmadd_ps(a, _mm512_loadu_ps(row + 16 * j), acc[j]);
+  }
+  for (int j = 0; j < NCH; ++j) _mm512_storeu_ps(out + 16 * j, acc[j]);
+}
+#endif
+
+inline void combine(const float* __restrict c, const float* __restrict rows, int64_t n, int64_t D,
+                    float* __restrict out) {
+#if defined(__AVX512F__)
+  switch (D) {
+    case 32: return combine_regs<2>(c, rows, n, out);
+    case 64: return combine_regs<4>(c, rows, n, out);
+    case 128: return combine_regs<8>(c, rows, n, out);
+    case 256: return combine_regs<16>(c, rows, n, out);
+    default: break;
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t) axpy(c[t], rows + t * D, out, D);
+}
+
 // o [M, D] += p [M, n] (row stride `stride`) @ v [n, D] (fp32 rows).
 inline void accumulate_values(const float* p, int64_t stride, const float* v, int64_t M, int64_t n, int64_t D,
                               float* o) {
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t i = 0; i < M; ++i) axpy(p[i * stride + t], v + t * D, o + i * D, D);
+  for (int64_t i = 0; i < M; ++i) combine(p + i * stride, v, n, D, o + i * D);
 }
 
 // Fold dense tokens [t0, t1) of k, v [T, D] (one head, element type T_) into the state, BT at a time.

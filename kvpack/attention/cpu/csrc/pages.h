@@ -81,9 +81,9 @@ struct Geometry {
 
 // Per-job buffers of fold_page.
 struct PageScratch {
-  std::vector<float> qr, s, u, keys;
+  std::vector<float> qr, s, u, keys, coeffs;
   explicit PageScratch(const Geometry& g)
-      : qr(g.M * g.RK), s(g.M * g.P), u(g.M * g.RV), keys(g.pre_rope ? g.P * g.D : 0) {}
+      : qr(g.M * g.RK), s(g.M * g.P), u(g.M * g.RV), keys(g.pre_rope ? g.P * g.D : 0), coeffs(g.RK) {}
 };
 
 // Fold one loaded page (ranks rk <= g.RK, rv <= g.RV; its first token at position `pos`) into the state.
@@ -96,7 +96,8 @@ inline void fold_page(const float* q, const Page& pg, int64_t rk, int64_t rv, in
     std::fill(w.keys.begin(), w.keys.end(), 0.f);
     for (int64_t p = 0; p < P; ++p) {
       float* k = w.keys.data() + p * D;
-      for (int64_t r = 0; r < rk; ++r) axpy(pg.lkT[r * P + p], pg.rk.data() + r * D, k, D);
+      for (int64_t r = 0; r < rk; ++r) w.coeffs[r] = pg.lkT[r * P + p];
+      combine(w.coeffs.data(), pg.rk.data(), rk, D, k);
       const float* c = g.cos + (pos + p) * g.W;
       const float* sn = g.sin + (pos + p) * g.W;
       const float* c2 = g.W == D ? c + half : c;  // equal halves: the table keeps one
@@ -121,8 +122,7 @@ inline void fold_page(const float* q, const Page& pg, int64_t rk, int64_t rv, in
   // (p L_V) R_V: u[i, r] = p[i, :] . lvT[r, :], then o[i] += sum_r u[i, r] R_V[r].
   for (int64_t i = 0; i < M; ++i)
     for (int64_t r = 0; r < rv; ++r) w.u[i * g.RV + r] = dot(w.s.data() + i * P, pg.lvT.data() + r * P, P);
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t r = 0; r < rv; ++r) axpy(w.u[i * g.RV + r], pg.rv.data() + r * D, st.o.data() + i * D, D);
+  for (int64_t i = 0; i < M; ++i) combine(w.u.data() + i * g.RV, pg.rv.data(), rv, D, st.o.data() + i * D);
 }
 
 }  // namespace kvpack

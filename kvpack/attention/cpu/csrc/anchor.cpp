@@ -1,0 +1,320 @@
+// kvpack::anchor_segment_attention on CPU: grouped queries over one AnchorKV segment, read where the
+// store keeps it, split-K over 32-token blocks.
+//
+// Token t of head h: x_t = coef_t * anchor[index_t] + r_t, with r_t its residual when the token's bit is
+// set in one tier's mask (2-bit codes, or anchor_plus's 4-bit fine tier): r = unrotate(scale * levels
+// [codes]) = factor * (y M) ⊙ signs, M the codec's 0/±1 matrix. Slot of a residual = the prefix count of
+// its 32-token block + the set bits before it in the block. Keys are rebuilt one block at a time
+// (pre-RoPE, then rotated at position first_position + t); values never: their weighted sum is taken
+// on the stored form — sum_t p_t coef_t into one bin per anchor (the [rows, k] x [k, D] product once per
+// split) and sum_t p_t y_t in the codecs' shared rotated domain (unrotated once per split).
+//
+// The rotation: the identity (the naive ablation) is skipped; any other 0/±1 matrix (the paper's
+// Sylvester-Hadamard) is applied as a D x D product of AVX-512 row updates. Measured faster than a fast
+// Walsh-Hadamard transform at these sizes: its first stages (butterflies 1, 2, 4, 8 apart) do not fill
+// a vector, so at D = 64 the D log D scalar adds took longer than the 256 vector FMAs of the product.
+#include "common.h"
+
+namespace kvpack {
+namespace {
+
+enum class Rotation { Identity, Matrix };
+
+Rotation classify(const at::Tensor& hmat, std::vector<float>& m) {
+  const int64_t D = hmat.size(0);
+  m.resize(D * D);
+  widen_row(hmat.data_ptr<c10::Half>(), m.data(), D * D);
+  bool identity = true;
+  for (int64_t i = 0; i < D; ++i)
+    for (int64_t j = 0; j < D; ++j) identity &= m[i * D + j] == (i == j ? 1.f : 0.f);
+  return identity ? Rotation::Identity : Rotation::Matrix;
+}
+
+struct Codec {
+  Rotation rotation;
+  std::vector<float> matrix;  // [D, D] 0/±1
+  std::vector<float> signs;   // [D]
+  float factor;
+  float levels2[4];
+  float levels4[16];
+  int64_t D;
+
+  // x[c] += factor * (y M)[c] * signs[c]; y is overwritten.
+  void unrotate_add(float* y, float* x, std::vector<float>& tmp) const {
+    if (rotation != Rotation::Identity) {
+      tmp.resize(D);
+      matvec(y, tmp.data());
+      std::copy(tmp.begin(), tmp.end(), y);
+    }
+#pragma omp simd
+    for (int64_t c = 0; c < D; ++c) x[c] += factor * y[c] * signs[c];
+  }
+
+  // out = y M. The output row stays in registers across the D row updates (a row buffer in memory
+  // made every update wait on the previous one's store: the hot spot of the first version).
+  void matvec(const float* y, float* out) const {
+#if defined(__AVX512F__)
+    switch (D) {
+      case 64: return matvec_regs<4>(y, out);
+      case 128: return matvec_regs<8>(y, out);
+      case 256: return matvec_regs<16>(y, out);
+      default: break;
+    }
+#endif
+    std::fill(out, out + D, 0.f);
+    for (int64_t r = 0; r < D; ++r) axpy(y[r], matrix.data() + r * D, out, D);
+  }
+
+#if defined(__AVX512F__)
+  template <int NCH>
+  void matvec_regs(const float* y, float* out) const {
+    __m512 acc[NCH];
+    for (int j = 0; j < NCH; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < D; ++r) {
+      const __m512 a = _mm512_set1_ps(y[r]);
+      const float* row = matrix.data() + r * D;
+#pragma GCC unroll 16
+      for (int j = 0; j < NCH; ++j) acc[j] = _mm512_fmadd_ps(a, _mm512_loadu_ps(row + 16 * j), acc[j]);
+    }
+    for (int j = 0; j < NCH; ++j) _mm512_storeu_ps(out + 16 * j, acc[j]);
+  }
+#endif
+};
+
+struct Tier {  // one residual tier of one side
+  const uint8_t* mask = nullptr;     // [H, ceil(n / 8)] bits
+  const int32_t* prefix = nullptr;   // [H, ceil(n / 32)]
+  const uint8_t* res = nullptr;      // [slots, D * bits / 8]
+  const float* scale = nullptr;      // [slots]
+  int bits = 0;
+  int64_t slots = 0;
+  bool present() const { return mask != nullptr; }
+};
+
+struct Side {
+  const void* index;  // [H, n] uint8 or int16
+  bool index_u8;
+  const c10::Half* coef;  // [H, n]
+  Tier tiers[2];
+  int64_t anchor_of(int64_t e) const {
+    return index_u8 ? int64_t(static_cast<const uint8_t*>(index)[e]) : int64_t(static_cast<const int16_t*>(index)[e]);
+  }
+};
+
+Tier make_tier(const at::Tensor& mask, const at::Tensor& prefix, const at::Tensor& res, const at::Tensor& scale,
+               int bits, int64_t H, int64_t n, int64_t D, const char* name) {
+  Tier t;
+  if (!mask.numel()) return t;
+  TORCH_CHECK(mask.scalar_type() == at::kByte && mask.is_contiguous() && mask.numel() == H * ((n + 7) / 8),
+              "anchor_segment_attention: ", name, " mask must be uint8 [H, ceil(n / 8)], got ", mask.sizes());
+  TORCH_CHECK(prefix.scalar_type() == at::kInt && prefix.is_contiguous() && prefix.numel() == H * ((n + 31) / 32),
+              "anchor_segment_attention: ", name, " prefix must be int32 [H, ceil(n / 32)], got ", prefix.sizes());
+  const int64_t row = D * bits / 8;
+  TORCH_CHECK(res.scalar_type() == at::kByte && res.is_contiguous() && (res.numel() == 0 || res.size(-1) == row) &&
+                  scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() * row == res.numel(),
+              "anchor_segment_attention: ", name, " residuals must be uint8 [slots, ", row, "] with fp32 [slots] scales");
+  t.mask = mask.data_ptr<uint8_t>();
+  t.prefix = prefix.data_ptr<int32_t>();
+  t.res = res.data_ptr<uint8_t>();
+  t.scale = scale.data_ptr<float>();
+  t.bits = bits;
+  t.slots = scale.numel();
+  return t;
+}
+
+// y = scale * levels[codes] of residual `slot` of a tier.
+inline void residual_codes(const Tier& t, const Codec& c, int64_t slot, float* y) {
+  TORCH_CHECK(slot >= 0 && slot < t.slots, "anchor_segment_attention: residual slot ", slot, " outside [0, ",
+              t.slots, "): corrupted mask or prefix");
+  const float s = t.scale[slot];
+  const int64_t D = c.D;
+  if (t.bits == 2) {
+    const uint8_t* r = t.res + slot * (D / 4);
+    for (int64_t j = 0; j < D / 4; ++j) {
+      const int b = r[j];
+      y[4 * j] = s * c.levels2[b & 3];
+      y[4 * j + 1] = s * c.levels2[(b >> 2) & 3];
+      y[4 * j + 2] = s * c.levels2[(b >> 4) & 3];
+      y[4 * j + 3] = s * c.levels2[b >> 6];
+    }
+  } else {
+    const uint8_t* r = t.res + slot * (D / 2);
+    for (int64_t j = 0; j < D / 2; ++j) {
+      const int b = r[j];
+      y[2 * j] = s * c.levels4[b & 15];
+      y[2 * j + 1] = s * c.levels4[b >> 4];
+    }
+  }
+}
+
+// For each token of block `blk` (tokens [t0, t1)) of head h: the tier and slot of its residual, or -1.
+struct BlockSlots {
+  int8_t tier[32];
+  int64_t slot[32];
+};
+
+inline void block_slots(const Side& side, int64_t h, int64_t n, int64_t blk, int64_t t0, int64_t t1, BlockSlots& out) {
+  for (int64_t t = t0; t < t1; ++t) out.tier[t - t0] = -1;
+  for (int k = 0; k < 2; ++k) {
+    const Tier& tier = side.tiers[k];
+    if (!tier.present()) continue;
+    int64_t slot = tier.prefix[h * ((n + 31) / 32) + blk];
+    const uint8_t* bits = tier.mask + h * ((n + 7) / 8);
+    for (int64_t t = t0; t < t1; ++t)
+      if ((bits[t >> 3] >> (t & 7)) & 1) {
+        out.tier[t - t0] = int8_t(k);
+        out.slot[t - t0] = slot++;
+      }
+  }
+}
+
+template <typename E>
+void segment_blocks(const float* q, int64_t h, int64_t b0, int64_t b1, int64_t n, int64_t K, int64_t D,
+                    const E* anchor_k, const E* anchor_v, const Side& ks, const Side& vs, const Codec& codec,
+                    const float* cos, const float* sin, int64_t W, int64_t first_position, float scaling,
+                    RowsState& st) {
+  const int64_t M = st.M, half = D / 2;
+  std::vector<float> keys(32 * D), s(M * 32), y(D), tmp, bins(M * K, 0.f), acc_rot(M * D, 0.f), anchor_row(D),
+      m_old(M);
+  bool any_value_residual = false;
+  BlockSlots slots{};
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    const int64_t t0 = blk * 32, t1 = std::min(n, t0 + 32), B = t1 - t0;
+    // Keys of the block: coef * anchor + residual, rotated by RoPE at their positions.
+    block_slots(ks, h, n, blk, t0, t1, slots);
+    for (int64_t t = t0; t < t1; ++t) {
+      float* x = keys.data() + (t - t0) * D;
+      const int64_t e = h * n + t;
+      widen_row(anchor_k + (h * K + ks.anchor_of(e)) * D, x, D);
+      const float g = widen(ks.coef[e]);
+#pragma omp simd
+      for (int64_t c = 0; c < D; ++c) x[c] *= g;
+      if (slots.tier[t - t0] >= 0) {
+        residual_codes(ks.tiers[slots.tier[t - t0]], codec, slots.slot[t - t0], y.data());
+        codec.unrotate_add(y.data(), x, tmp);
+      }
+      const int64_t pos = first_position + t;
+      const float* c1 = cos + pos * W;
+      const float* s1 = sin + pos * W;
+      const float* c2 = W == D ? c1 + half : c1;
+      const float* s2 = W == D ? s1 + half : s1;
+#pragma omp simd
+      for (int64_t j = 0; j < half; ++j) {
+        const float k1 = x[j], k2 = x[j + half];
+        x[j] = k1 * c1[j] - k2 * s1[j];
+        x[j + half] = k2 * c2[j] + k1 * s2[j];
+      }
+    }
+    scores_block(q, keys.data(), M, B, D, scaling, s.data(), 32);
+    std::copy(st.m.begin(), st.m.end(), m_old.begin());
+    st.absorb(s.data(), B, 32);
+    for (int64_t i = 0; i < M; ++i) {  // the value sums kept outside st.o follow its rescaling
+      if (m_old[i] == st.m[i]) continue;
+      const float alpha = m_old[i] == NEG_INF ? 0.f : exp_approx(m_old[i] - st.m[i]);
+      for (int64_t j = 0; j < K; ++j) bins[i * K + j] *= alpha;
+      for (int64_t c = 0; c < D; ++c) acc_rot[i * D + c] *= alpha;
+    }
+    // Values: p coef into the anchor bins; p y summed in the rotated domain.
+    block_slots(vs, h, n, blk, t0, t1, slots);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t e = h * n + t, a = vs.anchor_of(e);
+      const float g = widen(vs.coef[e]);
+      for (int64_t i = 0; i < M; ++i) bins[i * K + a] += s[i * 32 + (t - t0)] * g;
+      if (slots.tier[t - t0] >= 0) {
+        residual_codes(vs.tiers[slots.tier[t - t0]], codec, slots.slot[t - t0], y.data());
+        for (int64_t i = 0; i < M; ++i) axpy(s[i * 32 + (t - t0)], y.data(), acc_rot.data() + i * D, D);
+        any_value_residual = true;
+      }
+    }
+  }
+  // o += bins @ anchor_v + unrotate(acc_rot), once per split.
+  for (int64_t j = 0; j < K; ++j) {
+    widen_row(anchor_v + (h * K + j) * D, anchor_row.data(), D);
+    for (int64_t i = 0; i < M; ++i)
+      if (bins[i * K + j] != 0.f) axpy(bins[i * K + j], anchor_row.data(), st.o.data() + i * D, D);
+  }
+  if (any_value_residual)
+    for (int64_t i = 0; i < M; ++i) codec.unrotate_add(acc_rot.data() + i * D, st.o.data() + i * D, tmp);
+}
+
+Side make_side(const at::Tensor& index, const at::Tensor& coef, int64_t H, int64_t n, int64_t K, const char* name) {
+  TORCH_CHECK((index.scalar_type() == at::kByte || index.scalar_type() == at::kShort) && index.is_contiguous() &&
+                  index.numel() == H * n,
+              "anchor_segment_attention: ", name, " index must be uint8 or int16 [H, n], got ", index.sizes());
+  TORCH_CHECK(coef.scalar_type() == at::kHalf && coef.is_contiguous() && coef.numel() == H * n,
+              "anchor_segment_attention: ", name, " coef must be fp16 [H, n]");
+  Side s{index.data_ptr(), index.scalar_type() == at::kByte, coef.data_ptr<c10::Half>(), {}};
+  for (int64_t e = 0; e < H * n; ++e) {
+    const int64_t a = s.anchor_of(e);
+    TORCH_CHECK(a >= 0 && a < K, "anchor_segment_attention: ", name, " index ", a, " outside the ", K, " anchors");
+  }
+  return s;
+}
+
+}  // namespace
+
+State anchor_segment_attention(
+    const at::Tensor& q, const at::Tensor& anchor_k, const at::Tensor& anchor_v, const at::Tensor& hmat,
+    const at::Tensor& signs, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& index_k,
+    const at::Tensor& coef_k, const at::Tensor& mask_k, const at::Tensor& prefix_k, const at::Tensor& res_k,
+    const at::Tensor& scale_k, const at::Tensor& index_v, const at::Tensor& coef_v, const at::Tensor& mask_v,
+    const at::Tensor& prefix_v, const at::Tensor& res_v, const at::Tensor& scale_v, const at::Tensor& fine_mask_k,
+    const at::Tensor& fine_prefix_k, const at::Tensor& fine_res_k, const at::Tensor& fine_scale_k,
+    const at::Tensor& fine_mask_v, const at::Tensor& fine_prefix_v, const at::Tensor& fine_res_v,
+    const at::Tensor& fine_scale_v, const at::Tensor& fine_levels, const std::vector<double>& levels, double hfactor,
+    double scaling, int64_t first_position, int64_t blocks_per_split) {
+  check_queries(q);
+  const int64_t H = q.size(0), D = q.size(2), n = index_k.dim() == 2 ? index_k.size(1) : 0;
+  TORCH_CHECK(D % 4 == 0, "anchor_segment_attention: head_dim must be a multiple of 4, got ", D);
+  for (const auto* a : {&anchor_k, &anchor_v})
+    TORCH_CHECK(a->dim() == 3 && a->size(0) == H && a->size(2) == D && a->is_contiguous() &&
+                    a->scalar_type() == anchor_k.scalar_type(),
+                "anchor_segment_attention: anchors must be contiguous [H, k, D] of one dtype, got ", a->sizes());
+  const int64_t K = anchor_k.size(1);
+  TORCH_CHECK(anchor_v.size(1) == K, "anchor_segment_attention: key and value anchors differ in count");
+  TORCH_CHECK(hmat.scalar_type() == at::kHalf && hmat.dim() == 2 && hmat.size(0) == D && hmat.size(1) == D,
+              "anchor_segment_attention: hmat must be the codec's [D, D] fp16 0/±1 matrix");
+  TORCH_CHECK(levels.size() == 4, "anchor_segment_attention: the 2-bit codec has 4 levels, got ", levels.size());
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
+                  cos.sizes() == sin.sizes() && (cos.size(1) == D || cos.size(1) == D / 2) &&
+                  cos.size(0) >= first_position + n,
+              "anchor_segment_attention: the RoPE tables must be fp32 [positions >= ", first_position + n,
+              ", D or D / 2]");
+  Codec codec;
+  codec.D = D;
+  codec.rotation = classify(hmat.contiguous(), codec.matrix);
+  codec.signs.resize(D);
+  widen_row(signs.contiguous().data_ptr<float>(), codec.signs.data(), D);
+  codec.factor = float(hfactor);
+  for (int i = 0; i < 4; ++i) codec.levels2[i] = float(levels[i]);
+  const bool fine = fine_mask_k.numel() > 0;
+  if (fine) {
+    TORCH_CHECK(fine_levels.scalar_type() == at::kFloat && fine_levels.numel() == 16,
+                "anchor_segment_attention: the fine tier needs 16 fp32 levels");
+    std::copy(fine_levels.data_ptr<float>(), fine_levels.data_ptr<float>() + 16, codec.levels4);
+  }
+  Side ks = make_side(index_k, coef_k, H, n, K, "key");
+  Side vs = make_side(index_v, coef_v, H, n, K, "value");
+  ks.tiers[0] = make_tier(mask_k, prefix_k, res_k, scale_k, 2, H, n, D, "key");
+  vs.tiers[0] = make_tier(mask_v, prefix_v, res_v, scale_v, 2, H, n, D, "value");
+  if (fine) {
+    ks.tiers[1] = make_tier(fine_mask_k, fine_prefix_k, fine_res_k, fine_scale_k, 4, H, n, D, "fine key");
+    vs.tiers[1] = make_tier(fine_mask_v, fine_prefix_v, fine_res_v, fine_scale_v, 4, H, n, D, "fine value");
+  }
+  const int64_t n_blocks = (n + 31) / 32, bps = std::max<int64_t>(1, blocks_per_split);
+  const float* qp = q.data_ptr<float>();
+  const int64_t W = cos.size(1);
+  State out;
+  with_dtype(anchor_k, "anchor_segment_attention: anchors", [&](auto* tag) {
+    using E = std::remove_pointer_t<decltype(tag)>;
+    const E* ak = static_cast<const E*>(anchor_k.data_ptr());
+    const E* av = static_cast<const E*>(anchor_v.data_ptr());
+    out = split_k(H, n_chunks(n_blocks, bps), q.size(1), D, q.options(), [&](int64_t h, int64_t s, RowsState& st) {
+      segment_blocks(qp + h * q.size(1) * D, h, s * bps, std::min(n_blocks, (s + 1) * bps), n, K, D, ak, av, ks, vs,
+                     codec, cos.data_ptr<float>(), sin.data_ptr<float>(), W, first_position, float(scaling), st);
+    });
+  });
+  return out;
+}
+
+}  // namespace kvpack
