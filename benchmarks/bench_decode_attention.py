@@ -1,12 +1,14 @@
-"""One decode step of attention over a PuzzleKV layer vs dense SDPA over the same tokens.
+"""One decode step of attention over each resident method's layer vs dense SDPA over the same tokens.
 
 Llama-8B head shape (8 KV heads, 32 query heads, d = 128), synthetic keys/values with a decaying
-spectrum, batch 1, contexts 16K and 32K. Reports the median time of one decode attention (the
-store's attend(), which merges sink, factorized pages, window and the new token) against
-``torch.nn.functional.scaled_dot_product_attention`` over the dense cache (bf16 and fp32), and
-the bytes each holds. On CPU this measures the PyTorch path; GPU kernels are a separate issue.
+spectrum, batch 1, contexts 8K, 32K and 64K. Reports the median time of one decode attention (the
+store's attend(), which merges everything stored and the new token; the native CPU kernels on CPU
+tensors where built, ``--torch-path`` adds each row on the PyTorch reference path) against
+``torch.nn.functional.scaled_dot_product_attention`` over the dense cache (bf16 and fp32), and the
+bytes each holds. StreamingLLM stands for the eviction baselines (H2O and SnapKV keep as many tokens
+in the same dense layout and are read by the same kernel; their prefill scoring is O(T²) here).
 
-Usage: python benchmarks/bench_decode_attention.py [--contexts 16384,32768]
+Usage: python benchmarks/bench_decode_attention.py [--contexts 8192,32768,65536] [--torch-path]
 """
 
 from __future__ import annotations
@@ -20,6 +22,17 @@ from _util import machine, median_seconds
 from kvpack.ops.rope import LlamaRotary, RotaryTable
 from kvpack.resident import LayerLayout, get_codec
 
+# (label, method, config): every resident method at its default and at 0.25 of the dense bf16 bytes.
+ROWS = [
+    ("full bf16", "full", {"storage_dtype": "bfloat16"}),
+    ("puzzle", "puzzle", {}), ("puzzle int4", "puzzle", {"int4": True}), ("puzzle@0.25", "puzzle", {"budget": 0.25}),
+    ("puzzle_plus", "puzzle_plus", {}), ("puzzle_plus@0.25", "puzzle_plus", {"budget": 0.25}),
+    ("anchor θ=0.1", "anchor", {"budget": 0.1}), ("anchor@0.25", "anchor", {"budget": 0.25}),
+    ("anchor_plus", "anchor_plus", {}), ("anchor_plus@0.25", "anchor_plus", {"budget": 0.25}),
+    ("svd@0.25", "svd", {"budget": 0.25}), ("kivi", "kivi", {}), ("kivi@0.25", "kivi", {"budget": 0.25}),
+    ("streaming@0.25", "streaming", {"budget": 0.25}),
+]
+
 
 def synthetic_kv(H: int, T: int, d: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -32,8 +45,11 @@ def synthetic_kv(H: int, T: int, d: int, seed: int = 0) -> tuple[torch.Tensor, t
 @torch.no_grad()
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--contexts", default="16384,32768")
+    parser.add_argument("--contexts", default="8192,32768,65536")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--torch-path", action="store_true", help="also every row on the PyTorch path")
+    parser.add_argument("--methods", default=",".join(label for label, _, _ in ROWS),
+                        help="comma-separated row labels")
     args = parser.parse_args()
     H, Hq, d = 8, 32, 128
     scale = d ** -0.5
@@ -55,11 +71,14 @@ def main() -> None:
         rows = [(name, t, b) for name, (t, b) in dense.items()]
         layout = LayerLayout(layer_idx=0, kv_heads=H, q_heads=Hq, head_dim=d,
                              rope=RotaryTable(LlamaRotary(d, theta=500000.0), d))
-        for label, method, cfg in (("puzzle (16,14)", "puzzle", {}), ("puzzle int4", "puzzle", {"int4": True}),
-                                   ("anchor θ=0.1", "anchor", {"budget": 0.1}),
-                                   ("anchor θ=0.05", "anchor", {"budget": 0.05})):
+        wanted = set(args.methods.split(","))
+        plan = [(label, method, cfg) for label, method, cfg in ROWS if label in wanted]
+        if args.torch_path:
+            plan += [(f"{label} [torch]", method, {**cfg, "attention_backend": "torch"})
+                     for label, method, cfg in plan if method != "full"]
+        for label, method, cfg in plan:
             store = get_codec(method, **cfg).new_store(layout)
-            if method == "anchor":
+            if method.startswith("anchor"):
                 # AnchorKV reads only the observation window's queries and exact outputs.
                 W = store.config.window
                 q_obs = torch.randn(Hq, W, d)
@@ -67,7 +86,10 @@ def main() -> None:
                     q_obs[None], k[None], v[None], scale=scale, enable_gqa=True)[0]
                 store.compress_prompt(k, v, q_obs, y_obs, scale)
                 store.seq_len = T
+            elif method == "streaming":
+                store.append(k, v, torch.empty(Hq, T, d))  # StreamingLLM keeps by position: the queries are unused
             else:
+                store.scaling = scale
                 store.append(k, v)
             t = median_seconds(lambda: store.attend(q, k1, v1, scale), args.repeats)
             rows.append((label, t, store.nbytes() + (k1.numel() + v1.numel()) * 2))

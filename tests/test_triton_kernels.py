@@ -495,12 +495,18 @@ def test_decode_step_allocates_nothing_that_grows_with_the_context(method, monke
 def test_decode_step_traces_as_one_graph_around_the_kernel(method):
     """torch.compile sees a decode step's attention (``attend``: the stored part through the kernel's
     op, the chunk-attention op, the input checks on shapes) as one graph with no break, in the
-    configuration a CUDA graph can capture (``check_finite=false``: no host synchronisation)."""
+    configuration a CUDA graph can capture (``check_finite=false``: no host synchronisation). On CPU
+    the op's kernel is the native one (the interpreter runs the Triton launcher directly, outside
+    the op, so it is not what a compiled CPU step would trace)."""
+    import dataclasses
+
     if method == "anchor":
         store = _anchor_store(2, 2, 32, 300, budget=0.3, storage_dtype="float32", anchors=None, check_finite=False)
     else:
         store = _store(2, 2, 32, 300, PuzzleConfig(page_size=16, rank_k=4, rank_v=4, storage_dtype="float32",
                                                    attention_backend="triton", check_finite=False))
+    if not torch.cuda.is_available():
+        store.config = dataclasses.replace(store.config, attention_backend="native")
     q, k, v = torch.randn(4, 1, 32), torch.randn(2, 1, 32), torch.randn(2, 1, 32)
     explained = torch._dynamo.explain(lambda q, k, v: store.attend(q, k, v, 32 ** -0.5))(q, k, v)
     torch._dynamo.reset()

@@ -56,6 +56,7 @@ def build_key() -> str:
     return h.hexdigest()[:16]
 
 
+@torch.compiler.assume_constant_result
 def native_disabled() -> bool:
     return os.environ.get(NATIVE_ENV, "1") in ("0", "false", "no")
 
@@ -86,6 +87,9 @@ def native() -> ModuleType | None:
         return None
 
 
+# A constant for torch.compile: a traced decode step asks once, at trace time, instead of breaking the
+# graph on the build machinery.
+@torch.compiler.assume_constant_result
 def native_available() -> bool:
     return native() is not None
 
