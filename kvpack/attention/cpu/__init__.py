@@ -14,10 +14,12 @@ cache shared between machines holds a build per capability that runs on each.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import sys
+import threading
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -115,3 +117,24 @@ def use_native(choice: str, device: torch.device) -> bool:
         raise ValueError("attention_backend='native' but the native CPU kernels could not be built "
                          "(see the warning above); use 'auto' or 'torch'")
     return ok
+
+
+_interpreter = threading.local()
+
+
+@contextlib.contextmanager
+def triton_on_cpu():
+    """Inside this block the ops' CPU kernels run the Triton launcher (the interpreter, under
+    ``TRITON_INTERPRET=1``) instead of the native code: how ``attention_backend="triton"`` reaches
+    the Triton kernels on CPU tensors through the same op the GPU path calls."""
+    previous = getattr(_interpreter, "on", False)
+    _interpreter.on = True
+    try:
+        yield
+    finally:
+        _interpreter.on = previous
+
+
+def triton_requested() -> bool:
+    """Whether the calling thread is inside :func:`triton_on_cpu`."""
+    return getattr(_interpreter, "on", False)

@@ -3,12 +3,13 @@
 :func:`anchor_partials` is what ``AnchorStore`` calls with its :class:`AnchorSegment` views: one
 launch per compressed segment (one segment unless re-compression is on), returning each segment's
 merged softmax state. One schema, two backends: the Triton kernel (CUDA; CPU tensors under
-``TRITON_INTERPRET=1``, called directly) and the native CPU kernel (``kvpack/attention/cpu/csrc/anchor.cpp``),
-the op's ``cpu`` kernel.
+``TRITON_INTERPRET=1``, inside ``cpu.triton_on_cpu``) and the native CPU kernel
+(``kvpack/attention/cpu/csrc/anchor.cpp``), the op's ``cpu`` kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -97,8 +98,8 @@ def anchor_segment_attention(
 
 @anchor_segment_attention.register_kernel("cpu")
 def _(*args):
-    lib = cpu.native()
-    if lib is None:  # only reached under TRITON_INTERPRET=1 where use_native said no: the interpreter
+    lib = None if cpu.triton_requested() else cpu.native()
+    if lib is None:  # attention_backend="triton" on CPU tensors (cpu.triton_on_cpu): the interpreter
         return _triton_anchor_segment_attention(*args)
     return lib.anchor_segment_attention(*args)
 
@@ -120,7 +121,7 @@ def anchor_partials(segments: list[AnchorSegment], qg: torch.Tensor, scaling: fl
     Args:
         blocks_per_split: 32-token blocks per program (default: about 32 programs per KV head).
         native: run the op's native CPU kernel (CPU tensors); otherwise the Triton kernel (on CPU
-            tensors: the interpreter, called directly).
+            tensors: the interpreter, through the same op, inside ``cpu.triton_on_cpu``).
     """
     if not segments:
         return []
@@ -136,9 +137,10 @@ def anchor_partials(segments: list[AnchorSegment], qg: torch.Tensor, scaling: fl
         bps = blocks_per_split or max(1, math.ceil(math.ceil(seg.length / _BLOCK) / 32))
         fine = [*seg.keys.fine.tensors(), *seg.values.fine.tensors(), seg.fine_codec.on(dev).levels] \
             if seg.fine_codec is not None else [none] * 9
-        op = anchor_segment_attention if native or dev.type != "cpu" else _triton_anchor_segment_attention
-        m, l, o = op(
-            qg.float().contiguous(), seg.anchor_k, seg.anchor_v, hmat, signs, cos, sin, *seg.keys.tensors(),
-            *seg.values.tensors(), *fine, [float(x) for x in codec.levels], hfactor, float(scaling), seg.start, bps)
+        with cpu.triton_on_cpu() if not native and dev.type == "cpu" else contextlib.nullcontext():
+            m, l, o = anchor_segment_attention(
+                qg.float().contiguous(), seg.anchor_k, seg.anchor_v, hmat, signs, cos, sin, *seg.keys.tensors(),
+                *seg.values.tensors(), *fine, [float(x) for x in codec.levels], hfactor, float(scaling), seg.start,
+                bps)
         states.append(PartialAttention(m=m, l=l, o=o))
     return states

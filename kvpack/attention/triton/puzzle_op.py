@@ -2,7 +2,7 @@
 
 Registered with ``torch.library.custom_op`` and a fake (meta) implementation, so ``torch.compile``
 traces around the Triton launch. One schema, two backends: the Triton kernel (CUDA tensors; CPU
-tensors under ``TRITON_INTERPRET=1``, called directly) and the native CPU kernel
+tensors under ``TRITON_INTERPRET=1``, inside ``cpu.triton_on_cpu``) and the native CPU kernel
 (``kvpack/attention/cpu/csrc/puzzle.cpp``), registered as the op's ``cpu`` kernel.
 :func:`puzzle_partial` is what ``PuzzleStore`` calls with its :class:`PuzzlePages` view: it returns
 the merged softmax state of the grouped queries over the layer's sink, factorized pages and tail.
@@ -10,6 +10,7 @@ the merged softmax state of the grouped queries over the layer's sink, factorize
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -91,8 +92,8 @@ def puzzle_attention(
 
 @puzzle_attention.register_kernel("cpu")
 def _(*args):
-    lib = cpu.native()
-    if lib is None:  # only reached under TRITON_INTERPRET=1 where use_native said no: the interpreter
+    lib = None if cpu.triton_requested() else cpu.native()
+    if lib is None:  # attention_backend="triton" on CPU tensors (cpu.triton_on_cpu): the interpreter
         return _triton_puzzle_attention(*args)
     return lib.puzzle_attention(*args)
 
@@ -115,7 +116,7 @@ def puzzle_partial(pages: PuzzlePages, qg: torch.Tensor, scaling: float, pages_p
         pages_per_split: factorized pages per program (default: about 32 programs per KV head).
         tokens_per_split: dense tokens per program.
         native: run the op's native CPU kernel (CPU tensors); otherwise the Triton kernel (on CPU
-            tensors: the interpreter, called directly rather than through the op's CPU kernel).
+            tensors: the interpreter, through the same op, inside ``cpu.triton_on_cpu``).
     """
     d = pages.head_dim
     pre_rope = pages.rope is not None
@@ -138,8 +139,8 @@ def puzzle_partial(pages: PuzzlePages, qg: torch.Tensor, scaling: float, pages_p
     if N and pre_rope:
         cos, sin = pages.rope.table(first + N * P, qg.device)
     pps = pages_per_split or max(1, math.ceil(N / 32))  # the recent set (<= max(8, √N) pages) adds a few
-    op = puzzle_attention if native or qg.device.type != "cpu" else _triton_puzzle_attention
-    m, l, o = op(qg.float().contiguous(), *mats, cos, sin, pages.sink_k, pages.sink_v, pages.tail_k, pages.tail_v,
-                               P, pages.rank_k, pages.rank_v, float(scaling), pages.int4, pre_rope, first, pps,
-                               tokens_per_split)
+    with cpu.triton_on_cpu() if not native and qg.device.type == "cpu" else contextlib.nullcontext():
+        m, l, o = puzzle_attention(qg.float().contiguous(), *mats, cos, sin, pages.sink_k, pages.sink_v, pages.tail_k,
+                                   pages.tail_v, P, pages.rank_k, pages.rank_v, float(scaling), pages.int4, pre_rope,
+                                   first, pps, tokens_per_split)
     return PartialAttention(m=m, l=l, o=o)

@@ -1,11 +1,12 @@
 """The ``puzzle_plus`` decode kernel as a PyTorch custom op (``kvpack::puzzle_ragged_attention``) and
 its launcher :func:`ragged_puzzle_partial`, which ``PuzzlePlusStore`` calls with its
 :class:`RaggedPuzzlePages` view (every tensor read in place). One schema, two backends: the Triton
-kernel (CUDA; CPU tensors under ``TRITON_INTERPRET=1``, called directly) and the native CPU kernel
+kernel (CUDA; CPU tensors under ``TRITON_INTERPRET=1``, inside ``cpu.triton_on_cpu``) and the native CPU kernel
 (``kvpack/attention/cpu/csrc/ragged.cpp``), the op's ``cpu`` kernel."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -74,8 +75,8 @@ def puzzle_ragged_attention(
 
 @puzzle_ragged_attention.register_kernel("cpu")
 def _(*args):
-    lib = cpu.native()
-    if lib is None:  # only reached under TRITON_INTERPRET=1 where use_native said no: the interpreter
+    lib = None if cpu.triton_requested() else cpu.native()
+    if lib is None:  # attention_backend="triton" on CPU tensors (cpu.triton_on_cpu): the interpreter
         return _triton_puzzle_ragged_attention(*args)
     return lib.puzzle_ragged_attention(*args)
 
@@ -98,7 +99,7 @@ def ragged_puzzle_partial(pages: RaggedPuzzlePages, qg: torch.Tensor, scaling: f
         pages_per_split: pages per program (default: about 32 programs per KV head).
         tokens_per_split: dense tokens per program.
         native: run the op's native CPU kernel (CPU tensors); otherwise the Triton kernel (on CPU
-            tensors: the interpreter, called directly).
+            tensors: the interpreter, through the same op, inside ``cpu.triton_on_cpu``).
     """
     d = pages.head_dim
     pre_rope = pages.rope is not None
@@ -116,10 +117,10 @@ def ragged_puzzle_partial(pages: RaggedPuzzlePages, qg: torch.Tensor, scaling: f
         cos, sin = pages.rope.table(first + N * P, qg.device)
     max_rank = max(b.rank for side in (keys, values) for b in side.buckets)
     pps = pages_per_split or max(1, math.ceil(N / 32))
-    op = puzzle_ragged_attention if native or qg.device.type != "cpu" else _triton_puzzle_ragged_attention
-    m, l, o = op(
-        qg.float().contiguous(), keys.left, keys.right, values.left, values.right, *scales,
-        keys.rank, keys.offset, values.rank, values.offset, cos, sin,
-        pages.sink_k, pages.sink_v, pages.tail_k, pages.tail_v,
-        P, max_rank, float(scaling), pages.int4, pre_rope, first, pps, tokens_per_split)
+    with cpu.triton_on_cpu() if not native and qg.device.type == "cpu" else contextlib.nullcontext():
+        m, l, o = puzzle_ragged_attention(
+            qg.float().contiguous(), keys.left, keys.right, values.left, values.right, *scales,
+            keys.rank, keys.offset, values.rank, values.offset, cos, sin,
+            pages.sink_k, pages.sink_v, pages.tail_k, pages.tail_v,
+            P, max_rank, float(scaling), pages.int4, pre_rope, first, pps, tokens_per_split)
     return PartialAttention(m=m, l=l, o=o)
