@@ -91,7 +91,10 @@ def main() -> None:
             else:
                 store.scaling = scale
                 store.append(k, v)
-            t = median_seconds(lambda: store.attend(q, k1, v1, scale), args.repeats)
+            # FullKV computes in the query's dtype (SDPA, as transformers): bf16 queries for its bf16 cache, as a
+            # bf16 model has; the compressed stores compute in fp32 whatever the query's dtype.
+            qs = q.to(store.storage_dtype) if method == "full" else q
+            t = median_seconds(lambda: store.attend(qs, k1, v1, scale), args.repeats)
             rows.append((label, t, store.nbytes() + (k1.numel() + v1.numel()) * 2))
         for name, t, b in rows:
             print(f"{T:>7}  {name:<15} {t * 1e3:>8.2f}   {t / dense['dense-bf16'][0]:>12.2f}x"

@@ -1,6 +1,6 @@
 // kvpack::kivi_attention on CPU: grouped queries over KIVI's quantized blocks and its full-precision
-// residual, read where the store keeps them (codes are widened one token at a time into a row buffer;
-// no dequantized copy of a block exists).
+// residual, read where the store keeps them: with AVX-512 the codes are decoded into registers; the
+// generic path widens one block's codes into a [G, D] float buffer (the codes, not dequantized values).
 //
 // Keys are quantized per channel over a block of G tokens: k[t, c] = code[t, c] * ks[c] + kz[c], so a
 // row's logit is sum_c (q[c] ks[c]) code[t, c] + sum_c q[c] kz[c]: the scaled query q * ks and the
