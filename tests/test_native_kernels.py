@@ -308,6 +308,32 @@ def test_svd_rank_space_path_matches_reference(d, T, budget):
     close(got, ref)
 
 
+# -- the end of a decode step: stored states + tail + the chunk ------------------------------------
+
+
+@pytest.mark.parametrize("n_states,T,Q,group,d",
+                         [(2, 5, 1, 3, 64), (1, 0, 3, 4, 128), (0, 9, 2, 1, 32), (3, 17, 16, 3, 64)])
+def test_chunk_kernel_matches_fp64_reference(n_states, T, Q, group, d):
+    from kvpack.attention.chunk_op import native_history_and_chunk
+    from kvpack.attention.softmax_merge import attend_history_and_chunk, group_queries
+
+    g = torch.Generator().manual_seed(Q * 7 + T)
+    H = 2
+    q = torch.randn(H * group, Q, d, generator=g)
+    qg = group_queries(q, H)
+    stored = [dense_partial(qg, torch.randn(H, 11, d, generator=g), torch.randn(H, 11, d, generator=g), d ** -0.5)
+              for _ in range(n_states)]
+    k, v = torch.randn(H, Q, d, generator=g), torch.randn(H, Q, d, generator=g)
+    tail = (torch.randn(H, T, d, generator=g).bfloat16(), torch.randn(H, T, d, generator=g).bfloat16())
+    history = [PartialAttention(*(t.double() for t in st)) for st in stored]
+    if T:
+        history.append(dense_partial(qg.double(), tail[0].double(), tail[1].double(), d ** -0.5))
+    want, merged = attend_history_and_chunk(history, qg.double(), k.double(), v.double(), d ** -0.5, H * group)
+    out, m, l = native_history_and_chunk(stored, qg, k, v, d ** -0.5, H * group, tail if T else None)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close((m.double() + l.double().log()), merged.m + merged.l.log(), atol=2e-5, rtol=1e-5)
+
+
 # -- dispatch -------------------------------------------------------------------------------------
 
 

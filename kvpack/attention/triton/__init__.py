@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from .. import cpu
+from ..chunk_op import native_history_and_chunk
 from ..dense import dense_state
 from ..softmax_merge import attend_history_and_chunk
 
@@ -64,11 +66,14 @@ def history_and_chunk(history: list, qg: torch.Tensor, k: torch.Tensor, v: torch
     (``chunk_attend.fused_history_and_chunk``) where ``backend`` runs Triton for these tensors and the
     chunk has at most ``FUSED_CHUNK_MAX`` queries; ``softmax_merge.attend_history_and_chunk``
     otherwise (longer chunks, such as a prompt after a compressed history, keep the PyTorch path's
-    one block of logits; the kernel would loop over them in 16-row tiles — not measured against it)."""
+    one block of logits; the kernel would loop over them in 16-row tiles — not measured against it).
+    On CPU tensors the same op's native kernel where ``backend`` picks it (``cpu.use_native``)."""
     if k.shape[1] <= FUSED_CHUNK_MAX and use_triton(backend, qg.device):
         from .chunk_attend import fused_history_and_chunk
 
         return fused_history_and_chunk(history, qg, k, v, scaling, q_heads, tail)
+    if k.shape[1] <= FUSED_CHUNK_MAX and qg.dtype != torch.float64 and cpu.use_native(backend, qg.device):
+        return native_history_and_chunk(history, qg, k, v, scaling, q_heads, tail)
     if tail is not None and tail[0].shape[1]:
         history = [*history, dense_state(qg, *tail, scaling, backend)]
     out, merged = attend_history_and_chunk(history, qg, k, v, scaling, q_heads)

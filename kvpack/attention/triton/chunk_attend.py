@@ -13,10 +13,14 @@ recent ones.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 
+from .. import cpu
+from ..chunk_op import chunk_attend, stacked_states
 from ..softmax_merge import PartialAttention, ungroup_output
 from ._common import merge_states, online_softmax_step
 from ._launch import ROW_BLOCK, kernel_arg, launch, pow2, row_blocks
@@ -75,8 +79,7 @@ def chunk_attend_kernel(m_ptr, l_ptr, o_ptr, q_ptr, tk_ptr, tv_ptr, k_ptr, v_ptr
     tl.store(l_out + h * M + offs_m, l_i, mask=mask_m)
 
 
-@torch.library.custom_op("kvpack::chunk_attend", mutates_args=())
-def chunk_attend(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, qg: torch.Tensor, tail_k: torch.Tensor,
+def _triton_chunk_attend(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, qg: torch.Tensor, tail_k: torch.Tensor,
                  tail_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out [H, M, D], m [H, M], l [H, M])`` fp32: attention of grouped queries ``qg [H, M, D]`` over
@@ -95,13 +98,6 @@ def chunk_attend(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, qg: torch.Te
     return out, m_out, l_out
 
 
-@chunk_attend.register_fake
-def _(m, l, o, qg, tail_k, tail_v, k, v, scaling):
-    H, M, D = qg.shape
-    return (qg.new_empty(H, M, D, dtype=torch.float32), qg.new_empty(H, M, dtype=torch.float32),
-            qg.new_empty(H, M, dtype=torch.float32))
-
-
 def fused_history_and_chunk(history: list[PartialAttention], qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             scaling: float, q_heads: int,
                             tail: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
@@ -110,13 +106,8 @@ def fused_history_and_chunk(history: list[PartialAttention], qg: torch.Tensor, k
     row sees, read by the kernel in place (instead of a PyTorch partial state for them). One stored
     state (PuzzleKV's op) is passed as a view; several are stacked first (three copies of
     ``[H, M(, d)]``, small)."""
-    if len(history) == 1:
-        m, l, o = (t.unsqueeze(1) for t in history[0])
-    elif history:
-        m, l, o = (torch.stack(ts, dim=1) for ts in zip(*history))
-    else:
-        H, M, D = qg.shape
-        m, l, o = qg.new_empty(H, 0, M), qg.new_empty(H, 0, M), qg.new_empty(H, 0, M, D)
+    m, l, o = stacked_states(history, qg)
     tail_k, tail_v = tail if tail is not None else (k[:, :0], v[:, :0])
-    out, m_out, l_out = chunk_attend(m.float(), l.float(), o.float(), qg, tail_k, tail_v, k, v, float(scaling))
+    with cpu.triton_on_cpu() if qg.device.type == "cpu" else contextlib.nullcontext():
+        out, m_out, l_out = chunk_attend(m, l, o, qg.float().contiguous(), tail_k, tail_v, k, v, float(scaling))
     return ungroup_output(out, q_heads), m_out, l_out

@@ -37,6 +37,10 @@ State anchor_segment_attention(
     const at::Tensor& fine_mask_v, const at::Tensor& fine_prefix_v, const at::Tensor& fine_res_v,
     const at::Tensor& fine_scale_v, const at::Tensor& fine_levels, const std::vector<double>& levels, double hfactor,
     double scaling, int64_t first_position, int64_t blocks_per_split);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attend(const at::Tensor& m, const at::Tensor& l,
+                                                            const at::Tensor& o, const at::Tensor& q,
+                                                            const at::Tensor& tail_k, const at::Tensor& tail_v,
+                                                            const at::Tensor& k, const at::Tensor& v, double scaling);
 }  // namespace kvpack
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -46,5 +50,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "softmax state over a puzzle_plus layer's per-page-rank pages, sink, tail");
   m.def("anchor_segment_attention", &kvpack::anchor_segment_attention,
         "softmax state over one AnchorKV segment (anchors, coefficients, residual tiers)");
+  m.def("chunk_attend", &kvpack::chunk_attend, "stored states merged with the tail and the chunk, normalised");
   m.def("kivi_attention", &kvpack::kivi_attention, "softmax state over KIVI's quantized blocks and residual");
 }
