@@ -39,12 +39,7 @@ def _(m, l, o, qg, tail_k, tail_v, k, v, scaling):
             qg.new_empty(H, M, dtype=torch.float32))
 
 
-@chunk_attend.register_kernel("cpu")
-def _(*args):
-    lib = None if cpu.triton_requested() else cpu.native()
-    if lib is None:  # attention_backend="triton" on CPU tensors (cpu.triton_on_cpu): the interpreter
-        return _triton(*args)
-    return lib.chunk_attend(*args)
+cpu.register_cpu_kernel(chunk_attend, _triton, "chunk_attend")
 
 
 def stacked_states(history: list[PartialAttention], qg: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -139,3 +139,16 @@ def triton_on_cpu():
 def triton_requested() -> bool:
     """Whether the calling thread is inside :func:`triton_on_cpu`."""
     return getattr(_interpreter, "on", False)
+
+
+def register_cpu_kernel(op, triton_launcher, native_name: str) -> None:
+    """Make the native function ``native_name`` the ``cpu`` kernel of the custom op ``op``; inside
+    :func:`triton_on_cpu` (``attention_backend="triton"`` on CPU tensors, the interpreter) or where the
+    kernels are not built, the op's CPU kernel runs ``triton_launcher`` instead."""
+
+    @op.register_kernel("cpu")
+    def _(*args):
+        lib = None if triton_requested() else native()
+        if lib is None:
+            return triton_launcher(*args)
+        return getattr(lib, native_name)(*args)

@@ -74,34 +74,10 @@ def _triton_anchor_segment_attention(
     return merge_splits(m, l, o)  # one more launch (flash-decoding's reduction)
 
 
-@torch.library.custom_op("kvpack::anchor_segment_attention", mutates_args=())
-def anchor_segment_attention(
-    q: torch.Tensor, anchor_k: torch.Tensor, anchor_v: torch.Tensor, hmat: torch.Tensor, signs: torch.Tensor,
-    cos: torch.Tensor, sin: torch.Tensor,
-    index_k: torch.Tensor, coef_k: torch.Tensor, mask_k: torch.Tensor, prefix_k: torch.Tensor,
-    res_k: torch.Tensor, scale_k: torch.Tensor,
-    index_v: torch.Tensor, coef_v: torch.Tensor, mask_v: torch.Tensor, prefix_v: torch.Tensor,
-    res_v: torch.Tensor, scale_v: torch.Tensor,
-    fine_mask_k: torch.Tensor, fine_prefix_k: torch.Tensor, fine_res_k: torch.Tensor, fine_scale_k: torch.Tensor,
-    fine_mask_v: torch.Tensor, fine_prefix_v: torch.Tensor, fine_res_v: torch.Tensor, fine_scale_v: torch.Tensor,
-    fine_levels: torch.Tensor,
-    levels: list[float], hfactor: float, scaling: float, first_position: int, blocks_per_split: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Softmax state over one AnchorKV segment (arguments: :func:`_triton_anchor_segment_attention`);
-    the Triton kernel by default, the native kernel for CPU tensors."""
-    return _triton_anchor_segment_attention(
-        q, anchor_k, anchor_v, hmat, signs, cos, sin, index_k, coef_k, mask_k, prefix_k, res_k, scale_k, index_v,
-        coef_v, mask_v, prefix_v, res_v, scale_v, fine_mask_k, fine_prefix_k, fine_res_k, fine_scale_k, fine_mask_v,
-        fine_prefix_v, fine_res_v, fine_scale_v, fine_levels, levels, hfactor, scaling, first_position,
-        blocks_per_split)
-
-
-@anchor_segment_attention.register_kernel("cpu")
-def _(*args):
-    lib = None if cpu.triton_requested() else cpu.native()
-    if lib is None:  # attention_backend="triton" on CPU tensors (cpu.triton_on_cpu): the interpreter
-        return _triton_anchor_segment_attention(*args)
-    return lib.anchor_segment_attention(*args)
+# The op is the Triton launcher itself (its default implementation, for CUDA); the CPU kernel is native.
+anchor_segment_attention = torch.library.custom_op("kvpack::anchor_segment_attention", mutates_args=())(
+    _triton_anchor_segment_attention)
+cpu.register_cpu_kernel(anchor_segment_attention, _triton_anchor_segment_attention, "anchor_segment_attention")
 
 
 @anchor_segment_attention.register_fake

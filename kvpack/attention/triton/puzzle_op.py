@@ -72,30 +72,9 @@ def _triton_puzzle_attention(
     return merge_splits(m, l, o)  # one more launch (flash-decoding's reduction)
 
 
-@torch.library.custom_op("kvpack::puzzle_attention", mutates_args=())
-def puzzle_attention(
-    q: torch.Tensor, lk: torch.Tensor, rk: torch.Tensor, lv: torch.Tensor, rv: torch.Tensor,
-    lks: torch.Tensor, rks: torch.Tensor, lvs: torch.Tensor, rvs: torch.Tensor,
-    lk2: torch.Tensor, rk2: torch.Tensor, lv2: torch.Tensor, rv2: torch.Tensor,
-    lks2: torch.Tensor, rks2: torch.Tensor, lvs2: torch.Tensor, rvs2: torch.Tensor,
-    cos: torch.Tensor, sin: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor,
-    tail_k: torch.Tensor, tail_v: torch.Tensor,
-    page_size: int, rank_k: int, rank_v: int, scaling: float, int4: bool, pre_rope: bool, first_position: int,
-    pages_per_split: int, tokens_per_split: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Softmax state over a PuzzleKV layer (arguments: :func:`_triton_puzzle_attention`); the Triton
-    kernel by default, the native kernel for CPU tensors."""
-    return _triton_puzzle_attention(q, lk, rk, lv, rv, lks, rks, lvs, rvs, lk2, rk2, lv2, rv2, lks2, rks2, lvs2, rvs2,
-                                    cos, sin, sink_k, sink_v, tail_k, tail_v, page_size, rank_k, rank_v, scaling,
-                                    int4, pre_rope, first_position, pages_per_split, tokens_per_split)
-
-
-@puzzle_attention.register_kernel("cpu")
-def _(*args):
-    lib = None if cpu.triton_requested() else cpu.native()
-    if lib is None:  # attention_backend="triton" on CPU tensors (cpu.triton_on_cpu): the interpreter
-        return _triton_puzzle_attention(*args)
-    return lib.puzzle_attention(*args)
+# The op is the Triton launcher itself (its default implementation, for CUDA); the CPU kernel is native.
+puzzle_attention = torch.library.custom_op("kvpack::puzzle_attention", mutates_args=())(_triton_puzzle_attention)
+cpu.register_cpu_kernel(puzzle_attention, _triton_puzzle_attention, "puzzle_attention")
 
 
 @puzzle_attention.register_fake

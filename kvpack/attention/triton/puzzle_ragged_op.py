@@ -56,29 +56,10 @@ def _triton_puzzle_ragged_attention(
     return merge_splits(m, l, o)
 
 
-@torch.library.custom_op("kvpack::puzzle_ragged_attention", mutates_args=())
-def puzzle_ragged_attention(
-    q: torch.Tensor, lk: torch.Tensor, rk: torch.Tensor, lv: torch.Tensor, rv: torch.Tensor,
-    lks: torch.Tensor, rks: torch.Tensor, lvs: torch.Tensor, rvs: torch.Tensor,
-    k_rank: torch.Tensor, k_offset: torch.Tensor, v_rank: torch.Tensor, v_offset: torch.Tensor,
-    cos: torch.Tensor, sin: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor,
-    tail_k: torch.Tensor, tail_v: torch.Tensor,
-    page_size: int, max_rank: int, scaling: float, int4: bool, pre_rope: bool, first_position: int,
-    pages_per_split: int, tokens_per_split: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Softmax state over a ``puzzle_plus`` layer (arguments: :func:`_triton_puzzle_ragged_attention`);
-    the Triton kernel by default, the native kernel for CPU tensors."""
-    return _triton_puzzle_ragged_attention(q, lk, rk, lv, rv, lks, rks, lvs, rvs, k_rank, k_offset, v_rank, v_offset,
-                                           cos, sin, sink_k, sink_v, tail_k, tail_v, page_size, max_rank, scaling,
-                                           int4, pre_rope, first_position, pages_per_split, tokens_per_split)
-
-
-@puzzle_ragged_attention.register_kernel("cpu")
-def _(*args):
-    lib = None if cpu.triton_requested() else cpu.native()
-    if lib is None:  # attention_backend="triton" on CPU tensors (cpu.triton_on_cpu): the interpreter
-        return _triton_puzzle_ragged_attention(*args)
-    return lib.puzzle_ragged_attention(*args)
+# The op is the Triton launcher itself (its default implementation, for CUDA); the CPU kernel is native.
+puzzle_ragged_attention = torch.library.custom_op("kvpack::puzzle_ragged_attention", mutates_args=())(
+    _triton_puzzle_ragged_attention)
+cpu.register_cpu_kernel(puzzle_ragged_attention, _triton_puzzle_ragged_attention, "puzzle_ragged_attention")
 
 
 @puzzle_ragged_attention.register_fake
