@@ -283,6 +283,32 @@ def test_anchor_kernel_matches_fp64_reference(method, H, group, d, T, cfg):
               atol=5e-5)
 
 
+def test_anchor_kernel_generic_rotation_equals_the_fast_hadamard():
+    """The kernel applies the Sylvester-Hadamard as a fast transform and any other 0/±1 matrix as a
+    product: H diag(σ) with signs s ⊙ σ is the same rotation, so both paths must agree."""
+    from kvpack.attention.triton.anchor_op import anchor_partials
+    from kvpack.ops.residual_codec import DeviceTables
+
+    store = anchor_store("anchor", 2, 3, 64, 700, budget=0.3)
+    segments = store.segment_views()
+    q = queries(2, 3, 64, seed=2)
+    k_hat, v_hat = store.reconstruct()
+    n = store.n_compressed
+    ref = dense_partial(q.double(), k_hat[:, :n].double(), v_hat[:, :n].double(), 0.125)
+    fast = merge_partials(anchor_partials(segments, q, 0.125, native=True))
+    close(fast, ref, atol=5e-5)
+    codec, cpu_device = segments[0].codec, torch.device("cpu")
+    tables = codec.on(cpu_device)
+    flip = torch.where(torch.arange(64) % 3 == 0, -1.0, 1.0)
+    codec._on_device[cpu_device] = DeviceTables(
+        tables.matrix, tables.signs * flip, (tables.kernel_matrix.float() * flip).half(), tables.levels)
+    try:
+        generic = merge_partials(anchor_partials(segments, q, 0.125, native=True))
+    finally:
+        codec._on_device[cpu_device] = tables
+    close(generic, ref, atol=5e-5)
+
+
 def test_anchor_kernel_refuses_an_index_past_the_anchors():
     from kvpack.attention.triton.anchor_op import anchor_partials
 
