@@ -149,14 +149,14 @@ def cmd_compress(args) -> int:
     """Prefill a prompt, compress its cache with kvtc, write a blob file or a prefix-store entry."""
     if bool(args.out) == bool(args.store):
         raise ValueError("give exactly one of --out FILE or --store [DIR]")
-    KvtcConfig(ratio=args.ratio, backend=args.backend, level=args.level)  # refuse bad settings before loading
+    cfg = KvtcConfig(ratio=args.ratio, backend=args.backend, level=args.level)  # refuse bad settings before loading
     prompt = _read_prompt(args)
     if not prompt:
         raise ValueError("empty prompt: nothing to compress")
     model, tokenizer, calib = _model_and_calibration(args)
-    calib.allocation(args.ratio)
+    calib.allocation(cfg.target_ratio)
     ids = encode_prompt(tokenizer, prompt, args.chat)[0].tolist()
-    blob = compress_tokens(model, calib, ids, args.ratio, args.backend, args.level)
+    blob = compress_tokens(model, calib, ids, cfg.target_ratio, cfg.backend, cfg.level)
     if args.out:
         atomic_write_bytes(args.out, blob)
         where = args.out
@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("compress", help="kvtc: prefill a prompt and compress its cache to a blob or the store")
     _add_model_args(k, "bfloat16")
     k.add_argument("--calibration", required=True, help="directory written by `kvpack calibrate`")
-    k.add_argument("--ratio", type=float, default=KVTC_DEFAULTS.ratio,
+    k.add_argument("--ratio", type=float, default=KVTC_DEFAULTS.target_ratio,
                    help="a calibrated target ratio (default %(default)g)")
     k.add_argument("--backend", default=KVTC_DEFAULTS.backend, choices=BACKENDS,
                    help="entropy coder (default %(default)s)")

@@ -149,7 +149,7 @@ def validate_fields(obj) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class MethodConfig:
     """Fields every method shares. Subclasses add fields with :func:`option` and relate them in
     :meth:`check`.

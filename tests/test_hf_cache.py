@@ -65,35 +65,7 @@ def test_low_rank_chunk_matches_reference_over_reconstruction():
     torch.testing.assert_close(out, ref.float(), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("method,config", [
-    ("full", {}),
-    ("puzzle", dict(page_size=8, rank_k=3, rank_v=3)),
-    ("puzzle", dict(page_size=8, budget=0.7)),
-    ("anchor", dict(window=8, budget=0.6)),
-    ("anchor_plus", dict(window=8, budget=0.6)),
-])
-def test_batch_with_left_padding_matches_batch_of_one(method, config):
-    model = tiny_llama()
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(1, 128, (n,), generator=g) for n in (70, 43, 58)]
-    singles = []
-    for p in prompts:
-        with attach(model, method, **config) as cache:
-            out = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=12,
-                                 do_sample=False, pad_token_id=0, **cache_kwargs(model, cache))
-        singles.append(out[0, len(p):])
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = p
-        mask[i, width - len(p):] = 1
-    with attach(model, method, **config) as cache:
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
-                             **cache_kwargs(model, cache))
-    for i, p in enumerate(prompts):
-        assert torch.equal(out[i, width:], singles[i]), f"row {i}"
-        assert cache.kvpack_layers[0].rows[i].seq_len == len(p) + 11  # padding is never stored
+# A left-padded batch decoding as each prompt alone: tests/test_method_matrix.py, for every method.
 
 
 def test_sliding_window_layers_keep_their_own_cache():

@@ -99,8 +99,8 @@ class EvalPlan:
             raise ValueError(f"lengths must be integers >= 64 tokens, got {self.lengths}")
         if not self.specs:
             raise ValueError("no methods to evaluate")
-        for spec in self.specs:  # refuse unknown methods or fields now, not hours into a run
-            get_method(spec.method, **{k: v for k, v in spec.codec_config().items() if k != "budget"})
+        for spec in self.specs:  # refuse unknown methods, fields and budgets now, not hours into a run
+            get_method(spec.method, **spec.codec_config())
 
 
 def _canonical(overrides: dict) -> str:

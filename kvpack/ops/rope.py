@@ -36,6 +36,22 @@ def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
 
 
+def rope_at(table: RotaryTable, x: torch.Tensor, first: int) -> torch.Tensor:
+    """``x [..., n, d]`` (pre-RoPE keys, positions ``first .. first + n - 1`` along the second-last
+    axis) rotated by RoPE at those positions, with the table's cos/sin."""
+    n = x.shape[-2]
+    cos, sin = table.cos_sin(torch.arange(first, first + n, device=x.device))
+    return apply_rope(x, cos, sin)
+
+
+def unrope_pages(table: RotaryTable, k: torch.Tensor, first: int) -> torch.Tensor:
+    """Post-RoPE keys of whole pages ``k [H, n, P, d]`` (the first at position ``first``) rotated back
+    to pre-RoPE (:func:`invert_rope`), for the codecs that factorize pre-RoPE keys."""
+    n, P, d = k.shape[-3:]
+    cos, sin = table.cos_sin(torch.arange(first, first + n * P, device=k.device))
+    return invert_rope(k, cos.reshape(n, P, d), sin.reshape(n, P, d))
+
+
 class RotaryTable:
     """cos/sin of a model's rotary embedding at integer positions, computed once and shared.
 

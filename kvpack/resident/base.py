@@ -121,6 +121,13 @@ class LayerStore(ABC):
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the store holds (dense regions, factors, codes, scales, indices...)."""
 
+    @abstractmethod
+    def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys (post-RoPE) and values attention reads, decoded: ``(K̂, V̂)`` fp32
+        ``[kv_heads, n, d]`` in position order — ``n = seq_len``, or the kept tokens for a method that
+        evicts. Attention over a store equals attention over these (the test matrix checks it);
+        for tests and inspection only, attention never calls it."""
+
     # -- shared -----------------------------------------------------------------------------
 
     @classmethod
@@ -138,6 +145,13 @@ class LayerStore(ABC):
             raise ValueError(f"load_prefill needs an empty store; this one holds {self.seq_len} tokens")
         self.scaling = scaling
         self.append(k, v, q=q, out=out)
+
+    @property
+    def budget_covers_decode(self) -> bool:
+        """Whether the byte budget holds after every decode step (True), or covers the prompt only:
+        the tokens generated after it are kept dense, as the method's paper specifies (SnapKV, H2O
+        without score updates, AnchorKV without re-compression; the SVD baseline factorizes once)."""
+        return True
 
     def resolved_params(self) -> dict[str, Any]:
         """Parameters the store derived from its input (e.g. ranks chosen for a budget)."""

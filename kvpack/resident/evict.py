@@ -34,7 +34,7 @@ from ..registry import register_method
 from .base import LayerLayout, LayerStore
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvictionConfig(MethodConfig):
     """Shared eviction fields.
 
@@ -61,6 +61,9 @@ class EvictionStore(LayerStore):
 
     def tensors(self):
         return {"k": self.k, "v": self.v}
+
+    def reconstruct(self):
+        return self.k.float(), self.v.float()
 
     def bytes_per_token(self) -> int:
         """Bytes one kept token costs per KV head (keys + values + any per-token statistic)."""
@@ -138,7 +141,7 @@ class EvictionStore(LayerStore):
 # ------------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class StreamingConfig(EvictionConfig):
     """Attributes: sink_tokens: leading tokens always kept (default 4, as the paper)."""
 
@@ -174,7 +177,7 @@ class StreamingStore(EvictionStore):
 # ------------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class H2OConfig(EvictionConfig):
     """Attributes:
         recent_fraction: share of the kept tokens that are the most recent (default 0.5, the
@@ -215,6 +218,10 @@ class H2OStore(EvictionStore):
 
     def bytes_per_token(self) -> int:
         return super().bytes_per_token() + (4 if self.config.update_scores else 0)
+
+    @property
+    def budget_covers_decode(self) -> bool:
+        return self.config.update_scores  # without score updates generated tokens are all kept
 
     def n_recent(self) -> int:
         return int(round(self.n_keep * self.config.recent_fraction))
@@ -258,7 +265,7 @@ class H2OStore(EvictionStore):
 # ------------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class SnapKVConfig(EvictionConfig):
     """Attributes: window: observation window of the last prompt queries, kept (default 32);
     kernel: average-pooling kernel over the votes (default 7)."""
@@ -280,6 +287,8 @@ class SnapKVStore(EvictionStore):
     """SnapKV: observation-window votes, pooled, top tokens kept plus the window."""
 
     Config = SnapKVConfig
+
+    budget_covers_decode = False  # SnapKV compresses the prompt; generated tokens are all kept
 
     def min_tokens(self) -> int:
         return self.config.window

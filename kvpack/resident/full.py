@@ -18,7 +18,7 @@ from ..registry import register_method
 from .base import LayerLayout, LayerStore
 
 
-@dataclass
+@dataclass(frozen=True)
 class FullConfig(MethodConfig):
     """FullKV has no parameters besides the shared ones; ``budget`` must be None or 1."""
 
@@ -62,6 +62,9 @@ class FullStore(LayerStore):
 
     def tensors(self):
         return {"k": self.k_buf, "v": self.v_buf}
+
+    def reconstruct(self):
+        return self.k.float(), self.v.float()
 
     def _write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the chunk at ``[seq_len, seq_len + n)`` of the buffer, growing it when full."""

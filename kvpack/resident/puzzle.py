@@ -19,7 +19,6 @@ takes the largest total rank ``R`` with ``ρ ≤ 0.6`` and splits it ``r_K = R//
 from __future__ import annotations
 
 import functools
-import json
 import math
 from dataclasses import dataclass
 
@@ -33,7 +32,7 @@ from ..config import MethodConfig, boolean, choice, integer, option
 from ..ops.accounting import dense_bf16_bytes
 from ..ops.int4 import quantize_int4
 from ..ops.lowrank import gram_eigh_factors
-from ..ops.rope import apply_rope, invert_rope
+from ..ops.rope import rope_at, unrope_pages
 from ..registry import register_method
 from .base import LayerLayout
 from .segmented import SegmentedStore
@@ -41,7 +40,7 @@ from .segmented import SegmentedStore
 DEFAULT_PAGE_RATIO = 0.6  # target factorized-page ratio of the default ranks (paper: ≈ 0.586)
 
 
-@dataclass
+@dataclass(frozen=True)
 class PuzzleConfig(MethodConfig):
     """PuzzleKV parameters.
 
@@ -145,12 +144,11 @@ def ranks_for_budget(seq_len: int, cfg: PuzzleConfig, head_dim: int, elem_bytes:
     Raises:
         ValueError: even rank (1, 1) exceeds the budget (the dense sink and window alone cost more).
     """
-    return _ranks_for_budget(seq_len, cfg.to_json(), head_dim, elem_bytes)
+    return _ranks_for_budget(seq_len, cfg, head_dim, elem_bytes)
 
 
-@functools.lru_cache(maxsize=256)  # every layer and row of one prompt asks the same question
-def _ranks_for_budget(seq_len: int, cfg_json: str, head_dim: int, elem_bytes: int) -> tuple[int, int]:
-    cfg = PuzzleConfig.from_dict(json.loads(cfg_json))
+@functools.lru_cache(maxsize=256)  # every layer and row of one prompt asks the same question (configs are frozen)
+def _ranks_for_budget(seq_len: int, cfg: PuzzleConfig, head_dim: int, elem_bytes: int) -> tuple[int, int]:
     cap = min(cfg.page_size, head_dim)
     dense_per_token = dense_bf16_bytes(1, 1, head_dim)
     for total in range(2 * cap, 1, -1):
@@ -255,8 +253,7 @@ class PuzzleStore(SegmentedStore):
         k = k.float().reshape(H, n_new, P, d)
         v = v.float().reshape(H, n_new, P, d)
         if cfg.key_rope == "pre":
-            cos, sin = self.layout.rope.cos_sin(torch.arange(start, start + n_new * P, device=k.device))
-            k = invert_rope(k, cos.reshape(n_new, P, d), sin.reshape(n_new, P, d))
+            k = unrope_pages(self.layout.rope, k, start)
         new = self._factorize(k, v)
         self.recent = new if not self.recent else {name: torch.cat([self.recent[name], t], dim=1)
                                                    for name, t in new.items()}
@@ -299,25 +296,16 @@ class PuzzleStore(SegmentedStore):
             return PageSet(f["lk"], f["rk"], f["lv"], f["rv"])
         return PageSet(f["lk_q"], f["rk_q"], f["lv_q"], f["rv_q"], scales=(f["lk_s"], f["rk_s"], f["lv_s"], f["rv_s"]))
 
-    def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense ``(K̂, V̂)`` ``[kv_heads, seq_len, d]`` fp32 (post-RoPE keys) of everything stored.
-
-        For tests and inspection only: attention never calls it.
-        """
-        parts_k, parts_v = [self.sink_k.float()], [self.sink_v.float()]
-        if self.n_pages:
-            lk, rk, lv, rv = self.pages_view().float_factors(0, self.n_pages)
-            H, P = self.layout.kv_heads, self.config.page_size
-            k = (lk.float() @ rk.float()).reshape(H, self.n_pages * P, -1)
-            if self.config.key_rope == "pre":
-                first = self.sink_k.shape[1]
-                cos, sin = self.layout.rope.cos_sin(torch.arange(first, first + self.n_pages * P))
-                k = apply_rope(k, cos, sin)
-            parts_k.append(k)
-            parts_v.append((lv.float() @ rv.float()).reshape(H, self.n_pages * P, -1))
-        parts_k.append(self.tail_k.float())
-        parts_v.append(self.tail_v.float())
-        return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
+    def history_dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        H, d = self.layout.kv_heads, self.layout.head_dim
+        if not self.n_pages:
+            return torch.empty(H, 0, d), torch.empty(H, 0, d)
+        lk, rk, lv, rv = self.pages_view().float_factors(0, self.n_pages)
+        n = self.n_pages * self.config.page_size
+        k = (lk.float() @ rk.float()).reshape(H, n, d)
+        if self.config.key_rope == "pre":
+            k = rope_at(self.layout.rope, k, self.sink_k.shape[1])
+        return k, (lv.float() @ rv.float()).reshape(H, n, d)
 
     # -- attention --------------------------------------------------------------------------
 

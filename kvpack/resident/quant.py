@@ -32,7 +32,7 @@ CANDIDATES = [(4, 32), (4, 64), (4, 128), (2, 32), (2, 64), (2, 128)]  # (bits, 
 PARAM_BYTES = 2  # fp16 scale and zero point
 
 
-@dataclass
+@dataclass(frozen=True)
 class KIVIConfig(MethodConfig):
     """Attributes:
         bits: 2 or 4 (None: from ``budget``, else 2).
@@ -86,11 +86,12 @@ def kivi_bytes_per_head(seq_len: int, bits: int, group: int, residual: int, head
 
 def kivi_params_for_budget(seq_len: int, cfg: KIVIConfig, head_dim: int, elem_bytes: int) -> tuple[int, int, int]:
     """``(bits, group, residual)`` for ``cfg.budget`` at ``seq_len`` tokens (see module doc)."""
-    return _params_for_budget(seq_len, cfg.budget, cfg.bits, cfg.group_size, cfg.residual, head_dim, elem_bytes)
+    return _params_for_budget(seq_len, cfg, head_dim, elem_bytes)
 
 
-@functools.lru_cache(maxsize=256)  # every layer and row of one prompt asks the same question
-def _params_for_budget(seq_len, budget, fixed_bits, fixed_group, fixed_residual, head_dim, elem_bytes):
+@functools.lru_cache(maxsize=256)  # every layer and row of one prompt asks the same question (configs are frozen)
+def _params_for_budget(seq_len: int, cfg: KIVIConfig, head_dim: int, elem_bytes: int) -> tuple[int, int, int]:
+    budget, fixed_bits, fixed_group, fixed_residual = cfg.budget, cfg.bits, cfg.group_size, cfg.residual
     ref = lambda s: budget * dense_bf16_bytes(s, 1, head_dim)  # noqa: E731
 
     def fits(bits, group, residual):
@@ -147,6 +148,11 @@ class KIVIStore(SegmentedStore):
 
     def history_tensors(self):
         return dict(self.blocks)
+
+    def history_dense(self):
+        if not self.n_blocks:
+            return (torch.empty(self.layout.kv_heads, 0, self.layout.head_dim),) * 2
+        return self.dequantized(0, self.n_blocks)
 
     def resolved_params(self):
         if self.params is None:

@@ -59,6 +59,10 @@ class SegmentedStore(LayerStore):
     def compress(self) -> None:
         """Move tail tokens into the compressed history as the codec's policy says."""
 
+    @abstractmethod
+    def history_dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compressed history decoded: keys (post-RoPE) and values fp32 ``[kv_heads, n_history, d]``."""
+
     # -- shared machinery -------------------------------------------------------------------
 
     @property
@@ -74,6 +78,11 @@ class SegmentedStore(LayerStore):
             "tail_v": self.tail_v,
             **self.history_tensors(),
         }
+
+    def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.history_dense()
+        return (torch.cat([self.sink_k.float(), k, self.tail_k.float()], dim=1),
+                torch.cat([self.sink_v.float(), v, self.tail_v.float()], dim=1))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
         self.check_chunk(q, k, v)

@@ -28,7 +28,7 @@ from .base import LayerLayout
 from .segmented import SegmentedStore
 
 
-@dataclass
+@dataclass(frozen=True)
 class SVDConfig(MethodConfig):
     """Attributes: budget (default 0.6); page_size: the sink and window unit, as PuzzleKV (32);
     sink_pages, window_pages: dense pages at the start and the end (1 and 1); attention_backend:
@@ -66,8 +66,16 @@ class SVDStore(SegmentedStore):
     def sink_capacity(self) -> int:
         return self.config.sink_pages * self.config.page_size
 
+    budget_covers_decode = False  # factorized once, after the prefill; later tokens stay dense
+
     def history_tensors(self):
         return dict(self.factors)
+
+    def history_dense(self):
+        f, lay = self.factors, self.layout
+        if not f:
+            return torch.empty(lay.kv_heads, 0, lay.head_dim), torch.empty(lay.kv_heads, 0, lay.head_dim)
+        return f["uk"].float() @ f["bk"].float(), f["uv"].float() @ f["bv"].float()
 
     def resolved_params(self):
         return {} if self.rank is None else {"rank": self.rank, "compressed_tokens": self.n_compressed}

@@ -15,7 +15,7 @@ RESIDUAL_SPLITS = ("pooled", "per_head")
 ABOVE_SATURATION = ("idle", "anchors", "residual4")
 
 
-@dataclass
+@dataclass(frozen=True)
 class AnchorConfig(MethodConfig):
     """AnchorKV parameters (paper defaults).
 
@@ -94,7 +94,7 @@ class AnchorConfig(MethodConfig):
             raise self.error("anchors must be unset when residuals=false: the budget decides how many anchors it buys")
 
 
-@dataclass
+@dataclass(frozen=True)
 class AnchorPlusConfig(AnchorConfig):
     """AnchorKV with kvpack's options beyond the paper on by default (``residual_pooling = 15``,
     ``narrow_index = true``, ``above_saturation = "residual4"``); everything else as

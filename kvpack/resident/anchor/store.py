@@ -148,6 +148,10 @@ class AnchorStore(LayerStore):
             out.update({f"seg{i}_{name}": t for name, t in seg.items()})
         return {**out, **self.obs, "tail_k": self.tail_k, "tail_v": self.tail_v}
 
+    @property
+    def budget_covers_decode(self) -> bool:
+        return self.config.recompress_every is not None  # generated tokens stay dense, as in the paper
+
     def resolved_params(self):
         if self.n_anchors is None:
             return {}

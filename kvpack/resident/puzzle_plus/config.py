@@ -8,7 +8,7 @@ from ...attention.triton import KERNEL_CHOICES
 from ...config import MethodConfig, boolean, choice, integer, number, option
 
 
-@dataclass
+@dataclass(frozen=True)
 class PuzzlePlusConfig(MethodConfig):
     """``puzzle_plus`` parameters.
 

@@ -28,7 +28,7 @@ from ...attention.softmax_merge import group_queries
 from ...attention.triton import use_triton
 from ...attention.triton.puzzle_ragged_op import ragged_puzzle_partial
 from ...ops.accounting import dense_bf16_bytes
-from ...ops.rope import apply_rope, invert_rope
+from ...ops.rope import rope_at, unrope_pages
 from ...registry import register_method
 from ..base import LayerLayout
 from ..segmented import SegmentedStore
@@ -134,9 +134,7 @@ class PuzzlePlusStore(SegmentedStore):
         k = self.tail_k[:, :n * P].float().reshape(H, n, P, d)
         v = self.tail_v[:, :n * P].float().reshape(H, n, P, d)
         if self.pre_rope:
-            start = self.tail_start
-            cos, sin = self.layout.rope.cos_sin(torch.arange(start, start + n * P, device=k.device))
-            k = invert_rope(k, cos.reshape(n, P, d), sin.reshape(n, P, d))
+            k = unrope_pages(self.layout.rope, k, self.tail_start)
         return torch.stack([k, v])
 
     def rank_request(self) -> RankRequest:
@@ -273,18 +271,9 @@ class PuzzlePlusStore(SegmentedStore):
     def history_partials(self, qg, scaling):
         return ragged_pages_partials(self.pages_view(), qg, scaling)
 
-    def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense ``(K̂, V̂)`` ``[H, seq_len, d]`` fp32 (post-RoPE keys) of everything stored; for
-        tests and inspection only."""
-        parts_k, parts_v = [self.sink_k.float()], [self.sink_v.float()]
-        if self.n_pages:
-            k, v = self.pages_view().dense_pages()
-            if self.pre_rope:
-                first = self.sink_k.shape[1]
-                cos, sin = self.layout.rope.cos_sin(torch.arange(first, first + self.n_pages * self.config.page_size))
-                k = apply_rope(k, cos, sin)
-            parts_k.append(k)
-            parts_v.append(v)
-        parts_k.append(self.tail_k.float())
-        parts_v.append(self.tail_v.float())
-        return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
+    def history_dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        H, d = self.layout.kv_heads, self.layout.head_dim
+        if not self.n_pages:
+            return torch.empty(H, 0, d), torch.empty(H, 0, d)
+        k, v = self.pages_view().dense_pages()
+        return (rope_at(self.layout.rope, k, self.sink_k.shape[1]) if self.pre_rope else k), v

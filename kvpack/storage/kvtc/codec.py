@@ -23,34 +23,42 @@ from .calibration import META_FILE, Calibration
 from .coder import compress_cache, decompress_cache
 
 ZLIB_MAX_LEVEL, ZSTD_MAX_LEVEL = 9, 22
+DEFAULT_RATIO = 16.0  # the ratio compressed at when neither ratio nor budget is given
 
 
-@dataclass
+@dataclass(frozen=True)
 class KvtcConfig(MethodConfig):
     """kvtc settings for one compression.
 
     Attributes:
         ratio: target ratio vs bf16 of the coded tokens (one the calibration allocated bits for,
-            e.g. 8, 16, 32, 64). ``budget`` (a fraction) may be given instead: the target ratio is then
-            ``1 / budget`` (:attr:`target_ratio`).
+            e.g. 8, 16, 32, 64). ``budget`` (a fraction) may be given instead — the target ratio is
+            then ``1 / budget`` — but not both (refused). Neither: :data:`DEFAULT_RATIO`. The ratio
+            compressed at is :attr:`target_ratio`.
         calibration: directory written by ``kvpack calibrate`` (required to compress).
         backend: entropy coder: ``zlib`` (DEFLATE, default), ``zstd`` or ``none``.
         level: the entropy coder's level (zlib 0–9, zstd 0–22).
     """
 
-    ratio: float = option(16.0, number(1.0, low_open=True), "target ratio vs bf16 (a calibrated one)")
+    ratio: float | None = option(None, number(1.0, low_open=True, optional=True),
+                                 f"target ratio vs bf16 (a calibrated one; default {DEFAULT_RATIO:g} when no budget)")
     calibration: str | None = option(None, text(optional=True), "calibration directory (kvpack calibrate)")
     backend: str = option("zlib", choice(*BACKENDS), "entropy coder")
     level: int = option(6, integer(minimum=0, maximum=ZSTD_MAX_LEVEL), "entropy coder level (zlib 0-9, zstd 0-22)")
 
     def check(self) -> None:
+        if self.ratio is not None and self.budget is not None:
+            raise self.error(f"give ratio ({self.ratio:g}) or budget ({self.budget:g}), not both "
+                             f"(a budget b means ratio 1/b)")
         if self.backend == "zlib" and self.level > ZLIB_MAX_LEVEL:
             raise self.error(f"level must be <= {ZLIB_MAX_LEVEL} for zlib, got {self.level}")
 
     @property
     def target_ratio(self) -> float:
-        """The ratio to compress at: ``1 / budget`` when a budget is given, else ``ratio``."""
-        return round(1.0 / self.budget, 6) if self.budget is not None else self.ratio
+        """The ratio to compress at: ``1 / budget`` when a budget is given, else ``ratio`` (else the default)."""
+        if self.budget is not None:
+            return round(1.0 / self.budget, 6)
+        return self.ratio if self.ratio is not None else DEFAULT_RATIO
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "target_ratio": self.target_ratio}

@@ -1,0 +1,197 @@
+"""The invariants every method is held to, driven by the registry.
+
+:data:`MATRIX` has one row per registered method: a small config that compresses on the tiny models
+(a random Llama-like model and the tiny Gemma3 with sliding-window layers). A method registered
+without a row fails :func:`test_matrix_covers_every_registered_method`, so a new method cannot skip
+the invariants below:
+
+* resident methods, on both tiny models: bytes ≤ budget × dense bf16 after the prefill and after
+  every decode step; a left-padded batch decodes what each prompt decodes alone; a chunk after
+  compression attends exactly as fp64 attention over :meth:`LayerStore.reconstruct`; the cache
+  built from one exact prefill (``Method.from_prefill``, the harness's path) equals the one
+  compressed live;
+* every method: its config survives a JSON round trip and is hashable (frozen); a budget out of
+  range is refused with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvpack.attention.reference import reference_attention
+from kvpack.hf.attach import attach
+from kvpack.hf.cache import cache_kwargs
+from kvpack.hf.prefill import exact_prefill
+from kvpack.methods import available_methods, get_method, method_config_class, method_takes_budget
+from kvpack.resident import get_codec, resident_methods
+
+from .helpers import tiny_gemma3, tiny_llama
+
+# method: a small config on the tiny models (head_dim 16, prompts of PROMPT tokens).
+MATRIX: dict[str, dict] = {
+    "full": {},
+    "puzzle": {"page_size": 8, "budget": 0.7},
+    "puzzle_plus": {"page_size": 8, "budget": 0.6, "observation_window": 8},
+    "anchor": {"window": 8, "anchors": 8, "budget": 0.6},
+    "anchor_plus": {"window": 8, "anchors": 8, "budget": 0.6},
+    "svd": {"page_size": 8, "budget": 0.6},
+    "kivi": {"budget": 0.6},
+    "streaming": {"budget": 0.5},
+    "h2o": {"budget": 0.5},
+    "snapkv": {"budget": 0.5, "window": 8},
+    "kvtc": {"ratio": 4.0},  # storage: compressed on demand (its calibration comes with the call)
+}
+
+PROMPT, DECODE = 150, 12
+RESIDENT = sorted(m for m in MATRIX if m in resident_methods())
+MODELS = {"llama": tiny_llama, "gemma3": tiny_gemma3}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request):
+    return MODELS[request.param]()
+
+
+def prompt_ids(n: int = PROMPT, seed: int = 11) -> torch.Tensor:
+    return torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_matrix_covers_every_registered_method():
+    assert set(MATRIX) == set(available_methods()), "every registered method needs a row in MATRIX"
+
+
+# -- every method: its config ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", sorted(MATRIX))
+def test_config_survives_json_and_is_hashable(method):
+    cls = method_config_class(method)
+    cfg = cls(**MATRIX[method])
+    back = cls.from_dict(json.loads(cfg.to_json()))
+    assert back == cfg and hash(back) == hash(cfg)
+    with pytest.raises(AttributeError):  # frozen: a config never changes under a store that holds it
+        cfg.seed = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("method", sorted(MATRIX))
+@pytest.mark.parametrize("budget", [0.0, -0.25, 1.5, math.nan, math.inf])
+def test_a_budget_out_of_range_is_refused_naming_the_field(method, budget):
+    with pytest.raises(ValueError, match="budget"):
+        get_method(method, **{**MATRIX[method], "budget": budget})
+    if method_takes_budget(method) and method != "kvtc":  # kvtc: ratio and budget are exclusive (below)
+        get_method(method, **{**MATRIX[method], "budget": 0.75})  # in range: accepted
+
+
+def test_kvtc_takes_a_ratio_or_a_budget_not_both():
+    with pytest.raises(ValueError, match="ratio .* or budget .*not both"):
+        get_method("kvtc", ratio=8.0, budget=0.125)
+    assert get_method("kvtc", budget=0.125).config.target_ratio == 8.0
+    assert get_method("kvtc", ratio=32.0).config.target_ratio == 32.0
+
+
+# -- resident methods on the tiny models -------------------------------------------------------
+
+
+def _budget(method: str) -> float | None:
+    return get_codec(method, **MATRIX[method]).config.budget
+
+
+def _step(model, cache, ids):
+    return model(ids, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
+
+
+@pytest.mark.parametrize("method", RESIDENT)
+@torch.no_grad()
+def test_bytes_within_budget_after_prefill_and_every_decode_step(model, method):
+    """Over the layers kvpack holds (sliding-window layers are the model's): bytes ≤ budget × dense
+    bf16 — of every token where the budget covers decoding, else of the prompt plus the generated
+    tokens kept dense."""
+    budget = _budget(method)
+    with attach(model, method, **MATRIX[method]) as cache:
+        logits = _step(model, cache, prompt_ids())
+        stores = [s for layer in cache.kvpack_layers for s in layer.rows]
+        prompt_dense = sum(s.dense_reference_bytes() for s in stores)
+        for step in range(DECODE + 1):
+            held = sum(layer.nbytes() for layer in cache.kvpack_layers)
+            assert held == sum(t.numel() * t.element_size() for s in stores for t in s.tensors().values())
+            if budget is not None:
+                bound = sum(budget * s.dense_reference_bytes() if s.budget_covers_decode else
+                            budget * prompt_dense / len(stores)
+                            + step * 2 * s.layout.kv_heads * s.layout.head_dim * s.storage_dtype.itemsize
+                            for s in stores)
+                assert held <= bound, f"step {step}: {held} > {bound:.0f} (budget {budget})"
+            logits = _step(model, cache, logits.argmax(-1, keepdim=True))
+        assert cache.get_seq_length() == PROMPT + DECODE + 1
+
+
+@pytest.mark.parametrize("method", RESIDENT)
+@torch.no_grad()
+def test_padded_batch_decodes_as_each_prompt_alone(model, method):
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 128, (n,), generator=g) for n in (PROMPT, PROMPT - 27, PROMPT - 12)]
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    singles = []
+    for p in prompts:
+        with attach(model, method, **MATRIX[method]) as cache:
+            out = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), **kwargs,
+                                 **cache_kwargs(model, cache))
+        singles.append(out[0, len(p):])
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    with attach(model, method, **MATRIX[method]) as cache:
+        out = model.generate(ids, attention_mask=mask, **kwargs, **cache_kwargs(model, cache))
+    for i, p in enumerate(prompts):
+        assert torch.equal(out[i, width:], singles[i]), f"row {i}"
+        assert all(layer.rows[i].seq_len == len(p) + 7 for layer in cache.kvpack_layers)  # no padding stored
+
+
+@pytest.mark.parametrize("method", RESIDENT)
+@torch.no_grad()
+def test_a_chunk_after_compression_attends_over_what_reconstruct_returns(model, method):
+    with attach(model, method, **MATRIX[method]) as cache:
+        _step(model, cache, prompt_ids())
+    compressed = 0
+    for layer in cache.kvpack_layers:
+        store = layer.rows[0]
+        k_hat, v_hat = store.reconstruct()
+        H, n, d = k_hat.shape
+        assert v_hat.shape == k_hat.shape and H == store.layout.kv_heads and d == store.layout.head_dim
+        assert n == store.seq_len or not store.budgeted or n < store.seq_len  # evicting methods keep fewer
+        compressed += n < store.seq_len or store.nbytes() < 2 * n * H * d * store.storage_dtype.itemsize
+        g = torch.Generator().manual_seed(store.layout.layer_idx)
+        q = torch.randn(store.layout.q_heads, 3, d, generator=g)
+        k_new, v_new = torch.randn(H, 3, d, generator=g), torch.randn(H, 3, d, generator=g)
+        scaling = d ** -0.5
+        out = store.attend(q, k_new, v_new, scaling)
+        ref = reference_attention(q.double(), torch.cat([k_hat, k_new], 1).double(),
+                                  torch.cat([v_hat, v_new], 1).double(), scaling, causal_offset=n)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    assert method == "full" or compressed, "the store compressed nothing: the check would be vacuous"
+
+
+@pytest.mark.parametrize("method", RESIDENT)
+@torch.no_grad()
+def test_cache_from_one_exact_prefill_equals_the_live_one(model, method):
+    ids = prompt_ids()
+    with attach(model, method, **MATRIX[method]) as live:
+        _step(model, live, ids[:, :-1])
+        live_tensors = [{n: t.clone() for n, t in layer.rows[0].tensors().items()} for layer in live.kvpack_layers]
+        live_bytes = live.kv_bytes()
+        live_next = _step(model, live, ids[:, -1:])
+    prepared = get_method(method, **MATRIX[method]).from_prefill(model, exact_prefill(model, ids[0, :-1].tolist()))
+    assert prepared.kv_bytes == live_bytes
+    for layer, want in zip(prepared.cache.kvpack_layers, live_tensors, strict=True):
+        got = layer.rows[0].tensors()
+        assert got.keys() == want.keys()
+        for name in got:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4, msg=name)
+    with prepared.active(model) as cache:
+        next_logits = _step(model, cache, ids[:, -1:])
+    torch.testing.assert_close(next_logits, live_next, rtol=1e-4, atol=1e-4)
