@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import os
 import signal
 import statistics
@@ -49,7 +50,7 @@ if "--cpu-smoke" in sys.argv:
 
 import torch  # noqa: E402
 
-from kvpack.attention.softmax_merge import finalize, group_queries, merge_partials  # noqa: E402
+from kvpack.attention.softmax_merge import dense_partial, finalize, group_queries, merge_partials  # noqa: E402
 from kvpack.ops.rope import LlamaRotary, RotaryTable  # noqa: E402
 from kvpack.resident import LayerLayout, get_codec  # noqa: E402
 
@@ -111,8 +112,12 @@ def build_store(method: str, cfg: dict, kv_heads: int, group: int, d: int, seq: 
 
 def _store_output(store, qg, scaling, backend: str):
     """Normalised attention of ``qg`` over everything the store holds, through ``backend``."""
-    store.config.attention_backend = backend
-    return finalize(merge_partials(store.stored_partials(qg, scaling)))
+    store.config = dataclasses.replace(store.config, attention_backend=backend)  # configs are frozen
+    states = store.stored_partials(qg, scaling)
+    tail = store.chunk_tail()  # dense tokens the chunk step reads in place (AnchorKV's tail)
+    if tail is not None and tail[0].shape[1]:
+        states.append(dense_partial(qg, tail[0].to(qg.dtype), tail[1].to(qg.dtype), scaling))
+    return finalize(merge_partials(states))
 
 
 def _decode_steps(store, steps: int, device, seed: int = 1) -> float:
@@ -351,7 +356,7 @@ class Run:
             k1, v1 = (torch.randn(H, 1, d, device=device) for _ in range(2))
             outs = []
             for backend in ("torch", "triton"):
-                store.config.attention_backend = backend
+                store.config = dataclasses.replace(store.config, attention_backend=backend)
                 outs.append(store.attend(q1, k1, v1, scaling))
             errors.append((outs[1] - outs[0]).abs().max().item() / max(outs[0].abs().max().item(), 1e-6))
             self.compiled_by[label] = [key for key in _launch.compiled_kernels() if key not in before]

@@ -26,11 +26,8 @@ from .dense import new_dense_cache
 
 
 class CaptureStore(FullStore):
-    """FullKV that also keeps the prefill's queries, attention outputs and logit scale."""
-
-    def attend(self, q, k, v, scaling):
-        self.scaling = scaling
-        return super().attend(q, k, v, scaling)
+    """FullKV that also keeps the prefill's queries and attention outputs (``attend`` keeps the
+    logit scale)."""
 
     def append(self, k, v, q=None, out=None):
         if self.seq_len:

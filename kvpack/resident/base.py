@@ -22,6 +22,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..attention.softmax_merge import PartialAttention, group_queries, prefill_attention
+from ..attention.triton import history_and_chunk
 from ..config import MethodConfig
 from ..ops.accounting import dense_bf16_bytes
 
@@ -81,6 +83,14 @@ class LayerStore(ABC):
     ``out = store.attend(q, k, v, scaling)`` — exact attention of the chunk's queries over the stored
     history plus the chunk itself (causal) — then ``store.append(k, v, q, out)``, which stores the
     chunk and compresses what the codec's policy says.
+
+    :meth:`attend` is the one template every compressed method shares: the chunk checked (once:
+    ``append`` does not check the same chunk again), ``scaling`` kept, the prefill's exact causal
+    attention, and after it the grouped queries' partial states over the stored form
+    (:meth:`stored_partials`, the method's own — where its native or Triton kernel plugs in) merged in
+    one call with the dense tokens the chunk kernel reads in place (:meth:`chunk_tail`) and the chunk
+    itself. A method supplies ``stored_partials``, ``append`` (its compression policy), ``tensors``
+    and ``reconstruct``; FullKV alone overrides ``attend`` (SDPA over its buffer, as transformers).
     """
 
     name: ClassVar[str] = ""  # set by @register_method
@@ -95,10 +105,10 @@ class LayerStore(ABC):
         self.storage_dtype = storage_torch_dtype(config, layout.model_dtype)
         self.seq_len = 0
         self.scaling: float | None = None  # the layer's logit scale, known from the first attend
+        self._checked: tuple | None = None  # the chunk attend checked, until append takes it
 
-    # -- the contract -----------------------------------------------------------------------
+    # -- the template -----------------------------------------------------------------------
 
-    @abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention of new queries over history + the new chunk.
 
@@ -110,6 +120,38 @@ class LayerStore(ABC):
         Returns:
             ``[q_heads, Q, d]`` in ``q.dtype``.
         """
+        self.check_chunk(q, k, v)
+        self.scaling = scaling
+        if self.seq_len == 0:  # prefill: exact dense causal attention, as the model computes it
+            return prefill_attention(q, k, v, scaling)
+        lay = self.layout
+        qg = group_queries(q, lay.kv_heads)
+        out, m, l = history_and_chunk(self.stored_partials(qg, scaling), qg, k, v, scaling, lay.q_heads,
+                                      self.attention_backend, tail=self.chunk_tail())
+        self.after_attend(m, l)
+        return out.to(q.dtype)
+
+    @property
+    def attention_backend(self) -> str:
+        """The config's ``attention_backend`` (``auto`` / ``triton`` / ``native`` / ``torch``; see
+        ``kvpack.attention.triton.use_triton`` and ``kvpack.attention.cpu.use_native``); ``torch`` for
+        a config without one."""
+        return getattr(self.config, "attention_backend", "torch")
+
+    def chunk_tail(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Dense stored tokens ``(k, v) [kv_heads, T, d]`` that the chunk step reads in place instead
+        of a partial state from :meth:`stored_partials` (AnchorKV's tail); None: there are none."""
+        return None
+
+    def after_attend(self, m: torch.Tensor, l: torch.Tensor) -> None:  # noqa: B027 - an optional hook
+        """Hook: the merged softmax state ``m, l [kv_heads, group · Q]`` of the chunk just attended."""
+
+    # -- the contract -----------------------------------------------------------------------
+
+    @abstractmethod
+    def stored_partials(self, qg: torch.Tensor, scaling: float) -> list[PartialAttention]:
+        """Partial softmax states of grouped queries ``qg [kv_heads, group · Q, d]`` over everything
+        stored (but :meth:`chunk_tail`), read in the stored form."""
 
     @abstractmethod
     def append(self, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None,
@@ -166,7 +208,16 @@ class LayerStore(ABC):
         return dense_bf16_bytes(self.seq_len, self.layout.kv_heads, self.layout.head_dim)
 
     def check_chunk(self, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Refuse malformed input with a message naming the problem."""
+        """Refuse malformed input with a message naming the problem. A chunk is checked once: the
+        ``append`` after ``attend`` of the same tensors skips it (with ``check_finite`` each check of a
+        tensor is a host synchronisation on a GPU)."""
+        checked, self._checked = self._checked, None
+        if checked is not None and checked[0] is k and checked[1] is v and checked[2] is q:
+            return
+        self._validate_chunk(q, k, v)
+        self._checked = (k, v, q)
+
+    def _validate_chunk(self, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> None:
         lay = self.layout
         for name, t in (("keys", k), ("values", v)):
             if not isinstance(t, torch.Tensor):

@@ -27,7 +27,6 @@ import torch
 from ..attention.cpu import NATIVE_CHOICES
 from ..attention.dense import dense_state
 from ..attention.scores import accumulated_attention, observation_scores
-from ..attention.softmax_merge import attend_history_and_chunk, group_queries, prefill_attention
 from ..config import MethodConfig, boolean, choice, integer, number, option
 from ..ops.accounting import dense_bf16_bytes
 from ..registry import register_method
@@ -78,14 +77,8 @@ class EvictionStore(LayerStore):
 
     # -- attention: dense over what is kept -----------------------------------------------------
 
-    def attend(self, q, k, v, scaling):
-        self.check_chunk(q, k, v)
-        self.scaling = scaling  # the selection (run by append, after attention) scores with it
-        if self.seq_len == 0:
-            return prefill_attention(q, k, v, scaling)
-        qg = group_queries(q, self.layout.kv_heads)
-        history = [dense_state(qg, self.k, self.v, scaling, self.config.attention_backend)]
-        return attend_history_and_chunk(history, qg, k, v, scaling, self.layout.q_heads)[0].to(q.dtype)
+    def stored_partials(self, qg, scaling):
+        return [dense_state(qg, self.k, self.v, scaling, self.config.attention_backend)]
 
     def append(self, k, v, q=None, out=None):
         self.check_chunk(q, k, v)

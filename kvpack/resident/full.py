@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..attention.dense import dense_state
 from ..config import STORAGE_DTYPE_NAMES, MethodConfig, choice, number, option
 from ..registry import register_method
 from .base import LayerLayout, LayerStore
@@ -81,8 +82,14 @@ class FullStore(LayerStore):
         self.k_buf[:, self.seq_len:end] = k
         self.v_buf[:, self.seq_len:end] = v
 
+    def stored_partials(self, qg, scaling):
+        return [dense_state(qg, self.k, self.v, scaling, "auto")]
+
     def attend(self, q, k, v, scaling):
+        """The template's exception: SDPA over the buffer, as transformers computes it (the fastest
+        path for dense tokens, and FullKV is the reference the other methods are measured against)."""
         self.check_chunk(q, k, v)
+        self.scaling = scaling
         n_q = q.shape[1]
         self._write(k, v)
         self._staged = (k, v)

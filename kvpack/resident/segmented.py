@@ -14,12 +14,7 @@ from abc import abstractmethod
 import torch
 
 from ..attention.dense import dense_state
-from ..attention.softmax_merge import (
-    PartialAttention,
-    group_queries,
-    prefill_attention,
-)
-from ..attention.triton import history_and_chunk
+from ..attention.softmax_merge import PartialAttention
 from .base import LayerStore
 
 
@@ -83,22 +78,6 @@ class SegmentedStore(LayerStore):
         k, v = self.history_dense()
         return (torch.cat([self.sink_k.float(), k, self.tail_k.float()], dim=1),
                 torch.cat([self.sink_v.float(), v, self.tail_v.float()], dim=1))
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
-        self.check_chunk(q, k, v)
-        lay = self.layout
-        if self.seq_len == 0:  # prefill: exact dense causal attention, as the model computes it
-            return prefill_attention(q, k, v, scaling)
-        qg = group_queries(q, lay.kv_heads)
-        states = self.stored_partials(qg, scaling)
-        return history_and_chunk(states, qg, k, v, scaling, lay.q_heads, self.attention_backend)[0].to(q.dtype)
-
-    @property
-    def attention_backend(self) -> str:
-        """The config's ``attention_backend`` (``auto`` / ``triton`` / ``native`` / ``torch``; see
-        ``kvpack.attention.triton.use_triton`` and ``kvpack.attention.cpu.use_native``); ``torch`` for
-        a config without one."""
-        return getattr(self.config, "attention_backend", "torch")
 
     def stored_partials(self, qg: torch.Tensor, scaling: float) -> list[PartialAttention]:
         """Partial states of grouped queries over everything stored: sink, history, tail (the

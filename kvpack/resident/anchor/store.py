@@ -58,10 +58,9 @@ from ...attention.anchor import (
     reconstruct_tile,
 )
 from ...attention.cpu import use_native
-from ...attention.dense import dense_state
 from ...attention.scores import observation_scores
-from ...attention.softmax_merge import group_queries, prefill_attention, ungroup_output
-from ...attention.triton import history_and_chunk, use_triton
+from ...attention.softmax_merge import ungroup_output
+from ...attention.triton import use_triton
 from ...attention.triton.anchor_op import anchor_partials
 from ...ops.accounting import dense_bf16_bytes
 from ...ops.bitpack import pack_bits
@@ -338,30 +337,17 @@ class AnchorStore(LayerStore):
 
     # -- attention --------------------------------------------------------------------------
 
-    def attend(self, q, k, v, scaling):
-        self.check_chunk(q, k, v)
-        self.scaling = scaling
-        lay = self.layout
-        if self.seq_len == 0:
-            return prefill_attention(q, k, v, scaling)
-        qg = group_queries(q, lay.kv_heads)
-        out, m, l = history_and_chunk(self._segment_partials(qg, scaling), qg, k, v, scaling, lay.q_heads,
-                                      self.config.attention_backend, tail=(self.tail_k, self.tail_v))
+    def chunk_tail(self):
+        return self.tail_k, self.tail_v  # read in place by the chunk step (generated tokens stay dense)
+
+    def after_attend(self, m, l):
         if self.config.recompress_every:  # log-sum-exp of each query row over everything it saw,
             # for re-compression scoring (two more ops per layer and step; skipped when it is off)
-            self._last_lse = ungroup_output((m + l.log()).unsqueeze(-1), lay.q_heads).squeeze(-1)
-        return out.to(q.dtype)
+            self._last_lse = ungroup_output((m + l.log()).unsqueeze(-1), self.layout.q_heads).squeeze(-1)
 
     def stored_partials(self, qg: torch.Tensor, scaling: float) -> list:
-        """Partial states of grouped queries over everything stored: the compressed segments (Triton
-        kernel or PyTorch tiles, per ``attention_backend``) and the dense tail."""
-        states = self._segment_partials(qg, scaling)
-        if self.tail_k.shape[1]:
-            states.append(dense_state(qg, self.tail_k, self.tail_v, scaling, self.config.attention_backend))
-        return states
-
-    def _segment_partials(self, qg: torch.Tensor, scaling: float) -> list:
-        """One partial state per compressed segment (Triton kernel or PyTorch tiles)."""
+        """One partial state per compressed segment (native or Triton kernel, or PyTorch tiles, per
+        ``attention_backend``); the dense tail is :meth:`chunk_tail`'s."""
         segments = self.segment_views()
         backend = self.config.attention_backend
         if use_triton(backend, qg.device):

@@ -246,10 +246,6 @@ class PuzzlePlusStore(SegmentedStore):
 
     # -- attention --------------------------------------------------------------------------
 
-    def attend(self, q, k, v, scaling):
-        self.scaling = scaling
-        return super().attend(q, k, v, scaling)
-
     def pages_view(self) -> RaggedPuzzlePages:
         cfg = self.config
         return RaggedPuzzlePages(self.sink_k, self.sink_v, self.tail_k, self.tail_v, self.keys, self.values,
