@@ -102,7 +102,7 @@ def test_cli_turns_anticipated_errors_into_one_line_and_bugs_into_one_line_witho
     and a non-zero exit; --debug shows the traceback."""
     import errno
 
-    import kvpack.cli as cli
+    import kvpack.cli.generation as cli
 
     assert main(["generate", "--prompt", ""]) == 2
     assert "empty prompt" in capsys.readouterr().err

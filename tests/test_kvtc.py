@@ -252,7 +252,7 @@ def test_second_turn_reuses_a_first_turn_whose_last_tokens_it_does_not_share(tin
     store.put(compress_tokens(model, calib, base + closing, 2), base + closing)
     turn2 = base + question
     got = continue_from_store(store, model, _NoTokenizer(), calib, turn2, max_new_tokens=8)
-    assert got.prefix_tokens == 40 and got.prefilled_tokens == 7  # before: no stored prefix (None)
+    assert got.restored_tokens == 40 and got.prefilled_tokens == 7  # before: no stored prefix (None)
     x = torch.tensor([turn2])
     ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False)
     assert got.token_ids == ref[0, len(turn2):].tolist()
@@ -277,7 +277,7 @@ def test_a_sliding_window_cache_is_not_cut_and_an_exact_prefix_is_used_instead(t
     store.put(compress_tokens(model, calib, base[:30], 2), base[:30])
     with pytest.warns(UserWarning, match="cannot be cut back"):
         got = continue_from_store(store, model, _NoTokenizer(), calib, base + question, max_new_tokens=4)
-    assert got.prefix_tokens == 30
+    assert got.restored_tokens == 30
     short = compress_tokens(model, calib, base[:12], 2)  # 12 tokens: every layer holds all of them
     kept = decompress_cache(short, calib, model)[0].leading(10)
     assert all(layer.keys.shape[2] == 10 for layer in kept.layers)

@@ -96,7 +96,7 @@ def test_second_turn_continues_from_stored_first_turn(calibrated, smollm2, tmp_p
     assert found is not None and found[0] == len(turn1)
     n, blob = found
     cont = continue_from_blob(model, tok, calib, blob, ids[n:], max_new_tokens=10)
-    assert cont.prefix_tokens == n and cont.prefilled_tokens == len(ids) - n
+    assert cont.restored_tokens == n and cont.prefilled_tokens == len(ids) - n
     x = torch.tensor([ids])
     recomputed = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False,
                                 pad_token_id=tok.pad_token_id)
@@ -115,20 +115,20 @@ def test_cli_compress_continue_decompress_and_store(calibrated, tmp_path, capsys
     assert main(["continue", "--calibration", directory, "--blob", str(blob), "--prompt",
                  " Question: where is the spare key? Answer: under the", "--max-new-tokens", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["prefix_tokens"] > 300 and out["blob_bytes"] == blob.stat().st_size
+    assert out["restored_tokens"] > 300 and out["kv_bytes"] == blob.stat().st_size
     dense = tmp_path / "cache.safetensors"
     assert main(["decompress", "--calibration", directory, "--blob", str(blob), "--out", str(dense)]) == 0
     from safetensors.torch import load_file
 
     tensors = load_file(str(dense))
-    assert tensors["layer0.keys"].shape[1] == out["prefix_tokens"] and len(tensors) == 1 + 2 * 30
+    assert tensors["layer0.keys"].shape[1] == out["restored_tokens"] and len(tensors) == 1 + 2 * 30
     store = tmp_path / "store"
     assert main(["compress", "--calibration", directory, "--ratio", "16", "--prompt", prompt,
                  "--store", str(store)]) == 0
     assert main(["continue", "--calibration", directory, "--store", str(store), "--prompt",
                  prompt + " Question: where is the spare key?", "--max-new-tokens", "4", "--json"]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert again["prefix_tokens"] == out["prefix_tokens"] and again["prefilled_tokens"] >= 1
+    assert again["restored_tokens"] == out["restored_tokens"] and again["prefilled_tokens"] >= 1
     # Bad input at the command line: a clear error and exit code 2, no traceback.
     blob.write_bytes(blob.read_bytes()[:100])
     assert main(["continue", "--calibration", directory, "--blob", str(blob), "--prompt", "x"]) == 2
@@ -181,4 +181,4 @@ def test_cli_second_turn_reuses_the_first_through_the_store(calibrated, tmp_path
     assert main(["continue", "--calibration", directory, "--store", store, "--prompt", turn2,
                  "--max-new-tokens", "8", "--json", *flags]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["prefix_tokens"] > 100 and 1 <= out["prefilled_tokens"] <= 20, out
+    assert out["restored_tokens"] > 100 and 1 <= out["prefilled_tokens"] <= 20, out

@@ -5,12 +5,62 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from .cache import cache_kwargs
+
+
+@dataclass
+class GenerationResult:
+    """One measured generation, by any method (``kvpack generate`` / ``continue``'s ``--json`` fields,
+    plus the new token ids).
+
+    Attributes:
+        prompt_tokens: tokens before the generated ones (for a resumed generation: the restored ones
+            plus those prefilled over them).
+        kv_bytes: what the method holds (a storage method: the blob's size); dense_kv_bytes: the same
+            tokens in bf16.
+        prefill_s: time to the first generated token (a storage method's compression and restore
+            included).
+        restored_tokens: tokens restored from stored bytes rather than prefilled (0: none);
+            restore_s: the time that took (reading and decoding the bytes).
+    """
+
+    text: str
+    method: str
+    config: dict[str, Any]
+    prompt_tokens: int
+    new_tokens: int
+    kv_bytes: int
+    dense_kv_bytes: int
+    prefill_s: float
+    total_s: float
+    token_ids: list[int] = field(default_factory=list)
+    restored_tokens: int = 0
+    restore_s: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        return self.kv_bytes / self.dense_kv_bytes if self.dense_kv_bytes else float("nan")
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens run through the model (after the restored ones)."""
+        return self.prompt_tokens - self.restored_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text, "method": self.method, "config": self.config, "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens, "kv_bytes": self.kv_bytes, "dense_kv_bytes": self.dense_kv_bytes,
+            "ratio": self.ratio, "prefill_s": self.prefill_s, "total_s": self.total_s,
+            "restored_tokens": self.restored_tokens, "prefilled_tokens": self.prefilled_tokens,
+            "restore_s": self.restore_s,
+        }
 
 
 class ProgressStreamer(BaseStreamer):

@@ -16,40 +16,14 @@ import copy
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..config import MethodConfig
+from ..hf.generation import GenerationResult
 from ..hf.prefill import ExactPrefill
-
-
-@dataclass
-class GenerationResult:
-    """One measured generation (``kvpack generate``'s ``--json`` fields, plus the new token ids)."""
-
-    text: str
-    method: str
-    config: dict[str, Any]
-    prompt_tokens: int
-    new_tokens: int
-    kv_bytes: int
-    dense_kv_bytes: int
-    prefill_s: float
-    total_s: float
-    token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def ratio(self) -> float:
-        return self.kv_bytes / self.dense_kv_bytes if self.dense_kv_bytes else float("nan")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "text": self.text, "method": self.method, "config": self.config, "prompt_tokens": self.prompt_tokens,
-            "new_tokens": self.new_tokens, "kv_bytes": self.kv_bytes, "dense_kv_bytes": self.dense_kv_bytes,
-            "ratio": self.ratio, "prefill_s": self.prefill_s, "total_s": self.total_s,
-        }
 
 
 @dataclass

@@ -3,16 +3,17 @@ plain cache and continue from it."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 from ..hf.dense import prefill, to_dynamic_cache
-from ..hf.generation import ProgressStreamer, check_context, greedy_generate
+from ..hf.generation import GenerationResult, check_context
 from ..hf.prefill import ExactPrefill, dense_cache_from
 from ..ops.accounting import DENSE_REFERENCE_BYTES_PER_ELEMENT
 from ..storage import StorageCodec
-from .protocol import GenerationResult, Method, PreparedCache
+from .protocol import Method, PreparedCache
 
 
 def dense_reference_bytes(cache) -> int:
@@ -31,8 +32,41 @@ class StorageMethod(Method):
         self.name = codec.name
         self.config = codec.config
 
-    def check_ready(self) -> None:
-        self.codec.check_ready()
+    def check_ready(self, compressing: bool = True) -> None:
+        self.codec.check_ready(compressing)
+
+    def check_model(self, model) -> None:
+        self.codec.check_model(model)
+
+    def dense_bytes(self, blob: bytes) -> int:
+        """Bytes of the cache in ``blob`` as dense bf16."""
+        return self.codec.dense_bytes(blob)
+
+    def compress(self, model, token_ids: list[int]) -> bytes:
+        """Prefill ``token_ids`` exactly (the model's own cache) and compress that cache to bytes."""
+        if not token_ids:
+            raise ValueError("empty prompt: nothing to compress")
+        self.check_ready()
+        self.check_model(model)  # before the prefill, not after
+        return self.codec.compress(model, prefill(model, token_ids), token_ids)
+
+    def decompress(self, model, blob: bytes):
+        """``(DenseKV, token ids)`` back from :meth:`compress`'s bytes (refused when corrupted or made
+        for another model or calibration)."""
+        return self.codec.decompress(model, blob)
+
+    def resume(self, model, tokenizer, blob: bytes, new_token_ids: list[int], max_new_tokens: int,
+               min_new_tokens: int = 0, prefix_tokens: int | None = None) -> GenerationResult:
+        """Greedy generation after the cache in ``blob`` plus ``new_token_ids`` (see
+        ``StorageCodec.resume``)."""
+        check_context(model, (prefix_tokens or 0) + len(new_token_ids), max_new_tokens)
+        return self.codec.resume(model, tokenizer, blob, new_token_ids, max_new_tokens, min_new_tokens, prefix_tokens)
+
+    def resume_from_store(self, store, model, tokenizer, token_ids: list[int], max_new_tokens: int,
+                          min_new_tokens: int = 0) -> GenerationResult | None:
+        """Generation after ``token_ids`` from the longest prefix ``store`` holds (None: none)."""
+        check_context(model, len(token_ids), max_new_tokens)
+        return self.codec.resume_from_store(store, model, tokenizer, token_ids, max_new_tokens, min_new_tokens)
 
     def roundtrip(self, model, cache, token_ids: list[int]) -> tuple[object, int]:
         """``(restored DynamicCache, blob bytes)`` of a filled one-sequence cache of ``token_ids``."""
@@ -42,32 +76,20 @@ class StorageMethod(Method):
 
     @torch.no_grad()
     def generate(self, model, tokenizer, token_ids, max_new_tokens, min_new_tokens=0, progress=False):
-        """Prefill all but the last prompt token, compress, decompress, and generate after the prompt
-        (the last token is prefilled over the restored cache)."""
+        """:meth:`compress` all but the last prompt token, then :meth:`resume` after them (the last
+        token is prefilled over the restored cache); prefill_s and total_s include the compression."""
         if len(token_ids) < 2:
             raise ValueError(f"{self.name} needs a prompt of at least 2 tokens (a prefix to compress and one to "
                              "continue)")
         self.check_ready()
         check_context(model, len(token_ids), max_new_tokens)
-        prefix = token_ids[:-1]
         start = time.perf_counter()
-        dense = prefill(model, prefix)
-        blob = self.codec.compress(model, dense, prefix)
+        blob = self.compress(model, token_ids[:-1])
         compress_s = time.perf_counter() - start
-        dense_bytes = dense_reference_bytes(dense)
-        del dense
-        # Created before decompressing, so that its time to the first token includes decompression.
-        streamer = ProgressStreamer(1, max_new_tokens, enabled=False)
-        restored, _ = self.codec.decompress(model, blob)
-        cache = to_dynamic_cache(model, restored, len(prefix))
-        decompress_s = time.perf_counter() - streamer.start
-        new = greedy_generate(model, tokenizer, cache, token_ids, max_new_tokens, min_new_tokens, streamer)
-        first_token_s = streamer.prefill_s if streamer.prefill_s is not None else time.perf_counter() - streamer.start
-        config = {**self.codec.describe(), "compress_s": compress_s, "decompress_s": decompress_s}
-        return GenerationResult(
-            text=tokenizer.decode(new, skip_special_tokens=True), method=self.name, config=config,
-            prompt_tokens=len(token_ids), new_tokens=len(new), kv_bytes=len(blob), dense_kv_bytes=dense_bytes,
-            prefill_s=compress_s + first_token_s, total_s=time.perf_counter() - start, token_ids=new)
+        result = self.resume(model, tokenizer, blob, token_ids[-1:], max_new_tokens, min_new_tokens)
+        config = {**result.config, "compress_s": compress_s, "decompress_s": result.restore_s}
+        return dataclasses.replace(result, config=config, prefill_s=compress_s + result.prefill_s,
+                                   total_s=time.perf_counter() - start)
 
     def from_prefill(self, model, prefill: ExactPrefill) -> PreparedCache:
         start = time.perf_counter()

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..config import MethodConfig
+from ..hf.generation import GenerationResult
 
 
 class PrefixCutError(ValueError):
@@ -77,8 +78,16 @@ class StorageCodec(ABC):
             raise TypeError(f"method {self.name!r} expects a {self.Config.__name__}, got {type(config).__name__}")
         self.config = config
 
-    def check_ready(self) -> None:  # noqa: B027 - a hook: a codec without external files needs nothing
-        """Refuse now what would fail after loading a model (e.g. a missing calibration)."""
+    def check_ready(self, compressing: bool = True) -> None:  # noqa: B027 - a hook: most need nothing
+        """Refuse now what would fail after loading a model (e.g. a missing calibration; with
+        ``compressing``, also what only compression needs, e.g. bits allocated for its ratio)."""
+
+    def check_model(self, model: torch.nn.Module) -> None:  # noqa: B027 - a hook
+        """Refuse a model the codec was not made for (e.g. a calibration of another model)."""
+
+    @abstractmethod
+    def dense_bytes(self, blob: bytes) -> int:
+        """Bytes of the cache in ``blob`` as dense bf16 (read from the blob, not decoded)."""
 
     @abstractmethod
     def compress(self, model: torch.nn.Module, cache, token_ids: list[int]) -> bytes:
@@ -88,6 +97,18 @@ class StorageCodec(ABC):
     def decompress(self, model: torch.nn.Module, blob: bytes) -> tuple[DenseKV, list[int]]:
         """The cache and the token ids it holds, back from :meth:`compress`'s bytes (refused when
         corrupted or made for another model)."""
+
+    @abstractmethod
+    def resume(self, model: torch.nn.Module, tokenizer, blob: bytes, new_token_ids: list[int], max_new_tokens: int,
+               min_new_tokens: int = 0, prefix_tokens: int | None = None) -> GenerationResult:
+        """Greedy generation after the cache in ``blob`` (its first ``prefix_tokens`` tokens, default
+        all) plus ``new_token_ids``, measured (``restored_tokens``, ``restore_s``, the blob's bytes)."""
+
+    def resume_from_store(self, store, model: torch.nn.Module, tokenizer, token_ids: list[int],
+                          max_new_tokens: int, min_new_tokens: int = 0) -> GenerationResult | None:
+        """Generation after ``token_ids``, restoring the longest prefix of them that ``store`` (a
+        prefix store) holds for this model and method; None when it holds none."""
+        raise NotImplementedError(f"method {self.name!r} keeps no prefix-store entries")
 
     def describe(self) -> dict[str, Any]:
         """The config, plus what the codec derived (e.g. a calibration's id)."""

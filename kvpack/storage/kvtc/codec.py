@@ -17,10 +17,11 @@ import torch
 
 from ...config import MethodConfig, choice, integer, number, option, text
 from ...registry import register_method
-from ...store.format import BACKENDS
+from ...store.format import BACKENDS, Blob
 from ..base import DenseKV, StorageCodec
 from .calibration import META_FILE, Calibration
 from .coder import compress_cache, decompress_cache
+from .session import continue_from_blob, continue_from_store
 
 ZLIB_MAX_LEVEL, ZSTD_MAX_LEVEL = 9, 22
 DEFAULT_RATIO = 16.0  # the ratio compressed at when neither ratio nor budget is given
@@ -94,8 +95,16 @@ class KvtcCodec(StorageCodec):
                              "`kvpack calibrate --model M --out DIR`)")
         return load_calibration(self.config.calibration)
 
-    def check_ready(self) -> None:
-        self.calibration().allocation(self.config.target_ratio)
+    def check_ready(self, compressing: bool = True) -> None:
+        calibration = self.calibration()
+        if compressing:
+            calibration.allocation(self.config.target_ratio)
+
+    def check_model(self, model) -> None:
+        self.calibration().check_model(model)
+
+    def dense_bytes(self, blob: bytes) -> int:
+        return int(Blob(blob).meta["dense_bf16_bytes"])
 
     def compress(self, model: torch.nn.Module, cache, token_ids: list[int]) -> bytes:
         return compress_cache(cache, self.calibration(), self.config.target_ratio, token_ids, model=model,
@@ -103,6 +112,14 @@ class KvtcCodec(StorageCodec):
 
     def decompress(self, model: torch.nn.Module, blob: bytes) -> tuple[DenseKV, list[int]]:
         return decompress_cache(blob, self.calibration(), model)
+
+    def resume(self, model, tokenizer, blob, new_token_ids, max_new_tokens, min_new_tokens=0, prefix_tokens=None):
+        return continue_from_blob(model, tokenizer, self.calibration(), blob, new_token_ids, max_new_tokens,
+                                  min_new_tokens, prefix_tokens=prefix_tokens, config=self.describe())
+
+    def resume_from_store(self, store, model, tokenizer, token_ids, max_new_tokens, min_new_tokens=0):
+        return continue_from_store(store, model, tokenizer, self.calibration(), token_ids, max_new_tokens,
+                                   min_new_tokens, config=self.describe())
 
     def describe(self) -> dict:
         return {**self.config.to_dict(), "calibration_id": self.calibration().calibration_id}

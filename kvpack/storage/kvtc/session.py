@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
 
 import torch
 
 from ...hf.dense import prefill, to_dynamic_cache
 from ...hf.fingerprint import model_fingerprint
-from ...hf.generation import ProgressStreamer, greedy_generate
+from ...hf.generation import GenerationResult, ProgressStreamer, greedy_generate
 from ...store.prefix import PrefixStoreBase
 from ..base import PrefixCutError
 from .calibration import Calibration
@@ -33,25 +32,10 @@ def compress_tokens(model, calibration: Calibration, token_ids: list[int], ratio
                           sinks=sinks, window=window)
 
 
-@dataclass
-class Continuation:
-    """A generation continued from a decompressed cache."""
-
-    text: str
-    token_ids: list[int]
-    prefix_tokens: int  # tokens restored from the blob
-    prefilled_tokens: int  # tokens run through the model before generating
-    blob_bytes: int
-    dense_bf16_bytes: int
-    decompress_s: float
-    first_token_s: float  # decompression + prefill of the new tokens + first decode step
-    total_s: float
-
-
 @torch.no_grad()
 def continue_from_blob(model, tokenizer, calibration: Calibration, blob: bytes, new_token_ids: list[int],
                        max_new_tokens: int = 32, min_new_tokens: int = 0,
-                       prefix_tokens: int | None = None) -> Continuation:
+                       prefix_tokens: int | None = None, config: dict | None = None) -> GenerationResult:
     """Decompress ``blob`` and generate greedily after its first ``prefix_tokens`` tokens (default:
     all of them) plus ``new_token_ids``.
 
@@ -59,6 +43,10 @@ def continue_from_blob(model, tokenizer, calibration: Calibration, blob: bytes, 
     prompt does not share (a chat template's closing of the user turn, a trailing space that the
     next word absorbs); the restored cache is cut to its leading tokens, which a kvtc cache allows
     for every full-attention layer (a sliding-window layer shorter than the sequence refuses).
+
+    Returns the generation with ``restored_tokens`` (from the blob), ``restore_s`` (reading and
+    decoding it), ``prefill_s`` = restore + prefill of the new tokens + the first decode step, and
+    ``config`` (default: the blob's ratio and calibration id).
 
     Raises:
         ValueError: no new tokens (a restored cache needs at least one token to run), a blob of
@@ -79,14 +67,17 @@ def continue_from_blob(model, tokenizer, calibration: Calibration, blob: bytes, 
                           streamer)
     end = time.perf_counter()
     first = streamer.prefill_s if streamer.prefill_s is not None else end - start
-    return Continuation(text=tokenizer.decode(new, skip_special_tokens=True), token_ids=new,
-                        prefix_tokens=len(prefix), prefilled_tokens=len(new_token_ids), blob_bytes=len(blob),
-                        dense_bf16_bytes=header.dense_bf16_bytes, decompress_s=decompress_s,
-                        first_token_s=first, total_s=end - start)
+    if config is None:
+        config = {"ratio": float(header.ratio), "calibration_id": calibration.calibration_id}
+    return GenerationResult(text=tokenizer.decode(new, skip_special_tokens=True), method="kvtc", config=config,
+                            prompt_tokens=len(prefix) + len(new_token_ids), new_tokens=len(new),
+                            kv_bytes=len(blob), dense_kv_bytes=header.dense_bf16_bytes, prefill_s=first,
+                            total_s=end - start, token_ids=new, restored_tokens=len(prefix), restore_s=decompress_s)
 
 
 def continue_from_store(store: PrefixStoreBase, model, tokenizer, calibration: Calibration, token_ids: list[int],
-                        max_new_tokens: int = 32, min_new_tokens: int = 0) -> Continuation | None:
+                        max_new_tokens: int = 32, min_new_tokens: int = 0,
+                        config: dict | None = None) -> GenerationResult | None:
     """Generate after ``token_ids``, restoring the longest stored prefix of them (at least one token
     is left to run); None when the store holds no prefix for this model and calibration.
 
@@ -102,10 +93,10 @@ def continue_from_store(store: PrefixStoreBase, model, tokenizer, calibration: C
         n, blob = found
         try:
             return continue_from_blob(model, tokenizer, calibration, blob, token_ids[n:], max_new_tokens,
-                                      min_new_tokens, prefix_tokens=n)
+                                      min_new_tokens, prefix_tokens=n, config=config)
         except PrefixCutError as exc:
             warnings.warn(f"{exc}; looking for a stored entry of exactly a prefix", stacklevel=2)
     return None
 
 
-__all__ = ["Continuation", "compress_tokens", "continue_from_blob", "continue_from_store", "prefill"]
+__all__ = ["compress_tokens", "continue_from_blob", "continue_from_store", "prefill"]

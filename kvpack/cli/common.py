@@ -1,0 +1,48 @@
+"""What the ``kvpack`` commands share: the model and prompt arguments, a method's config from the
+command line, loading the model."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from ..hf.models import load_model
+from ..methods import method_config_class
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def method_config(method: str, budget: float | None, sets: list[str], calibration: str | None = None) -> dict:
+    """The config fields of ``method`` given on the command line (``--budget``, ``--set K=V``,
+    ``--calibration``), typed and checked against the method's config class."""
+    config_cls = method_config_class(method)
+    config = config_cls.parse_overrides(sets)
+    if budget is not None:
+        config["budget"] = budget
+    if calibration is not None:
+        if "calibration" not in {f.name for f in dataclasses.fields(config_cls)}:
+            raise ValueError(f"--calibration applies to calibrated methods (kvtc), not to {method!r}")
+        config["calibration"] = calibration
+    return config
+
+
+def load(model: str, dtype: str):
+    """``(model, tokenizer)``: ``smollm2``, a model directory or a .gguf file, in ``dtype``."""
+    return load_model(model, dtype=getattr(torch, dtype))
+
+
+def read_prompt(args) -> str:
+    return Path(args.prompt_file).read_text() if getattr(args, "prompt_file", None) else args.prompt
+
+
+def add_model_args(p, dtype_default: str = "float32") -> None:
+    p.add_argument("--model", default="smollm2", help="smollm2 (default), a model directory or a .gguf file")
+    p.add_argument("--dtype", default=dtype_default, choices=DTYPES, help=f"model dtype (default {dtype_default})")
+
+
+def add_prompt_args(p, required: bool = True) -> None:
+    src = p.add_mutually_exclusive_group(required=required)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="file holding the prompt")

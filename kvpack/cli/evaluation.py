@@ -1,0 +1,74 @@
+"""``kvpack eval``, kvpack's main job: a RULER-style evaluation of methods at matched bytes, with
+intervals and paired tests, results resumable in an output directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..eval.report import summary_markdown, write_report
+from ..eval.runner import EvalPlan, method_specs, rows_in_plan, run_eval
+from ..eval.tasks import NIAH_TASKS, RULER_TASKS
+from ..methods import available_methods, method_config_class
+from .common import add_model_args, load
+
+# The main job's defaults: the two tasks the 135M default model answers reliably with the exact cache
+# at 2K tokens, 8 needle depths each (16 paired samples per method: enough for the McNemar test to
+# tell a method that loses the needles from FullKV), one budget, both settings.
+DEFAULT_EVAL_TASKS = "niah_single_1,niah_single_2"
+
+
+def _task_list(text: str) -> list[str]:
+    out: list[str] = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        out.extend(RULER_TASKS if item == "ruler" else NIAH_TASKS if item == "niah" else [item])
+    return out
+
+
+def _eval_overrides(items: list[str], calibration: str | None) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for item in items:
+        name, dot, rest = item.partition(".")
+        if not dot or name not in available_methods():
+            raise ValueError(f"--set expects METHOD.KEY=VALUE with a known method, got {item!r}")
+        out.setdefault(name, {}).update(method_config_class(name).parse_overrides([rest]))
+    if calibration is not None:
+        out.setdefault("kvtc", {})["calibration"] = calibration
+    return out
+
+
+def cmd_eval(args) -> int:
+    """RULER-style evaluation of methods x budgets; writes results, summaries and plots to --out."""
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    settings = ["query-aware", "query-agnostic"] if args.setting == "both" else [args.setting]
+    plan = EvalPlan(tasks=_task_list(args.tasks), lengths=[int(n) for n in args.lengths.split(",")],
+                    samples=args.samples,
+                    specs=method_specs(methods, budgets, _eval_overrides(args.set, args.calibration)),
+                    settings=settings, seed=args.seed, fidelity=not args.no_fidelity)
+    model, tokenizer = load(args.model, args.dtype)
+    rows = rows_in_plan(run_eval(model, tokenizer, plan, args.out, progress=not args.quiet), plan)
+    summary = write_report(rows, args.out)
+    print(summary_markdown(summary))
+    print(f"results: {Path(args.out) / 'results.jsonl'}; summary: {Path(args.out) / 'summary.md'}; "
+          f"plots: {Path(args.out) / 'score_vs_ratio.png'}, heatmap_<setting>.png")
+    return 0
+
+
+def add_parsers(sub) -> None:
+    e = sub.add_parser("eval", help="kvpack's main job: RULER-style long-context evaluation at matched bytes")
+    add_model_args(e, "bfloat16")
+    e.add_argument("--methods", default="full,puzzle,anchor,snapkv,streaming", help="comma-separated methods")
+    e.add_argument("--budgets", default="0.25", help="comma-separated budgets (fractions of dense bf16 bytes)")
+    e.add_argument("--tasks", default=DEFAULT_EVAL_TASKS,
+                   help="comma-separated tasks, or 'ruler' (all 12) / 'niah' (the 8 NIAH tasks)")
+    e.add_argument("--lengths", default="2048", help="comma-separated prompt lengths in tokens")
+    e.add_argument("--samples", type=int, default=8, help="samples per task and length (needle depth swept)")
+    e.add_argument("--setting", default="both", choices=("query-aware", "query-agnostic", "both"))
+    e.add_argument("--set", action="append", default=[], metavar="METHOD.KEY=VALUE",
+                   help="a config field of one method, e.g. puzzle.page_size=64")
+    e.add_argument("--calibration", default=None, help="kvtc calibration directory (for --methods kvtc)")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--no-fidelity", action="store_true", help="skip the KL / perplexity passes")
+    e.add_argument("--out", default="kvpack-eval", help="output directory (resumed if it has results)")
+    e.add_argument("--quiet", action="store_true")
+    e.set_defaults(func=cmd_eval)

@@ -1,0 +1,181 @@
+"""kvtc's storage commands: ``calibrate`` (once per model), ``compress`` (a prompt -> a blob file or
+a prefix-store entry), ``decompress`` (a blob -> dense cache tensors in safetensors) and
+``continue`` (a blob or store entry + new text -> a measured generation). Each builds the method
+once (``get_method("kvtc", ...)``) and goes through the storage protocol (``StorageMethod``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..generate import encode_prompt
+from ..methods import get_method
+from ..storage.kvtc.calibration import CalibrationSettings, calibrate
+from ..store import open_prefix_store
+from ..store.atomic import atomic_write_bytes
+from ..store.format import BACKENDS
+from .common import add_model_args, add_prompt_args, load, read_prompt
+
+CALIBRATION_DEFAULTS = CalibrationSettings()  # the defaults `kvpack calibrate` shows and uses
+KVTC_DEFAULTS = get_method("kvtc").config
+
+
+def _parse_ratios(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--ratios expects comma-separated numbers, got {text!r}") from None
+
+
+def cmd_calibrate(args) -> int:
+    """kvtc calibration: PCA + DP allocations, written to --out."""
+    settings = CalibrationSettings(tokens=args.tokens, chunk_tokens=args.chunk_tokens, pca_dim=args.pca_dim,
+                                   ratios=_parse_ratios(args.ratios), seed=args.seed, key_rope=args.key_rope)
+    model, tokenizer = load(args.model, args.dtype)
+    calib = calibrate(model, tokenizer, settings, progress=not args.quiet)
+    calib.save(args.out)
+    t = calib.stats["timings"]
+    print(f"calibration {calib.calibration_id} written to {args.out}: {calib.stats['chunks']} chunks of "
+          f"{settings.chunk_tokens} tokens, p = {calib.features} features, {calib.stats['positions_sampled']} "
+          f"positions; prefill {t['prefill_s']:.1f} s, PCA {t['pca_keys_s'] + t['pca_values_s']:.1f} s, "
+          f"DP {t['dp_keys_s'] + t['dp_values_s']:.1f} s, total {t['total_s']:.1f} s")
+    for key, summary in calib.stats["widths"].items():
+        k, v = summary["keys"], summary["values"]
+        print(f"  ratio {key:>4}: keys {k['coded_components']} components ({k['groups']} groups, max {k['max_width']} "
+              f"bits), values {v['coded_components']} ({v['groups']} groups, max {v['max_width']} bits)")
+    return 0
+
+
+def _method_and_model(args, **config):
+    """The kvtc method (its calibration loaded and checked now, before the model) and the model."""
+    method = get_method("kvtc", calibration=args.calibration, **config)
+    method.check_ready(compressing="ratio" in config)
+    model, tokenizer = load(args.model, args.dtype)
+    method.check_model(model)
+    return method, model, tokenizer
+
+
+def cmd_compress(args) -> int:
+    """Prefill a prompt, compress its cache with kvtc, write a blob file or a prefix-store entry."""
+    if bool(args.out) == bool(args.store):
+        raise ValueError("give exactly one of --out FILE or --store [DIR]")
+    get_method("kvtc", ratio=args.ratio, backend=args.backend, level=args.level)  # refuse bad settings first
+    prompt = read_prompt(args)
+    if not prompt:
+        raise ValueError("empty prompt: nothing to compress")
+    method, model, tokenizer = _method_and_model(args, ratio=args.ratio, backend=args.backend, level=args.level)
+    ids = encode_prompt(tokenizer, prompt, args.chat)[0].tolist()
+    blob = method.compress(model, ids)
+    if args.out:
+        atomic_write_bytes(args.out, blob)
+        where = args.out
+    else:
+        where = str(open_prefix_store(None if args.store is True else args.store).put(blob, ids))
+    dense = method.dense_bytes(blob)
+    print(f"{len(ids)} tokens -> {len(blob):,} bytes (dense bf16 {dense:,}, ratio {dense / len(blob):.2f}x) in {where}")
+    return 0
+
+
+def cmd_decompress(args) -> int:
+    """A blob back to dense cache tensors (safetensors: layer{i}.keys / layer{i}.values, token_ids)."""
+    method, model, _ = _method_and_model(args)
+    cache, ids = method.decompress(model, Path(args.blob).read_bytes())
+    tensors = {"token_ids": torch.tensor(ids, dtype=torch.int64)}
+    for i, layer in enumerate(cache.layers):
+        tensors[f"layer{i}.keys"] = layer.keys[0].contiguous()
+        tensors[f"layer{i}.values"] = layer.values[0].contiguous()
+    save_file(tensors, args.out)
+    print(f"{len(ids)} tokens, {len(cache.layers)} layers written to {args.out}")
+    return 0
+
+
+def cmd_continue(args) -> int:
+    """Generation continued from a blob (+ new text) or from the longest stored prefix of a prompt."""
+    if bool(args.blob) == bool(args.store):
+        raise ValueError("give exactly one of --blob FILE or --store [DIR]")
+    text = read_prompt(args)
+    if not text:
+        raise ValueError("empty prompt: give the new text (--blob) or the whole conversation (--store)")
+    method, model, tokenizer = _method_and_model(args)
+    if args.blob:
+        blob = Path(args.blob).read_bytes()  # verified when read
+        new = tokenizer(text, add_special_tokens=False).input_ids
+        result = method.resume(model, tokenizer, blob, new, args.max_new_tokens)
+    else:
+        store = open_prefix_store(None if args.store is True else args.store)
+        ids = encode_prompt(tokenizer, text, args.chat)[0].tolist()
+        result = method.resume_from_store(store, model, tokenizer, ids, args.max_new_tokens)
+        if result is None:
+            raise ValueError("no stored prefix of this prompt for this model and calibration "
+                             "(store one with `kvpack compress --store`)")
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(result.text)
+        print(f"\n[kvtc] restored {result.restored_tokens} tokens from {result.kv_bytes:,} bytes "
+              f"(dense bf16 {result.dense_kv_bytes:,}) in {result.restore_s:.2f} s, prefilled "
+              f"{result.prefilled_tokens} new tokens; first token after {result.prefill_s:.2f} s", file=sys.stderr)
+    return 0
+
+
+def add_parsers(sub) -> None:
+    c = sub.add_parser("calibrate", help="kvtc: calibrate PCA bases and bit allocations for a model (once)")
+    add_model_args(c, "bfloat16")
+    c.add_argument("--out", required=True, help="directory to write the calibration to")
+    cal = CALIBRATION_DEFAULTS
+    c.add_argument("--tokens", type=int, default=cal.tokens, help="calibration tokens (default %(default)s)")
+    c.add_argument("--chunk-tokens", type=int, default=cal.chunk_tokens,
+                   help="tokens per calibration sequence (default %(default)s)")
+    c.add_argument("--pca-dim", type=int, default=cal.pca_dim,
+                   help="principal components computed (default %(default)s)")
+    c.add_argument("--ratios", default=",".join(f"{r:g}" for r in cal.ratios),
+                   help="target ratios to allocate bits for (default %(default)s)")
+    c.add_argument("--seed", type=int, default=cal.seed, help="(default %(default)s)")
+    c.add_argument("--key-rope", default=cal.key_rope, choices=("pre", "post"),
+                   help="keys in the PCA before RoPE (the paper; default %(default)s) or as cached (post: for "
+                   "engines' chunks, whose positions are unknown, e.g. the LMCache serde)")
+    c.add_argument("--quiet", action="store_true")
+    c.set_defaults(func=cmd_calibrate)
+
+    k = sub.add_parser("compress", help="kvtc: prefill a prompt and compress its cache to a blob or the store")
+    add_model_args(k, "bfloat16")
+    k.add_argument("--calibration", required=True, help="directory written by `kvpack calibrate`")
+    k.add_argument("--ratio", type=float, default=KVTC_DEFAULTS.target_ratio,
+                   help="a calibrated target ratio (default %(default)g)")
+    k.add_argument("--backend", default=KVTC_DEFAULTS.backend, choices=BACKENDS,
+                   help="entropy coder (default %(default)s)")
+    k.add_argument("--level", type=int, default=KVTC_DEFAULTS.level,
+                   help="entropy coder level (default %(default)s; zlib 0-9, zstd 0-22)")
+    add_prompt_args(k)
+    k.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    dest = k.add_mutually_exclusive_group()
+    dest.add_argument("--out", help="blob file to write")
+    dest.add_argument("--store", nargs="?", const=True, metavar="DIR|redis://HOST:PORT/DB",
+                      help="put the blob in the prefix store: the default directory, DIR, or a Redis server "
+                      "(redis://host:port/db[?ttl=SECONDS])")
+    k.set_defaults(func=cmd_compress)
+
+    x = sub.add_parser("decompress", help="kvtc: a blob back to dense cache tensors (safetensors)")
+    add_model_args(x, "bfloat16")
+    x.add_argument("--calibration", required=True)
+    x.add_argument("--blob", required=True, help="blob file")
+    x.add_argument("--out", required=True, help="safetensors file to write")
+    x.set_defaults(func=cmd_decompress)
+
+    n = sub.add_parser("continue", help="kvtc: generate after a blob (+ new text) or the longest stored prefix")
+    add_model_args(n, "bfloat16")
+    n.add_argument("--calibration", required=True)
+    src = n.add_mutually_exclusive_group()
+    src.add_argument("--blob", help="blob file; the prompt is the new text after it")
+    src.add_argument("--store", nargs="?", const=True, metavar="DIR|redis://HOST:PORT/DB",
+                     help="prefix store (the default directory, DIR, or redis://host:port/db); the prompt is "
+                     "the whole conversation, its longest stored prefix is restored")
+    add_prompt_args(n)
+    n.add_argument("--chat", action="store_true", help="(with --store) wrap the prompt in the chat template")
+    n.add_argument("--max-new-tokens", type=int, default=32)
+    n.add_argument("--json", action="store_true")
+    n.set_defaults(func=cmd_continue)
