@@ -18,8 +18,19 @@ from safetensors import SafetensorError
 from . import evaluation, generation, storage
 
 
+DESCRIPTION = """kvpack: compressed KV caches for transformer language models, measured.
+
+  eval        kvpack's main job: methods compared at matched bytes on RULER-style tasks
+  generate    one measured generation with any method (methods: every method's fields)
+  demo        one needle, FullKV vs PuzzleKV, in about a minute
+  calibrate, compress, decompress, continue
+              kvtc's storage flow: calibrate once per model, compress a prompt's cache to a blob
+              or the prefix store, restore it and continue generating
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpack", description=__doc__,
+    parser = argparse.ArgumentParser(prog="kvpack", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show the traceback of any error")
     sub = parser.add_subparsers(dest="command", required=True)
