@@ -17,7 +17,6 @@ from safetensors import SafetensorError
 
 from . import evaluation, generation, storage
 
-
 DESCRIPTION = """kvpack: compressed KV caches for transformer language models, measured.
 
   eval        kvpack's main job: methods compared at matched bytes on RULER-style tasks

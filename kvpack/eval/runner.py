@@ -23,13 +23,14 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from ..hf.cache import cache_kwargs
 from ..hf.generation import greedy_generate
-from ..hf.prefill import exact_prefill
+from ..hf.prefill import ExactPrefill, exact_prefill
 from ..methods import PreparedCache, get_method, method_takes_budget
 from .scoring import score
 from .tasks import TASKS, make_sample
@@ -56,7 +57,7 @@ class MethodSpec:
         (the last three fields of :func:`_row_key`)."""
         return self.method, self.budget, _canonical(self.config)
 
-    def codec_config(self) -> dict:
+    def method_config(self) -> dict:
         cfg = dict(self.config)
         if self.budget is not None:
             cfg["budget"] = self.budget
@@ -100,7 +101,7 @@ class EvalPlan:
         if not self.specs:
             raise ValueError("no methods to evaluate")
         for spec in self.specs:  # refuse unknown methods, fields and budgets now, not hours into a run
-            get_method(spec.method, **spec.codec_config())
+            get_method(spec.method, **spec.method_config())
 
 
 def _canonical(overrides: dict) -> str:
@@ -156,6 +157,81 @@ def _greedy(model, tokenizer, prepared: PreparedCache, ids: list[int], sample) -
     return tokenizer.decode(new, skip_special_tokens=True), time.perf_counter() - start
 
 
+@dataclass
+class _Unit:
+    """One sample in one setting: its prompt ids, how many of them are prefilled and compressed, and
+    the reference for the fidelity pass (teacher-forced chunk, answer length, exact log-probs)."""
+
+    sample: Any
+    ids: list[int]
+    n_pre: int
+    prefill: ExactPrefill
+    fresh: bool  # the prefill ran the model (rather than cutting the last unit's)
+    tf_chunk: list[int] | None = None
+    ans_len: int = 0
+    ref_logprobs: torch.Tensor | None = None
+
+
+def _prepare_unit(model, tokenizer, plan: EvalPlan, setting: str, task: str, length: int, index: int,
+                  last_prefill: ExactPrefill | None) -> _Unit:
+    sample = make_sample(tokenizer, task, length, index, plan.samples, plan.seed)
+    ctx_ids = tokenizer(sample.context).input_ids
+    ids = ctx_ids + tokenizer(sample.question, add_special_tokens=False).input_ids
+    n_pre = len(ids) - 1 if setting == "query-aware" else len(ctx_ids)
+    # One model run per sample: the query-agnostic prefill is the leading tokens of the query-aware
+    # one, which runs first (causal attention; see ExactPrefill.leading).
+    prefill = None
+    if last_prefill is not None and ids[:len(last_prefill.token_ids)] == last_prefill.token_ids:
+        prefill = last_prefill.leading(n_pre)  # None when n_pre is longer than it
+    fresh = prefill is None
+    if fresh:
+        prefill = exact_prefill(model, ids[:n_pre])
+    unit = _Unit(sample, ids, n_pre, prefill, fresh)
+    if plan.fidelity:
+        ans_ids = tokenizer(" " + ", ".join(sample.answers), add_special_tokens=False).input_ids
+        cont_ids = tokenizer(sample.continuation, add_special_tokens=False).input_ids[:CONTINUATION_TOKENS]
+        unit.tf_chunk, unit.ans_len = ids[n_pre:] + ans_ids + cont_ids, len(ans_ids)
+        ref = get_method("full").from_prefill(model, prefill)
+        unit.ref_logprobs = teacher_forced_logprobs(model, ref, unit.tf_chunk, n_pre + len(unit.tf_chunk))
+    return unit
+
+
+def _fidelity(model, unit: _Unit, prepared: PreparedCache) -> dict:
+    """KL of the answer tokens against the exact cache's, and the continuation's perplexity."""
+    logp = teacher_forced_logprobs(model, prepared, unit.tf_chunk, unit.n_pre + len(unit.tf_chunk))
+    a = len(unit.ids) - unit.n_pre  # logits at a-1+j predict answer token j
+    sl = slice(a - 1, a - 1 + unit.ans_len)
+    p_ref = unit.ref_logprobs[sl].exp()
+    targets = torch.tensor(unit.tf_chunk[a + unit.ans_len:], device=logp.device)
+    cont_lp = logp[a - 1 + unit.ans_len: a - 1 + unit.ans_len + len(targets)]
+    nll = -cont_lp.gather(1, targets[:, None]).mean()
+    return {"kl_answer": float((p_ref * (unit.ref_logprobs[sl] - logp[sl])).sum(-1).mean()),
+            "ppl_continuation": float(math.exp(float(nll)))}
+
+
+def _evaluate(model, tokenizer, plan: EvalPlan, unit: _Unit, spec: MethodSpec) -> dict:
+    """One result row: the method's cache from the unit's prefill, its greedy answer and score, its
+    measured bytes (a refused configuration is a row with its error)."""
+    sample = unit.sample
+    row = {"task": sample.task, "depth": sample.depth, "seed": sample.seed, "prompt_tokens": len(unit.ids),
+           "compressed_tokens": unit.n_pre, "method": spec.method, "budget": spec.budget, "label": spec.label,
+           "overrides": spec.config, "answers": sample.answers, "metric": sample.metric,
+           "prefill_s": unit.prefill.seconds}
+    try:
+        built = get_method(spec.method, **spec.method_config()).from_prefill(model, unit.prefill)
+        # the fidelity pass runs on a copy of the same compressed cache (decoding mutates it)
+        again = built.copy() if plan.fidelity else None
+        prediction, decode_s = _greedy(model, tokenizer, built, unit.ids, sample)
+        row.update(config=built.config, kv_bytes=built.kv_bytes, dense_kv_bytes=built.dense_kv_bytes,
+                   ratio=built.kv_bytes / built.dense_kv_bytes, compress_s=built.seconds, decode_s=decode_s,
+                   prediction=prediction, score=score(prediction, sample.answers, sample.metric))
+        if plan.fidelity:
+            row.update(_fidelity(model, unit, again))
+    except (ValueError, NotImplementedError) as exc:
+        row.update(error=f"{type(exc).__name__}: {exc}", score=None)
+    return row
+
+
 @torch.no_grad()
 def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bool = True) -> list[dict]:
     """Run (or resume) ``plan``; returns every row of ``out_dir/results.jsonl``."""
@@ -167,8 +243,7 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
     # Both settings of a sample run back to back, so a run cut short has comparable rows.
     units = [(setting, task, length, index) for task in plan.tasks for length in plan.lengths
              for index in range(plan.samples) for setting in plan.settings]
-    total = len(units) * len(plan.specs)
-    bar = tqdm(total=total, desc="[kvpack] eval", unit="run", disable=not progress)
+    bar = tqdm(total=len(units) * len(plan.specs), desc="[kvpack] eval", unit="run", disable=not progress)
     bar.update(sum(1 for u in units for s in plan.specs if (*u, *s.key) in done))
     last_prefill = None
     with results.open("a") as sink:
@@ -177,54 +252,12 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
             if not pending:
                 continue
             bar.set_postfix_str(f"{task} {length} #{index}")
-            sample = make_sample(tokenizer, task, length, index, plan.samples, plan.seed)
-            ctx_ids = tokenizer(sample.context).input_ids
-            q_ids = tokenizer(sample.question, add_special_tokens=False).input_ids
-            ids = ctx_ids + q_ids
-            n_pre = len(ids) - 1 if setting == "query-aware" else len(ctx_ids)
-            # One model run per sample: the query-agnostic prefill is the leading tokens of the
-            # query-aware one, which runs first (causal attention; see ExactPrefill.leading).
-            prefill = None
-            if last_prefill is not None and ids[:len(last_prefill.token_ids)] == last_prefill.token_ids:
-                prefill = last_prefill.leading(n_pre)  # None when n_pre is longer than it
-            if prefill is None:
-                prefill = last_prefill = exact_prefill(model, ids[:n_pre])
-            tf_chunk = ans_len = ref_logprobs = None
-            if plan.fidelity:
-                ans_ids = tokenizer(" " + ", ".join(sample.answers), add_special_tokens=False).input_ids
-                cont_ids = tokenizer(sample.continuation, add_special_tokens=False).input_ids[:CONTINUATION_TOKENS]
-                tf_chunk = ids[n_pre:] + ans_ids + cont_ids
-                ans_len = len(ans_ids)
-                ref = get_method("full").from_prefill(model, prefill)
-                ref_logprobs = teacher_forced_logprobs(model, ref, tf_chunk, n_pre + len(tf_chunk))
-                del ref
+            unit = _prepare_unit(model, tokenizer, plan, setting, task, length, index, last_prefill)
+            if unit.fresh:
+                last_prefill = unit.prefill
             for spec in pending:
-                row = {"setting": setting, "task": task, "length": length, "sample": index, "depth": sample.depth,
-                       "seed": sample.seed, "prompt_tokens": len(ids), "compressed_tokens": n_pre,
-                       "method": spec.method, "budget": spec.budget, "label": spec.label, "overrides": spec.config,
-                       "answers": sample.answers, "metric": sample.metric, "prefill_s": prefill.seconds}
-                try:
-                    method = get_method(spec.method, **spec.codec_config())
-                    built = method.from_prefill(model, prefill)
-                    # the fidelity pass runs on a copy of the same compressed cache (decoding mutates it)
-                    again = built.copy() if plan.fidelity else None
-                    prediction, decode_s = _greedy(model, tokenizer, built, ids, sample)
-                    row.update(config=built.config, kv_bytes=built.kv_bytes,
-                               dense_kv_bytes=built.dense_kv_bytes, ratio=built.kv_bytes / built.dense_kv_bytes,
-                               compress_s=built.seconds, decode_s=decode_s, prediction=prediction,
-                               score=score(prediction, sample.answers, sample.metric))
-                    if plan.fidelity:
-                        logp = teacher_forced_logprobs(model, again, tf_chunk, n_pre + len(tf_chunk))
-                        a = len(ids) - n_pre  # logits at a-1+j predict answer token j
-                        sl = slice(a - 1, a - 1 + ans_len)
-                        p_ref = ref_logprobs[sl].exp()
-                        row["kl_answer"] = float((p_ref * (ref_logprobs[sl] - logp[sl])).sum(-1).mean())
-                        targets = torch.tensor(tf_chunk[a + ans_len:], device=logp.device)
-                        cont_lp = logp[a - 1 + ans_len: a - 1 + ans_len + len(targets)]
-                        nll = -cont_lp.gather(1, targets[:, None]).mean()
-                        row["ppl_continuation"] = float(math.exp(float(nll)))
-                except (ValueError, NotImplementedError) as exc:
-                    row.update(error=f"{type(exc).__name__}: {exc}", score=None)
+                row = {"setting": setting, "task": task, "length": length, "sample": index,
+                       **_evaluate(model, tokenizer, plan, unit, spec)}
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
                 rows.append(row)

@@ -13,7 +13,7 @@ from .cache import KVPackCache
 
 
 @contextlib.contextmanager
-def attach(model: torch.nn.Module, codec: ResidentCodec | str = "full", *, cache: KVPackCache | None = None,
+def attach(model: torch.nn.Module, method: ResidentCodec | str = "full", *, cache: KVPackCache | None = None,
            **config) -> Iterator[KVPackCache]:
     """``with attach(model, "puzzle", budget=0.6) as cache:`` — a new :class:`KVPackCache` of a
     resident method (or the given ``cache``) that the model uses inside the block.
@@ -24,8 +24,8 @@ def attach(model: torch.nn.Module, codec: ResidentCodec | str = "full", *, cache
     :func:`kvpack.hf.cache.cache_kwargs` picks it).
     """
     if cache is None:
-        cache = KVPackCache(model, codec, **config)
-    elif config or codec != "full":
+        cache = KVPackCache(model, method, **config)
+    elif config or method != "full":
         raise ValueError("pass either a method and its config, or an existing cache")
     with attached(model, cache):
         yield cache

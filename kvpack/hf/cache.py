@@ -24,12 +24,13 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from ..ops.accounting import DENSE_REFERENCE_BYTES_PER_ELEMENT
 from ..ops.rope import shared_rotary_tables
 from ..resident import LayerLayout, LayerStore, ResidentCodec, get_codec
 from .attention import active_cache
+from .fingerprint import attention_shape, full_attention_layers
 from .rotary import find_rotary
 
 
@@ -201,12 +202,13 @@ def cache_kwargs(model: torch.nn.Module, cache: Cache) -> dict:
 
 
 class KVPackCache(Cache):
-    """A transformers cache whose full-attention layers are compressed by a kvpack codec.
+    """A transformers cache whose full-attention layers are compressed by a kvpack resident method.
 
     Args:
         model: the model it serves (its config gives the layer layout).
-        codec: a :class:`ResidentCodec` or a registered resident method's name.
-        **config: the method's config fields when ``codec`` is a name (e.g. ``budget=0.6``).
+        method: a registered resident method's name, or one already configured (a
+            :class:`ResidentCodec`, as ``kvpack.resident.get_codec`` returns).
+        **config: the method's config fields when ``method`` is a name (e.g. ``budget=0.6``).
 
     The model uses it only inside ``with kvpack.attach(model, cache=...)`` /
     ``kvpack.hf.attention.attached(model, cache)``, which switch the model's attention to
@@ -214,28 +216,23 @@ class KVPackCache(Cache):
     ``kv_bytes()`` and ``dense_kv_bytes()`` report measured and reference bytes.
     """
 
-    def __init__(self, model: torch.nn.Module, codec: ResidentCodec | str = "full", **config):
-        if isinstance(codec, str):
-            codec = get_codec(codec, **config)
+    def __init__(self, model: torch.nn.Module, method: ResidentCodec | str = "full", **config):
+        if isinstance(method, str):
+            method = get_codec(method, **config)
         elif config:
-            raise ValueError("pass config fields only with a codec name, or build the Codec yourself")
-        self.codec = codec
+            raise ValueError("pass config fields only with a method name, not with a method already configured")
+        self.codec = method
+        shape = attention_shape(model)
         text = model.config.get_text_config(decoder=True)
-        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        rotary = find_rotary(model)
         layer_types = getattr(text, "layer_types", None)
         layers = DynamicCache(config=model.config).layers
         # One RoPE table per layer type, shared by its layers (not one per layer).
-        tables = shared_rotary_tables(rotary, head_dim, [layer_types[i] if layer_types else None
-                                                         for i in range(len(layers))])
-        for i, layer in enumerate(layers):
-            if type(layer) is DynamicLayer:  # plain full attention: compress it
-                layout = LayerLayout(
-                    layer_idx=i, kv_heads=kv_heads, q_heads=text.num_attention_heads, head_dim=head_dim,
-                    model_dtype=model.dtype, rope=tables[i],
-                )
-                layers[i] = KVPackLayer(codec, layout, self._row_groups)
+        tables = shared_rotary_tables(find_rotary(model), shape["head_dim"],
+                                      [layer_types[i] if layer_types else None for i in range(len(layers))])
+        for i in full_attention_layers(model):  # plain full attention: compress it (the rest is the model's)
+            layout = LayerLayout(layer_idx=i, kv_heads=shape["kv_heads"], q_heads=shape["q_heads"],
+                                 head_dim=shape["head_dim"], model_dtype=model.dtype, rope=tables[i])
+            layers[i] = KVPackLayer(method, layout, self._row_groups)
         if not any(isinstance(layer, KVPackLayer) for layer in layers):
             raise ValueError("this model has no full-attention layer with a standard cache for kvpack to compress")
         self._layouts = [layer.layout for layer in layers if isinstance(layer, KVPackLayer)]

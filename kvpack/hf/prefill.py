@@ -7,7 +7,8 @@ method a cache as if it had compressed during that prefill — each layer's stor
 ``append(k, v, q, out)`` it would have received (``LayerStore.load_prefill``); layers kvpack does
 not compress (sliding windows) are copied. :func:`dense_cache_from` gives storage methods the plain
 ``DynamicCache`` of the same prefill. Equivalence with compressing during prefill: layer l+1 never
-sees layer l's cache during the prefill, so compressing after it changes nothing (DESIGN.md).
+sees layer l's cache during the prefill, so compressing after it changes nothing (the test matrix,
+tests/test_method_matrix.py, checks it for every method).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Stores laid out as [dense sink] [compressed history] [dense recent tail].
 
-This is the shape every resident codec of kvpack shares (DESIGN.md): the first tokens stay dense
-(attention sinks), the most recent tokens stay dense (they are read most and may still be filling
-a page), and the codec compresses what lies between. Attention over the store merges the partial
-softmax states of the sink, of the codec's compressed history, of the tail and of the new chunk
+This is the shape most resident methods of kvpack share (README.md, Architecture): the first tokens
+stay dense (attention sinks), the most recent tokens stay dense (they are read most and may still be
+filling a page), and the method compresses what lies between. Attention over the store merges the
+partial softmax states of the sink, of the compressed history, of the tail and of the new chunk
 (causal) — one softmax, never a rebuilt dense history.
 """
 

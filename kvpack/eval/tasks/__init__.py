@@ -1,7 +1,7 @@
 """RULER-style long-context tasks, generated offline and deterministically (see ``base.py``)."""
 
 from . import niah, vt, words  # noqa: F401  (register the tasks)
-from .base import TASKS, Sample, register_task
+from .base import TASKS, ResampleError, Sample, register_task
 
 RULER_TASKS = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
                "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "passkey"]
@@ -23,13 +23,11 @@ def make_sample(tokenizer, task: str, length: int, index: int, samples: int, see
         rng = random.Random(sample_seed + attempt * 7919)
         try:
             sample = TASKS[task](tokenizer, length, depth, rng)
-        except ValueError as exc:
-            if "another seed" in str(exc):
-                continue
-            raise
+        except ResampleError:
+            continue
         sample.seed = sample_seed
         return sample
     raise ValueError(f"{task}: could not generate sample {index}")
 
 
-__all__ = ["NIAH_TASKS", "RULER_TASKS", "TASKS", "Sample", "make_sample", "register_task"]
+__all__ = ["NIAH_TASKS", "RULER_TASKS", "TASKS", "ResampleError", "Sample", "make_sample", "register_task"]

@@ -24,6 +24,11 @@ NOISE_SENTENCE = "The grass is green. The sky is blue. The sun is yellow. Here w
 LENGTH_TOLERANCE = 0.02
 
 
+class ResampleError(ValueError):
+    """A task generator's draw that cannot make a valid sample (e.g. tied word counts): the caller
+    draws again with another seed."""
+
+
 @dataclass
 class Sample:
     """One evaluation prompt.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from .base import Sample, essay_units, fit_to_length, register_task, word_list
+from .base import ResampleError, Sample, essay_units, fit_to_length, register_task, word_list
 
 CWE_INSTRUCTION = ("Below is a numbered list of words. In these words, some appear more often than others. "
                    "Memorize the ones that appear most often.\n")
@@ -74,7 +74,7 @@ def frequent_words(tokenizer, length, depth, rng):
     n = len(context[len(FWE_INSTRUCTION):].split())
     counts = Counter(draws(n)).most_common(4)
     if len(counts) < 4 or counts[2][1] == counts[3][1]:
-        raise ValueError("fwe: the third and fourth most frequent words tie; use another seed")
+        raise ResampleError("fwe: the third and fourth most frequent words tie; use another seed")
     return Sample(task="fwe", length=length, depth=None, seed=0, context=context, question=question,
                   answers=[w for w, _ in counts[:3]], metric="all",
                   continuation=" " + " ".join(draws(n + 40)[n:]), max_new_tokens=24, tokens=tokens)
