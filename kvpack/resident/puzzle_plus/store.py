@@ -28,6 +28,7 @@ from ...attention.softmax_merge import group_queries
 from ...attention.triton import use_triton
 from ...attention.triton.puzzle_ragged_op import ragged_puzzle_partial
 from ...ops.accounting import dense_bf16_bytes
+from ...ops.lowrank import gram_eigh_factors
 from ...ops.rope import rope_at, unrope_pages
 from ...registry import register_method
 from ..base import LayerLayout
@@ -143,13 +144,9 @@ class PuzzlePlusStore(SegmentedStore):
         cfg, lay = self.config, self.layout
         P, n, H, d = cfg.page_size, self.pending, lay.kv_heads, lay.head_dim
         x = self._pending_pages()  # [2, H, n, P, d]
-        gram = x @ x.transpose(-1, -2)
-        evals, evecs = torch.linalg.eigh(gram)  # ascending
-        evals = evals.flip(-1).clamp_min(0)  # [2, H, n, P] descending σ²
         C = min(P, d)
-        left = evecs.flip(-1)[..., :C]  # [2, H, n, P, C]
-        right = left.transpose(-1, -2) @ x  # [2, H, n, C, d]
-        sigma2 = evals[..., :C]
+        left, right, sigma = gram_eigh_factors(x, C)  # [2, H, n, P, C], [2, H, n, C, d], [2, H, n, C] descending
+        sigma2 = sigma.square()
         if self.energy_scale is None:  # first round: fix each (side, head)'s energy unit
             self.energy_scale = sigma2.sum(-1).mean(-1).clamp_min(1e-20).float()  # [2, H]
         gains = sigma2 / self.energy_scale[:, :, None, None].to(sigma2.dtype)
@@ -161,7 +158,7 @@ class PuzzlePlusStore(SegmentedStore):
         gains_per_byte = (steps / per_step).permute(0, 2, 1, 3).reshape(2 * n * H, self.cap_steps)
         self._decomposed = (left.permute(0, 2, 1, 3, 4).reshape(2, n * H, P, C),
                             right.permute(0, 2, 1, 3, 4).reshape(2, n * H, C, d),
-                            evals[..., :C].sqrt().permute(0, 2, 1, 3).reshape(2, n * H, C))
+                            sigma.permute(0, 2, 1, 3).reshape(2, n * H, C))
         growth = self._cycle_growth()
         fixed = self._fixed_bytes(growth)  # the same for every water level the group tries
         return RankRequest(gains_per_byte.float(), self.floor_steps, self.cap_steps,
