@@ -6,7 +6,7 @@ steps). Each row times every step (a streamer's timestamps): the prefill (prompt
 method's compression included) and each later decode step; it prints the median and the mean
 ms/token, the slowest step, and the median's ratio to transformers' ``DynamicCache`` measured in the
 same run (the baseline row, first at each length). Peers: ``DynamicCache`` (SDPA) and transformers'
-``QuantizedCache`` with the quanto backend at 4 and 2 bits (``pip install -e ".[bench]"``; skipped,
+``QuantizedCache`` with the quanto backend at 4 and 2 bits (``pip install -e ".[peers]"``; skipped,
 with a line saying so, where optimum-quanto is missing). KV bytes are the bytes the cache's tensors
 hold ÷ the same tokens in bf16 (kvpack's rows; the peers' dense bytes are the model dtype's).
 
@@ -132,7 +132,7 @@ def main() -> int:
         rows.remove("dynamic")
     rows.insert(0, "dynamic")
     if not quanto_available() and any(r.startswith("quanto") for r in rows):
-        print("# optimum-quanto is not installed (pip install -e '.[bench]'): QuantizedCache rows skipped")
+        print("# optimum-quanto is not installed (pip install -e '.[peers]'): QuantizedCache rows skipped")
         rows = [r for r in rows if not r.startswith("quanto")]
     from kvpack.attention.cpu import native
 

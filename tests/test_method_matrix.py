@@ -43,6 +43,7 @@ MATRIX: dict[str, dict] = {
     "streaming": {"budget": 0.5},
     "h2o": {"budget": 0.5},
     "snapkv": {"budget": 0.5, "window": 8},
+    "hf_quantized": {"group_size": 16, "residual_length": 16},  # transformers' QuantizedCache (quanto)
     "kvtc": {"ratio": 4.0},  # storage: compressed on demand (its calibration comes with the call)
 }
 

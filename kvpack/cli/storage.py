@@ -50,24 +50,28 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
-def _method_and_model(args, **config):
-    """The kvtc method (its calibration loaded and checked now, before the model) and the model."""
-    method = get_method("kvtc", calibration=args.calibration, **config)
-    method.check_ready(compressing="ratio" in config)
+def _kvtc(args, **config):
+    """The kvtc method of the command: its settings refused now if bad, before anything is read."""
+    return get_method("kvtc", calibration=args.calibration, **config)
+
+
+def _ready_with_model(args, method, compressing: bool = False):
+    """``(model, tokenizer)``, the method's calibration loaded and checked before the model is."""
+    method.check_ready(compressing=compressing)
     model, tokenizer = load(args.model, args.dtype)
     method.check_model(model)
-    return method, model, tokenizer
+    return model, tokenizer
 
 
 def cmd_compress(args) -> int:
     """Prefill a prompt, compress its cache with kvtc, write a blob file or a prefix-store entry."""
     if bool(args.out) == bool(args.store):
         raise ValueError("give exactly one of --out FILE or --store [DIR]")
-    get_method("kvtc", ratio=args.ratio, backend=args.backend, level=args.level)  # refuse bad settings first
+    method = _kvtc(args, ratio=args.ratio, backend=args.backend, level=args.level)
     prompt = read_prompt(args)
     if not prompt:
         raise ValueError("empty prompt: nothing to compress")
-    method, model, tokenizer = _method_and_model(args, ratio=args.ratio, backend=args.backend, level=args.level)
+    model, tokenizer = _ready_with_model(args, method, compressing=True)
     ids = encode_prompt(tokenizer, prompt, args.chat)[0].tolist()
     blob = method.compress(model, ids)
     if args.out:
@@ -82,7 +86,8 @@ def cmd_compress(args) -> int:
 
 def cmd_decompress(args) -> int:
     """A blob back to dense cache tensors (safetensors: layer{i}.keys / layer{i}.values, token_ids)."""
-    method, model, _ = _method_and_model(args)
+    method = _kvtc(args)
+    model, _ = _ready_with_model(args, method)
     cache, ids = method.decompress(model, Path(args.blob).read_bytes())
     tensors = {"token_ids": torch.tensor(ids, dtype=torch.int64)}
     for i, layer in enumerate(cache.layers):
@@ -100,7 +105,8 @@ def cmd_continue(args) -> int:
     text = read_prompt(args)
     if not text:
         raise ValueError("empty prompt: give the new text (--blob) or the whole conversation (--store)")
-    method, model, tokenizer = _method_and_model(args)
+    method = _kvtc(args)
+    model, tokenizer = _ready_with_model(args, method)
     if args.blob:
         blob = Path(args.blob).read_bytes()  # verified when read
         new = tokenizer(text, add_special_tokens=False).input_ids

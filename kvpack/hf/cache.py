@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 from ..ops.accounting import DENSE_REFERENCE_BYTES_PER_ELEMENT
 from ..ops.rope import shared_rotary_tables
 from ..resident import LayerLayout, LayerStore, ResidentCodec, get_codec
+from . import quantized  # noqa: F401 - registers hf_quantized (transformers' QuantizedCache layers)
 from .attention import active_cache
 from .fingerprint import attention_shape, full_attention_layers
 from .rotary import find_rotary
