@@ -193,6 +193,9 @@ def test_cache_from_one_exact_prefill_equals_the_live_one(model, method):
         assert got.keys() == want.keys()
         for name in got:
             torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4, msg=name)
+    twin = prepared.copy()  # the harness decodes twice from one compressed state
     with prepared.active(model) as cache:
         next_logits = _step(model, cache, ids[:, -1:])
     torch.testing.assert_close(next_logits, live_next, rtol=1e-4, atol=1e-4)
+    with twin.active(model) as cache:  # the copy is independent: the step above did not touch it
+        torch.testing.assert_close(_step(model, cache, ids[:, -1:]), live_next, rtol=1e-4, atol=1e-4)

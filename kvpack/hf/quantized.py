@@ -17,6 +17,7 @@ store is refused with the extra's name. Sliding-window layers stay the model's, 
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from dataclasses import dataclass
 
@@ -87,6 +88,22 @@ def _inner_tensors(prefix: str, x) -> dict[str, torch.Tensor]:
     return {prefix.rstrip("."): x} if isinstance(x, torch.Tensor) else {}
 
 
+def _clone(x):
+    """A deep copy of what a quantized layer holds. quanto's tensor subclasses cannot be deep-copied
+    (``clone`` of a wrapper subclass does not return one), so they are rebuilt from clones of their
+    inner tensors (``__tensor_unflatten__``)."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(_clone(item) for item in x)
+    if isinstance(x, dict):
+        return {k: _clone(v) for k, v in x.items()}
+    if isinstance(x, torch.Tensor) and type(x) is not torch.Tensor and hasattr(x, "__tensor_flatten__"):
+        names, ctx = x.__tensor_flatten__()
+        return type(x).__tensor_unflatten__({n: _clone(getattr(x, n)) for n in names}, ctx, x.size(), x.stride())
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    return copy.deepcopy(x)
+
+
 @register_method("hf_quantized")
 class HFQuantizedStore(LayerStore):
     """One transformers quantized cache layer of one sequence (see the module doc)."""
@@ -104,6 +121,16 @@ class HFQuantizedStore(LayerStore):
         self.layer = layer_cls(nbits=config.nbits, axis_key=config.axis_key, axis_value=config.axis_value,
                                q_group_size=config.group_size, residual_length=config.residual_length)
         self._staged: tuple[torch.Tensor, torch.Tensor] | None = None  # the chunk attend stored
+
+    def __deepcopy__(self, memo):
+        """An independent copy (the harness decodes twice from one compressed state)."""
+        other = copy.copy(self)
+        other.layer = copy.copy(self.layer)
+        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+            if hasattr(self.layer, name):
+                setattr(other.layer, name, _clone(getattr(self.layer, name)))
+        other._staged, other._checked = None, None
+        return other
 
     # -- what the layer holds -----------------------------------------------------------------
 
