@@ -119,6 +119,9 @@ def test_bytes_within_budget_after_prefill_and_every_decode_step(model, method):
         for step in range(DECODE + 1):
             held = sum(layer.nbytes() for layer in cache.kvpack_layers)
             assert held == sum(t.numel() * t.element_size() for s in stores for t in s.tensors().values())
+            # nothing outside tensors() is kept: the chunk a store checked is let go after append
+            # (holding it would keep the prefill's queries alive, uncounted)
+            assert all(s._checked is None for s in stores)
             if budget is not None:
                 bound = sum(budget * s.dense_reference_bytes() if s.budget_covers_decode else
                             budget * prompt_dense / len(stores)

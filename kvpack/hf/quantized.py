@@ -189,7 +189,7 @@ class HFQuantizedStore(LayerStore):
 
     def append(self, k, v, q=None, out=None):
         staged, self._staged = self._staged, None
+        self.check_chunk(q, k, v)  # nothing to do for the chunk attend checked (and it lets go of it)
         if staged is None or staged[0] is not k or staged[1] is not v:  # not the chunk attend just stored
-            self.check_chunk(q, k, v)
             self._store(k, v)
         self.seq_len += k.shape[1]

@@ -82,7 +82,7 @@ class LayerStore(ABC):
     The cache calls, for each chunk of new tokens (the prefill, each decode step, a later chunk):
     ``out = store.attend(q, k, v, scaling)`` — exact attention of the chunk's queries over the stored
     history plus the chunk itself (causal) — then ``store.append(k, v, q, out)``, which stores the
-    chunk and compresses what the codec's policy says.
+    chunk and compresses what the method's policy says.
 
     :meth:`attend` is the one template every compressed method shares: the chunk checked (once:
     ``append`` does not check the same chunk again), ``scaling`` kept, the prefill's exact causal
@@ -90,7 +90,8 @@ class LayerStore(ABC):
     (:meth:`stored_partials`, the method's own — where its native or Triton kernel plugs in) merged in
     one call with the dense tokens the chunk kernel reads in place (:meth:`chunk_tail`) and the chunk
     itself. A method supplies ``stored_partials``, ``append`` (its compression policy), ``tensors``
-    and ``reconstruct``; FullKV alone overrides ``attend`` (SDPA over its buffer, as transformers).
+    and ``reconstruct``. FullKV and ``hf_quantized`` override ``attend`` (SDPA over what they hold, as
+    transformers computes it).
     """
 
     name: ClassVar[str] = ""  # set by @register_method
