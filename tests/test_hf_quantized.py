@@ -73,6 +73,7 @@ def test_bad_settings_are_refused_naming_the_field(fields, match):
 
 def test_a_missing_backend_names_the_extra(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("optimum") else real(name))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("optimum") else real(name))
     with pytest.raises(ImportError, match=r'needs optimum-quanto: pip install "kvpack\[peers\]"'):
         get_codec("hf_quantized").new_store(_layout())
