@@ -59,7 +59,6 @@ class StorageMethod(Method):
                min_new_tokens: int = 0, prefix_tokens: int | None = None) -> GenerationResult:
         """Greedy generation after the cache in ``blob`` plus ``new_token_ids`` (see
         ``StorageCodec.resume``)."""
-        check_context(model, (prefix_tokens or 0) + len(new_token_ids), max_new_tokens)
         return self.codec.resume(model, tokenizer, blob, new_token_ids, max_new_tokens, min_new_tokens, prefix_tokens)
 
     def resume_from_store(self, store, model, tokenizer, token_ids: list[int], max_new_tokens: int,
