@@ -20,14 +20,14 @@ import torch
 from _util import machine
 from bench_decode_attention import synthetic_kv
 
-from kvpack.resident import LayerLayout, get_codec
+from kvpack.resident import LayerLayout, get_resident_method
 from kvpack.resident import puzzle as puzzle_module
 
 
 def _append_seconds(seq: int, steps: int, fold_every_page: bool) -> tuple[float, int]:
     H, d = 8, 128
     layout = LayerLayout(layer_idx=0, kv_heads=H, q_heads=4 * H, head_dim=d, model_dtype=torch.bfloat16)
-    store = get_codec("puzzle", budget=0.6, page_size=32).new_store(layout)
+    store = get_resident_method("puzzle", budget=0.6, page_size=32).new_store(layout)
     k, v = synthetic_kv(H, seq + steps, d)
     k, v = k.bfloat16(), v.bfloat16()
     store.append(k[:, :seq], v[:, :seq])

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from _util import machine, median_seconds
 
 from kvpack.ops.rope import LlamaRotary, RotaryTable
-from kvpack.resident import LayerLayout, get_codec
+from kvpack.resident import LayerLayout, get_resident_method
 
 # (label, method, config): every resident method at its default and at 0.25 of the dense bf16 bytes.
 ROWS = [
@@ -77,7 +77,7 @@ def main() -> None:
             plan += [(f"{label} [torch]", method, {**cfg, "attention_backend": "torch"})
                      for label, method, cfg in plan if method != "full"]
         for label, method, cfg in plan:
-            store = get_codec(method, **cfg).new_store(layout)
+            store = get_resident_method(method, **cfg).new_store(layout)
             if method.startswith("anchor"):
                 # AnchorKV reads only the observation window's queries and exact outputs.
                 W = store.config.window

@@ -52,7 +52,7 @@ import torch  # noqa: E402
 
 from kvpack.attention.softmax_merge import dense_partial, finalize, group_queries, merge_partials  # noqa: E402
 from kvpack.ops.rope import LlamaRotary, RotaryTable  # noqa: E402
-from kvpack.resident import LayerLayout, get_codec  # noqa: E402
+from kvpack.resident import LayerLayout, get_resident_method  # noqa: E402
 
 
 def _timer(fn, device, repeats=20, warmup=3) -> float:
@@ -91,7 +91,7 @@ def build_store(method: str, cfg: dict, kv_heads: int, group: int, d: int, seq: 
     g = torch.Generator(device="cpu").manual_seed(seed)
     layout = LayerLayout(layer_idx=0, kv_heads=kv_heads, q_heads=kv_heads * group, head_dim=d,
                          model_dtype=torch.bfloat16, rope=RotaryTable(LlamaRotary(d).to(device), d))
-    store = get_codec(method, **cfg).new_store(layout)
+    store = get_resident_method(method, **cfg).new_store(layout)
     centers = torch.randn(kv_heads, 64, d, generator=g)
     pick = torch.randint(0, 64, (kv_heads, seq), generator=g)
     k = (torch.gather(centers, 1, pick[..., None].expand(-1, -1, d)) + 0.3 * torch.randn(kv_heads, seq, d, generator=g))

@@ -12,7 +12,7 @@ from kvpack.hf.cache import cache_kwargs
 from kvpack.ops import lloyd_max
 from kvpack.ops.hadamard import hadamard_matrix
 from kvpack.ops.residual_codec import HadamardLloydMax
-from kvpack.resident import get_codec
+from kvpack.resident import get_resident_method
 from kvpack.resident.anchor import AnchorConfig, base_bytes, residual_bytes, residual_slots, utilities
 
 from .helpers import anchor_layout, clustered_kv, correlated_kv, tiny_llama
@@ -62,7 +62,7 @@ def _prefill(store, H, group, S, d, seed=0):
 @pytest.mark.parametrize("theta", [0.05, 0.1, 0.3])
 def test_bytes_are_the_tensors_held_and_obey_the_budget(theta):
     H, group, S, d = 3, 3, 4096, 64
-    store = get_codec("anchor", budget=theta).new_store(anchor_layout(H, group, d))
+    store = get_resident_method("anchor", budget=theta).new_store(anchor_layout(H, group, d))
     _prefill(store, H, group, S, d)
     assert store.nbytes() == sum(t.numel() * t.element_size() for t in store.tensors().values())
     n_k, n_v = store.n_residuals
@@ -78,16 +78,16 @@ def test_bytes_are_the_tensors_held_and_obey_the_budget(theta):
 
 
 def test_budget_below_fixed_cost_and_other_bad_input():
-    store = get_codec("anchor", budget=0.02).new_store(anchor_layout())
+    store = get_resident_method("anchor", budget=0.02).new_store(anchor_layout())
     with pytest.raises(ValueError, match=r"budget θ = 0.02 is below AnchorKV's fixed cost"):
         _prefill(store, 2, 3, 600, 64)
-    store = get_codec("anchor", budget=0.1, window=64).new_store(anchor_layout())
+    store = get_resident_method("anchor", budget=0.1, window=64).new_store(anchor_layout())
     with pytest.raises(ValueError, match="window W = 64 must be shorter than the prompt"):
         _prefill(store, 2, 3, 64, 64)
     with pytest.raises(ValueError, match="power-of-two head_dim"):
-        get_codec("anchor").new_store(anchor_layout(d=48))
+        get_resident_method("anchor").new_store(anchor_layout(d=48))
     with pytest.raises(ValueError, match="needs the model's rotary embedding"):
-        get_codec("anchor").new_store(anchor_layout(rope=False))
+        get_resident_method("anchor").new_store(anchor_layout(rope=False))
 
 
 @pytest.mark.parametrize("fields,match", [
@@ -139,7 +139,7 @@ def test_utility_matches_direct_first_order_output_change():
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_tile_attention_equals_attention_over_reconstruction(group):
     H, S, d = 2, 333, 64
-    store = get_codec("anchor", budget=0.15, tile=64).new_store(anchor_layout(H, group, d))
+    store = get_resident_method("anchor", budget=0.15, tile=64).new_store(anchor_layout(H, group, d))
     _prefill(store, H, group, S, d)
     q = torch.randn(H * group, 3, d)
     kn, vn = correlated_kv(H, 3, d, seed=9)
@@ -158,7 +158,8 @@ def test_anchors_exact_and_full_residuals_close_to_exact():
     exact = reference_attention(qn, torch.cat([k, kn], 1), torch.cat([v, vn], 1), 0.125).float()
     snr = {}
     for theta in (1.0, 0.22):
-        store = get_codec("anchor", budget=theta, storage_dtype="float32").new_store(anchor_layout(H, group, d))
+        store = get_resident_method("anchor", budget=theta, storage_dtype="float32").new_store(
+            anchor_layout(H, group, d))
         store.append(k, v, q, store.attend(q, k, v, 0.125))
         out = store.attend(qn, kn, vn, 0.125)
         snr[theta] = 20 * math.log10(exact.norm() / (exact - out).norm())
@@ -185,7 +186,7 @@ def test_recompression_of_the_dense_tail():
     H, group, S, d = 2, 3, 600, 64
     stores = {}
     for every in (None, 64):
-        store = get_codec("anchor", budget=0.15, recompress_every=every).new_store(anchor_layout(H, group, d))
+        store = get_resident_method("anchor", budget=0.15, recompress_every=every).new_store(anchor_layout(H, group, d))
         _prefill(store, H, group, S, d)
         k, v = correlated_kv(H, 300, d, seed=11)
         for t in range(300):
@@ -213,7 +214,7 @@ def test_recompression_of_the_dense_tail():
 def test_budget_just_above_fixed_cost_stores_no_residuals_and_still_attends():
     # A budget that buys zero residual slots must not crash (the empty residual tensors are packed).
     H, group, S, d = 1, 2, 130, 32
-    store = get_codec("anchor", budget=0.252, storage_dtype="float32", window=8, anchors=12,
+    store = get_resident_method("anchor", budget=0.252, storage_dtype="float32", window=8, anchors=12,
                       attention_backend="torch").new_store(anchor_layout(H, group, d))
     _prefill(store, H, group, S, d)
     assert store.n_residuals == (0, 0)

@@ -10,7 +10,7 @@ from kvpack.attention.reference import reference_attention
 from kvpack.ops.bitpack import unpack_bits
 from kvpack.ops.residual_codec import HadamardLloydMax, NaiveTwoBit
 from kvpack.ops.rope import invert_rope
-from kvpack.resident import get_codec
+from kvpack.resident import get_resident_method
 from kvpack.resident.anchor import AnchorConfig, anchors_for_budget, base_bytes, pool_neighbourhood, residual_bytes
 
 from .helpers import anchor_layout, clustered_kv
@@ -26,7 +26,7 @@ def _inputs(seed=0, value_scale=(1.0, 1.0)):
 
 
 def _compressed(k, v, q, **cfg):
-    codec = get_codec("anchor", **{"storage_dtype": "float32", "budget": 0.15, **cfg})
+    codec = get_resident_method("anchor", **{"storage_dtype": "float32", "budget": 0.15, **cfg})
     store = codec.new_store(anchor_layout(H, GROUP, D))
     store.append(k, v, q, store.attend(q, k, v, SCALING))
     return store

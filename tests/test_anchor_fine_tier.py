@@ -10,7 +10,7 @@ import torch
 from kvpack.attention.reference import reference_attention
 from kvpack.ops.bitpack import unpack_bits
 from kvpack.ops.residual_codec import HadamardLloydMax, NaiveTwoBit, make_residual_codec
-from kvpack.resident import get_codec
+from kvpack.resident import get_resident_method
 from kvpack.resident.anchor import (
     anchors_above_saturation,
     fine_residual_slots,
@@ -32,8 +32,8 @@ def _inputs(seed=0):
 
 
 def _compressed(k, v, q, **cfg):
-    codec = get_codec("anchor", **{"storage_dtype": "bfloat16", "budget": 0.3, "above_saturation": "residual4",
-                                   **cfg})
+    codec = get_resident_method("anchor", **{"storage_dtype": "bfloat16", "budget": 0.3,
+                                             "above_saturation": "residual4", **cfg})
     store = codec.new_store(anchor_layout(H, GROUP, D))
     store.append(k, v, q, store.attend(q, k, v, SCALING))
     return store
@@ -156,7 +156,7 @@ def test_fine_tier_then_anchors_at_a_high_budget_and_nothing_below_saturation():
 
 def test_recompressed_segments_get_a_fine_tier_within_their_budget():
     k, v, q = _inputs()
-    store = get_codec("anchor", storage_dtype="float32", budget=0.5, above_saturation="residual4",
+    store = get_resident_method("anchor", storage_dtype="float32", budget=0.5, above_saturation="residual4",
                       recompress_every=64).new_store(anchor_layout(H, GROUP, D))
     store.append(k[:, :512], v[:, :512], q[:, :512], store.attend(q[:, :512], k[:, :512], v[:, :512], SCALING))
     for t in range(512, 512 + 70):
@@ -174,4 +174,4 @@ def test_recompressed_segments_get_a_fine_tier_within_their_budget():
 
 def test_anchor_plus_refuses_an_unknown_above_saturation_mode():
     with pytest.raises(ValueError, match="above_saturation"):
-        get_codec("anchor_plus", budget=0.3, above_saturation="residual8")
+        get_resident_method("anchor_plus", budget=0.3, above_saturation="residual8")

@@ -8,7 +8,7 @@ from kvpack.attention.quantized import dequantize_minmax
 from kvpack.attention.scores import accumulated_attention, observation_scores
 from kvpack.hf.cache import cache_kwargs
 from kvpack.ops.bitpack import pack_bits, unpack_bits
-from kvpack.resident import LayerLayout, get_codec
+from kvpack.resident import LayerLayout, get_resident_method
 from kvpack.resident.quant import quantize_minmax
 
 from .helpers import correlated_kv, tiny_llama
@@ -67,7 +67,7 @@ def test_h2o_keeps_exactly_the_reference_tokens(group):
     H, S, d = 2, 61, 16
     q = torch.randn(H * group, S, d)
     k, v = torch.randn(H, S, d), torch.randn(H, S, d)
-    codec = get_codec("h2o", budget=0.3, score_chunk=7)  # odd chunk: exercises chunking
+    codec = get_resident_method("h2o", budget=0.3, score_chunk=7)  # odd chunk: exercises chunking
     store = codec.new_store(_layout(H, group, d))
     store.attend(q, k, v, 0.25)
     store.append(k, v, q)
@@ -82,7 +82,7 @@ def test_snapkv_keeps_exactly_the_reference_tokens(group):
     H, S, d = 2, 70, 16
     q = torch.randn(H * group, S, d)
     k, v = torch.randn(H, S, d), torch.randn(H, S, d)
-    store = get_codec("snapkv", budget=0.5, window=8, kernel=5).new_store(
+    store = get_resident_method("snapkv", budget=0.5, window=8, kernel=5).new_store(
         _layout(H, group, d))
     store.attend(q, k, v, 0.25)
     store.append(k, v, q)
@@ -102,7 +102,7 @@ def test_chunked_scores_equal_full_matrix():
 def test_streaming_keeps_sinks_and_rolling_window():
     H, d = 2, 16
     k, v = correlated_kv(H, 120, d)
-    store = get_codec("streaming", budget=0.25, sink_tokens=4).new_store(_layout(H, 1, d))
+    store = get_resident_method("streaming", budget=0.25, sink_tokens=4).new_store(_layout(H, 1, d))
     k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
     store.append(k[:, :100], v[:, :100], torch.randn(2, 100, d))
     assert torch.equal(store.k, torch.cat([k[:, :4], k[:, 79:100]], dim=1))
@@ -114,7 +114,7 @@ def test_streaming_keeps_sinks_and_rolling_window():
 def test_h2o_update_keeps_a_fixed_size():
     H, d = 2, 16
     k, v = correlated_kv(H, 150, d)
-    store = get_codec("h2o", budget=0.25, update_scores=True).new_store(_layout(H, 2, d))
+    store = get_resident_method("h2o", budget=0.25, update_scores=True).new_store(_layout(H, 2, d))
     store.attend(torch.randn(4, 100, d), k[:, :100], v[:, :100], 0.25)
     store.append(k[:, :100], v[:, :100], torch.randn(4, 100, d))
     n = store.k.shape[1]
@@ -150,7 +150,7 @@ def test_kivi_quantization_error_within_half_step(bits, dim):
 def test_kivi_codes_survive_storage_exactly():
     H, d = 2, 64
     k, v = correlated_kv(H, 300, d)
-    store = get_codec("kivi", bits=2, group_size=32, residual=64).new_store(_layout(H, 1, d))
+    store = get_resident_method("kivi", bits=2, group_size=32, residual=64).new_store(_layout(H, 1, d))
     store.append(k, v)
     assert store.n_blocks == (300 - 64) // 32 and store.tail_k.shape[1] == 300 - store.n_blocks * 32
     codes, _, _ = quantize_minmax(k[:, : store.n_blocks * 32].to(torch.bfloat16).reshape(H, -1, 32, d), -2, 2)
@@ -168,7 +168,7 @@ def test_budget_met_after_prefill_or_refused(method, budget):
     H, d, S = 3, 64, 2000
     k, v = correlated_kv(H, S, d)
     q = torch.randn(H * 3, S, d)
-    store = get_codec(method, budget=budget).new_store(_layout(H, 3, d))
+    store = get_resident_method(method, budget=budget).new_store(_layout(H, 3, d))
     unreachable = {("kivi", 0.1)}
     if (method, budget) in unreachable:
         with pytest.raises(ValueError, match=f"budget {budget}"):
@@ -207,11 +207,11 @@ def test_generation_through_cache(method):
 ])
 def test_invalid_baseline_configs(method, fields, match):
     with pytest.raises(ValueError, match=match):
-        get_codec(method, **fields)
+        get_resident_method(method, **fields)
 
 
 def test_eviction_budget_too_small_for_window_is_refused():
-    store = get_codec("snapkv", budget=0.01, window=32).new_store(_layout(2, 1, 16))
+    store = get_resident_method("snapkv", budget=0.01, window=32).new_store(_layout(2, 1, 16))
     k, v = correlated_kv(2, 200, 16)
     with pytest.raises(ValueError, match="snapkv: budget 0.01 keeps 2 of 200 tokens, fewer than the 32"):
         store.append(k, v, torch.randn(2, 200, 16))

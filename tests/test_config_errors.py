@@ -7,7 +7,7 @@ import torch
 
 from kvpack.cli import main
 from kvpack.hf.models import load_model
-from kvpack.resident import LayerLayout, available_codecs, get_codec
+from kvpack.resident import LayerLayout, available_resident_methods, get_resident_method
 from kvpack.resident.puzzle import PuzzleConfig
 
 
@@ -34,7 +34,7 @@ def test_invalid_puzzle_config(fields, match):
 
 
 def test_rank_above_head_dim_refused_at_store():
-    codec = get_codec("puzzle", page_size=64, rank_k=40, rank_v=40)
+    codec = get_resident_method("puzzle", page_size=64, rank_k=40, rank_v=40)
     with pytest.raises(ValueError, match=r"ranks must be <= min\(page_size, head_dim\) = 32"):
         codec.new_store(LayerLayout(layer_idx=0, kv_heads=2, q_heads=2, head_dim=32))
 
@@ -54,15 +54,15 @@ def test_config_json_roundtrip_and_unknown_field():
 
 def test_unknown_method_and_model():
     with pytest.raises(ValueError, match="unknown method 'nope'; known methods: .*puzzle"):
-        get_codec("nope")
-    assert {"full", "puzzle"} <= set(available_codecs())
+        get_resident_method("nope")
+    assert {"full", "puzzle"} <= set(available_resident_methods())
     with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
         load_model("no-such-model")
 
 
 @pytest.fixture
 def store():
-    return get_codec("puzzle", page_size=8, rank_k=2, rank_v=2).new_store(
+    return get_resident_method("puzzle", page_size=8, rank_k=2, rank_v=2).new_store(
         LayerLayout(layer_idx=3, kv_heads=2, q_heads=4, head_dim=16))
 
 

@@ -11,7 +11,7 @@ import torch
 from kvpack.hf.attach import attach
 from kvpack.hf.cache import cache_kwargs
 from kvpack.methods import get_method
-from kvpack.resident import LayerLayout, get_codec
+from kvpack.resident import LayerLayout, get_resident_method
 
 from .helpers import tiny_llama
 
@@ -27,7 +27,7 @@ def test_bytes_are_the_packed_codes_scales_zero_points_and_residual(backend, nbi
     if backend == "hqq" and importlib.util.find_spec("hqq") is None:
         pytest.skip("hqq is not installed (the peers extra)")
     H, d, T = 2, 64, 300
-    store = get_codec("hf_quantized", backend=backend, nbits=nbits).new_store(_layout(H, 3, d))
+    store = get_resident_method("hf_quantized", backend=backend, nbits=nbits).new_store(_layout(H, 3, d))
     g = torch.Generator().manual_seed(0)
     k, v = (torch.randn(H, T, d, generator=g).to(torch.bfloat16) for _ in range(2))
     q = torch.randn(H * 3, T, d, generator=g).to(torch.bfloat16)
@@ -76,4 +76,4 @@ def test_a_missing_backend_names_the_extra(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name.startswith("optimum") else real(name))
     with pytest.raises(ImportError, match=r'needs optimum-quanto: pip install "kvpack\[peers\]"'):
-        get_codec("hf_quantized").new_store(_layout())
+        get_resident_method("hf_quantized").new_store(_layout())

@@ -27,7 +27,7 @@ from kvpack.hf.attach import attach
 from kvpack.hf.cache import cache_kwargs
 from kvpack.hf.prefill import exact_prefill
 from kvpack.methods import available_methods, get_method, method_config_class, method_takes_budget
-from kvpack.resident import get_codec, resident_methods
+from kvpack.resident import get_resident_method, resident_methods
 
 from .helpers import tiny_gemma3, tiny_llama
 
@@ -98,7 +98,7 @@ def test_kvtc_takes_a_ratio_or_a_budget_not_both():
 
 
 def _budget(method: str) -> float | None:
-    return get_codec(method, **MATRIX[method]).config.budget
+    return get_resident_method(method, **MATRIX[method]).config.budget
 
 
 def _step(model, cache, ids):

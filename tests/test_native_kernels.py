@@ -243,12 +243,12 @@ def test_puzzle_plus_kernel_refuses_a_corrupted_rank_table():
 
 
 def anchor_store(method: str, H: int, group: int, d: int, T: int, seed: int = 0, **cfg):
-    from kvpack.resident import get_codec
+    from kvpack.resident import get_resident_method
 
     g = torch.Generator().manual_seed(seed)
     layout = LayerLayout(0, H, H * group, d, rope=RotaryTable(LlamaRotary(d), d))
     cfg = {"window": 8, "anchors": 12, **cfg}  # a small fixed cost, so short sequences fit the budget
-    store = get_codec(method, attention_backend="torch", **cfg).new_store(layout)
+    store = get_resident_method(method, attention_backend="torch", **cfg).new_store(layout)
     base = torch.randn(H, 6, d, generator=g)  # keys near a few directions, as AnchorKV expects
     pick = torch.randint(0, 6, (H, T), generator=g)
     k = torch.gather(base, 1, pick[..., None].expand(-1, -1, d)) * (0.5 + torch.rand(H, T, 1, generator=g))

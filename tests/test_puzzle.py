@@ -9,7 +9,7 @@ from kvpack.attention.pages import factorized_pages_partial
 from kvpack.attention.reference import reference_attention
 from kvpack.attention.softmax_merge import dense_partial, finalize, group_queries, merge_partials, ungroup_output
 from kvpack.ops.rope import LlamaRotary, RotaryTable
-from kvpack.resident import LayerLayout, get_codec
+from kvpack.resident import LayerLayout, get_resident_method
 from kvpack.resident.puzzle import default_ranks, expected_bytes, layout_at, page_ratio
 
 from .helpers import correlated_kv
@@ -61,7 +61,7 @@ def _run_store(store, k, v, group, prefill, scaling=0.25, seed=1):
 def test_full_rank_store_matches_original_attention(T, prefill, group):
     H, d, P = 2, 16, 8
     k, v = correlated_kv(H, T, d)
-    store = get_codec("puzzle", page_size=P, rank_k=P, rank_v=P, storage_dtype="float32").new_store(
+    store = get_resident_method("puzzle", page_size=P, rank_k=P, rank_v=P, storage_dtype="float32").new_store(
         _layout(H, group, d))
     qs, outs = _run_store(store, k, v, group, prefill)
     # Prefill is exact causal attention; each decode step attends to all tokens so far.
@@ -77,7 +77,7 @@ def test_full_rank_store_matches_original_attention(T, prefill, group):
 def test_low_rank_store_matches_attention_over_its_reconstruction(group):
     H, d, P, T = 3, 16, 8, 83
     k, v = correlated_kv(H, T, d, seed=4)
-    store = get_codec("puzzle", page_size=P, rank_k=3, rank_v=2, storage_dtype="float32").new_store(
+    store = get_resident_method("puzzle", page_size=P, rank_k=3, rank_v=2, storage_dtype="float32").new_store(
         _layout(H, group, d))
     store.append(k, v)
     q = torch.randn(H * group, 4, d)
@@ -96,14 +96,14 @@ def test_pre_rope_keys_full_rank_exact_and_low_rank_consistent():
     rope = RotaryTable(LlamaRotary(d), d)
     k, v = correlated_kv(H, T, d, seed=6)
     layout = _layout(H, 2, d, rope=rope)
-    full = get_codec("puzzle", page_size=P, rank_k=P, rank_v=P, key_rope="pre", storage_dtype="float32")
+    full = get_resident_method("puzzle", page_size=P, rank_k=P, rank_v=P, key_rope="pre", storage_dtype="float32")
     store = full.new_store(layout)
     store.append(k, v)
     q = torch.randn(4, 1, d)
     kn, vn = correlated_kv(H, 1, d, seed=7)
     ref = reference_attention(q, torch.cat([k, kn], 1), torch.cat([v, vn], 1), 0.25).float()
     torch.testing.assert_close(store.attend(q, kn, vn, 0.25), ref, rtol=1e-4, atol=1e-4)
-    low = get_codec("puzzle", page_size=P, rank_k=3, rank_v=3, key_rope="pre", storage_dtype="float32")
+    low = get_resident_method("puzzle", page_size=P, rank_k=3, rank_v=3, key_rope="pre", storage_dtype="float32")
     store = low.new_store(layout)
     store.append(k, v)
     k_hat, v_hat = store.reconstruct()
@@ -113,7 +113,7 @@ def test_pre_rope_keys_full_rank_exact_and_low_rank_consistent():
 
 def test_incremental_decode_factorizes_each_page_once():
     H, d, P = 2, 16, 8
-    codec = get_codec("puzzle", page_size=P, rank_k=4, rank_v=4)
+    codec = get_resident_method("puzzle", page_size=P, rank_k=4, rank_v=4)
     store = codec.new_store(_layout(H, 2, d))
     k, v = correlated_kv(H, 200, d)
     store.append(k[:, :45], v[:, :45])  # sink 8 | pages | window: last complete page + partial
@@ -135,7 +135,7 @@ def test_incremental_decode_factorizes_each_page_once():
 @pytest.mark.parametrize("T", [333, 64, 20])
 def test_bytes_are_the_tensors_held_and_match_formula(T, int4):
     H, d, P = 3, 64, 32
-    codec = get_codec("puzzle", page_size=P, int4=int4)
+    codec = get_resident_method("puzzle", page_size=P, int4=int4)
     store = codec.new_store(_layout(H, 3, d))
     k, v = correlated_kv(H, T, d)
     store.append(k, v)
@@ -158,7 +158,7 @@ def test_default_ranks_match_paper_ratio():
 @pytest.mark.parametrize("int4", [False, True])
 def test_budget_picks_ranks_within_budget_through_decode(budget, int4):
     H, d, T = 3, 64, 1000
-    store = get_codec("puzzle", budget=budget, int4=int4).new_store(_layout(H, 3, d))
+    store = get_resident_method("puzzle", budget=budget, int4=int4).new_store(_layout(H, 3, d))
     k, v = correlated_kv(H, T + 40, d)
     store.append(k[:, :T], v[:, :T])
     ratios = [store.nbytes() / store.dense_reference_bytes()]
@@ -172,7 +172,7 @@ def test_budget_picks_ranks_within_budget_through_decode(budget, int4):
 
 
 def test_budget_below_fixed_cost_is_refused():
-    store = get_codec("puzzle", budget=0.1).new_store(_layout(2, 1, 64))
+    store = get_resident_method("puzzle", budget=0.1).new_store(_layout(2, 1, 64))
     k, v = correlated_kv(2, 200, 64)
     with pytest.raises(ValueError, match="budget 0.1 is below PuzzleKV's fixed cost"):
         store.append(k, v)
@@ -182,8 +182,8 @@ def test_budget_below_fixed_cost_is_refused():
 def test_int4_factors_quality():
     H, d, T = 2, 64, 300
     k, v = correlated_kv(H, T, d, seed=9)
-    ref_store = get_codec("puzzle", storage_dtype="float32").new_store(_layout(H, 1, d))
-    q_store = get_codec("puzzle", int4=True, storage_dtype="float32").new_store(_layout(H, 1, d))
+    ref_store = get_resident_method("puzzle", storage_dtype="float32").new_store(_layout(H, 1, d))
+    q_store = get_resident_method("puzzle", int4=True, storage_dtype="float32").new_store(_layout(H, 1, d))
     for s in (ref_store, q_store):
         s.append(k, v)
     k_ref, v_ref = ref_store.reconstruct()
@@ -200,7 +200,7 @@ def test_decode_pages_go_to_a_small_recent_set_folded_every_sqrt_n_pages():
     main set once it holds max(8, √n_pages) pages: main is rebuilt rarely, recent stays small, and
     every page is still held exactly once."""
     H, d, P = 1, 16, 4
-    store = get_codec("puzzle", page_size=P, rank_k=2, rank_v=2, storage_dtype="float32").new_store(
+    store = get_resident_method("puzzle", page_size=P, rank_k=2, rank_v=2, storage_dtype="float32").new_store(
         _layout(H, 1, d))
     k, v = correlated_kv(H, 1400, d)
     store.append(k[:, :40], v[:, :40])

@@ -9,7 +9,7 @@ from kvpack.attention import ragged_pages
 from kvpack.attention.reference import reference_attention
 from kvpack.attention.softmax_merge import finalize, group_queries, merge_partials, ungroup_output
 from kvpack.ops.rope import LlamaRotary, RotaryTable
-from kvpack.resident import LayerLayout, get_codec
+from kvpack.resident import LayerLayout, get_resident_method
 from kvpack.resident.puzzle_plus import PuzzlePlusStore, RankRequest, WholeCacheBudget, fit_threshold
 
 from .helpers import correlated_kv, tiny_gemma3, tiny_llama
@@ -19,7 +19,7 @@ def _codec(**cfg):
     """puzzle_plus with rank steps of one rank (two in INT4, the default): these small pages (P = 16)
     keep few ranks."""
     cfg.setdefault("rank_step", 2 if cfg.get("int4", True) else 1)
-    return get_codec("puzzle_plus", **cfg)
+    return get_resident_method("puzzle_plus", **cfg)
 
 
 def _layout(kv_heads=2, group=2, d=32, layer_idx=0, rope=False):
@@ -179,7 +179,7 @@ def test_budget_holds_at_every_decode_step_and_decode_pages_use_the_prefill_thre
 def test_default_rank_step_keeps_ranks_multiples_of_four(int4):
     H, d = 2, 64
     k, v = correlated_kv(H, 700, d, seed=9)
-    store = _prefill(get_codec("puzzle_plus", budget=0.5, int4=int4).new_store(_layout(H, 1, d)), k, v)
+    store = _prefill(get_resident_method("puzzle_plus", budget=0.5, int4=int4).new_store(_layout(H, 1, d)), k, v)
     assert store.config.page_size == 64 and store.n_pages == (700 - 64) // 64 - 1
     for side in (store.keys, store.values):
         assert (side.rank % 4 == 0).all() and len(side.buckets) <= 16

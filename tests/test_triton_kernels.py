@@ -204,13 +204,13 @@ def test_custom_op_traces_with_fake_tensors():
 
 
 def _anchor_store(kv_heads, group, d, seq, seed=0, **cfg):
-    from kvpack.resident import get_codec
+    from kvpack.resident import get_resident_method
 
     torch.manual_seed(seed)
     layout = LayerLayout(layer_idx=0, kv_heads=kv_heads, q_heads=kv_heads * group, head_dim=d,
                          rope=RotaryTable(LlamaRotary(d), d))
     cfg = {"window": 8, "anchors": 12, **cfg}  # a small fixed cost, so short sequences fit the budget
-    store = get_codec("anchor", attention_backend="triton", **cfg).new_store(layout)
+    store = get_resident_method("anchor", attention_backend="triton", **cfg).new_store(layout)
     base = torch.randn(kv_heads, 6, d)
     pick = torch.randint(0, 6, (kv_heads, seq))
     k = torch.gather(base, 1, pick[..., None].expand(-1, -1, d)) * (0.5 + torch.rand(kv_heads, seq, 1))
@@ -274,13 +274,13 @@ def test_anchor_kernel_fine_tier(codec, storage, budget):
 
 @pytest.mark.parametrize("above_saturation", ["idle", "residual4"])
 def test_anchor_store_dispatch_and_recompressed_segments_agree_with_torch(above_saturation):
-    from kvpack.resident import get_codec
+    from kvpack.resident import get_resident_method
 
     outs = []
     for backend in ("torch", "triton"):
         torch.manual_seed(5)
         layout = LayerLayout(layer_idx=0, kv_heads=2, q_heads=6, head_dim=32, rope=RotaryTable(LlamaRotary(32), 32))
-        store = get_codec("anchor", budget=0.5, storage_dtype="float32", recompress_every=40, window=8,
+        store = get_resident_method("anchor", budget=0.5, storage_dtype="float32", recompress_every=40, window=8,
                           anchors=12, attention_backend=backend,
                           above_saturation=above_saturation).new_store(layout)
         k, v, q = torch.randn(2, 120, 32), torch.randn(2, 120, 32), torch.randn(6, 120, 32)

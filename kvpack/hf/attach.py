@@ -7,13 +7,13 @@ from collections.abc import Iterator
 
 import torch
 
-from ..resident import ResidentCodec
+from ..resident import StoreFactory
 from .attention import attached
 from .cache import KVPackCache
 
 
 @contextlib.contextmanager
-def attach(model: torch.nn.Module, method: ResidentCodec | str = "full", *, cache: KVPackCache | None = None,
+def attach(model: torch.nn.Module, method: StoreFactory | str = "full", *, cache: KVPackCache | None = None,
            **config) -> Iterator[KVPackCache]:
     """``with attach(model, "puzzle", budget=0.6) as cache:`` — a new :class:`KVPackCache` of a
     resident method (or the given ``cache``) that the model uses inside the block.

@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from ..ops.accounting import DENSE_REFERENCE_BYTES_PER_ELEMENT
 from ..ops.rope import shared_rotary_tables
-from ..resident import LayerLayout, LayerStore, ResidentCodec, get_codec
+from ..resident import LayerLayout, LayerStore, StoreFactory, get_resident_method
 from . import quantized  # noqa: F401 - registers hf_quantized (transformers' QuantizedCache layers)
 from .attention import active_cache
 from .fingerprint import attention_shape, full_attention_layers
@@ -43,7 +43,7 @@ class KVPackLayer(CacheLayerMixin):
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, codec: ResidentCodec, layout: LayerLayout, row_groups=None):
+    def __init__(self, codec: StoreFactory, layout: LayerLayout, row_groups=None):
         super().__init__()
         self.codec = codec
         self.layout = layout
@@ -208,7 +208,7 @@ class KVPackCache(Cache):
     Args:
         model: the model it serves (its config gives the layer layout).
         method: a registered resident method's name, or one already configured (a
-            :class:`ResidentCodec`, as ``kvpack.resident.get_codec`` returns).
+            :class:`StoreFactory`, as ``kvpack.resident.get_resident_method`` returns).
         **config: the method's config fields when ``method`` is a name (e.g. ``budget=0.6``).
 
     The model uses it only inside ``with kvpack.attach(model, cache=...)`` /
@@ -217,9 +217,9 @@ class KVPackCache(Cache):
     ``kv_bytes()`` and ``dense_kv_bytes()`` report measured and reference bytes.
     """
 
-    def __init__(self, model: torch.nn.Module, method: ResidentCodec | str = "full", **config):
+    def __init__(self, model: torch.nn.Module, method: StoreFactory | str = "full", **config):
         if isinstance(method, str):
-            method = get_codec(method, **config)
+            method = get_resident_method(method, **config)
         elif config:
             raise ValueError("pass config fields only with a method name, not with a method already configured")
         self.codec = method
@@ -241,7 +241,7 @@ class KVPackCache(Cache):
         super().__init__(layers=layers)
 
     def _row_groups(self, layer_idx: int, batch: int) -> list:
-        """What each batch row's stores share across layers (``ResidentCodec.new_group``; None for
+        """What each batch row's stores share across layers (``StoreFactory.new_group``; None for
         most methods). The first compressed layer starts a sequence's stores, so it makes them anew."""
         if layer_idx == self._layouts[0].layer_idx or len(self._groups) != batch:
             self._groups = [self.codec.new_group(self._layouts) for _ in range(batch)]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..resident import ResidentCodec
+from ..resident import StoreFactory
 from ..resident.full import FullConfig, FullStore
 from .attention import attached
 from .cache import KVPackCache, KVPackLayer, cache_kwargs
@@ -71,7 +71,7 @@ class ExactPrefill:
 def exact_prefill(model, token_ids: list[int]) -> ExactPrefill:
     if not token_ids:
         raise ValueError("empty prompt: nothing to prefill")
-    cache = KVPackCache(model, ResidentCodec(CaptureStore, FullConfig(storage_dtype="auto")))
+    cache = KVPackCache(model, StoreFactory(CaptureStore, FullConfig(storage_dtype="auto")))
     ids = torch.tensor([token_ids], device=model.device)
     start = time.perf_counter()
     with attached(model, cache):
@@ -99,7 +99,7 @@ def dense_cache_from(model, prefill: ExactPrefill):
 
 
 @torch.no_grad()
-def resident_cache_from(model, codec: ResidentCodec, prefill: ExactPrefill) -> KVPackCache:
+def resident_cache_from(model, codec: StoreFactory, prefill: ExactPrefill) -> KVPackCache:
     """A fresh cache of a resident method holding the prefilled tokens, compressed."""
     cache = KVPackCache(model, codec)
     for i, layer in enumerate(cache.layers):

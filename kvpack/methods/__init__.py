@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..config import MethodConfig
 from ..registry import resolve
-from ..resident import ResidentCodec, resident_methods
+from ..resident import StoreFactory, resident_methods
 from ..storage import storage_methods
 from .protocol import GenerationResult, Method, PreparedCache
 from .resident import ResidentMethod
@@ -43,7 +43,7 @@ def get_method(name: str, config: MethodConfig | dict | None = None, **overrides
     """
     cls, config = resolve(method_classes(), name, config)
     if name in resident_methods():
-        return ResidentMethod(ResidentCodec(cls, config, **overrides))
+        return ResidentMethod(StoreFactory(cls, config, **overrides))
     return StorageMethod(cls(config, **overrides))
 
 

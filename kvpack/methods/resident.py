@@ -10,7 +10,7 @@ from ..hf.attach import attach
 from ..hf.cache import KVPackCache
 from ..hf.generation import ProgressStreamer, greedy_generate
 from ..hf.prefill import ExactPrefill, resident_cache_from
-from ..resident import ResidentCodec
+from ..resident import StoreFactory
 from .protocol import GenerationResult, Method, PreparedCache
 
 
@@ -19,7 +19,7 @@ class ResidentMethod(Method):
 
     family = "resident"
 
-    def __init__(self, codec: ResidentCodec):
+    def __init__(self, codec: StoreFactory):
         self.codec = codec
         self.name = codec.name
         self.config = codec.config

@@ -1,14 +1,14 @@
 """Resident methods: each keeps one layer's KV of one sequence compressed in a store attention reads.
 
 One module per method (``anchor/`` is a package), each registering its store class with
-``@register_method("name")``; :func:`get_codec` finds them all (no list of modules to extend).
+``@register_method("name")``; :func:`get_resident_method` finds them all (no list of modules to extend).
 """
 
 from __future__ import annotations
 
 from ..config import MethodConfig
 from ..registry import discover, registered, resolve
-from .base import LayerLayout, LayerStore, ResidentCodec
+from .base import LayerLayout, LayerStore, StoreFactory
 
 
 def resident_methods() -> dict[str, type[LayerStore]]:
@@ -17,18 +17,20 @@ def resident_methods() -> dict[str, type[LayerStore]]:
     return registered(LayerStore)
 
 
-def available_codecs() -> list[str]:
+def available_resident_methods() -> list[str]:
     return sorted(resident_methods())
 
 
-def get_codec(name: str, config: MethodConfig | dict | None = None, **overrides) -> ResidentCodec:
-    """A registered resident method with its config.
+def get_resident_method(name: str, config: MethodConfig | dict | None = None, **overrides) -> StoreFactory:
+    """A registered resident method with its config: the :class:`StoreFactory` of its per-layer stores
+    (``kvpack.methods.get_method`` wraps it under the protocol both families share).
 
     Raises:
         ValueError: unknown name (the message lists the known ones) or invalid config field.
     """
     cls, config = resolve(resident_methods(), name, config)
-    return ResidentCodec(cls, config, **overrides)
+    return StoreFactory(cls, config, **overrides)
 
 
-__all__ = ["LayerLayout", "LayerStore", "ResidentCodec", "available_codecs", "get_codec", "resident_methods"]
+__all__ = ["LayerLayout", "LayerStore", "StoreFactory", "available_resident_methods", "get_resident_method",
+           "resident_methods"]

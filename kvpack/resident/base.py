@@ -1,6 +1,6 @@
 """The resident family's interface: per-layer stores that count their bytes, and the codec that builds them.
 
-A resident method keeps the cache compressed while attention runs. A :class:`ResidentCodec` (a
+A resident method keeps the cache compressed while attention runs. A :class:`StoreFactory` (a
 method's store class plus a validated config) builds per-layer *stores* (``LayerStore``). A store
 holds one sequence's keys and values of one attention layer, in whatever compact form the codec
 uses, and answers attention for new queries directly from that form. Every store reports its live
@@ -246,7 +246,7 @@ class LayerStore(ABC):
 # --------------------------------------------------------------------------------------------
 
 
-class ResidentCodec:
+class StoreFactory:
     """A resident method with a validated config: the factory of its per-layer stores.
 
     Args:
