@@ -47,3 +47,19 @@ def dense_state(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: flo
     if qg.dtype != torch.float64 and cpu.use_native(backend, qg.device):
         return PartialAttention(*dense_attention(qg.float().contiguous(), k, v, float(scaling), TOKENS_PER_SPLIT))
     return dense_partial(qg, k, v, scaling)
+
+
+def sdpa_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, group: int) -> torch.Tensor:
+    """A chunk's attention over every stored token followed by the chunk itself, as transformers
+    computes it (SDPA): ``q [q_heads, Q, d]``, ``keys, values [1, kv_heads, T, d]`` whose last ``Q``
+    tokens are the chunk's (query ``i`` sits at position ``T - Q + i``; causal within the chunk).
+    Returns ``[q_heads, Q, d]`` in ``q.dtype``."""
+    n_q, end = q.shape[1], keys.shape[2]
+    mask = None
+    if n_q > 1 and end > n_q:  # SDPA's is_causal aligns top-left, so a chunk after history is masked explicitly
+        pos = torch.arange(end, device=q.device)
+        mask = pos[None, :] <= (end - n_q + torch.arange(n_q, device=q.device))[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.unsqueeze(0), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, is_causal=n_q > 1 and mask is None,
+        scale=scaling, enable_gqa=group > 1)
+    return out.squeeze(0)

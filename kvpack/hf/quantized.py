@@ -22,10 +22,9 @@ import importlib.util
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
 
-from ..attention.dense import dense_state
+from ..attention.dense import dense_state, sdpa_chunk
 from ..config import STORAGE_DTYPE_NAMES, MethodConfig, choice, integer, number, option
 from ..registry import register_method
 from ..resident.base import LayerLayout, LayerStore
@@ -120,7 +119,6 @@ class HFQuantizedStore(LayerStore):
         layer_cls = QuantoQuantizedLayer if config.backend == "quanto" else HQQQuantizedLayer
         self.layer = layer_cls(nbits=config.nbits, axis_key=config.axis_key, axis_value=config.axis_value,
                                q_group_size=config.group_size, residual_length=config.residual_length)
-        self._staged: tuple[torch.Tensor, torch.Tensor] | None = None  # the chunk attend stored
 
     def __deepcopy__(self, memo):
         """An independent copy (the harness decodes twice from one compressed state)."""
@@ -177,19 +175,9 @@ class HFQuantizedStore(LayerStore):
         self.scaling = scaling
         keys, values = self._store(k, v)
         self._staged = (k, v)
-        n_q, end = q.shape[1], keys.shape[2]
-        mask = None
-        if n_q > 1 and end > n_q:  # query i sits at position end - n_q + i
-            pos = torch.arange(end, device=q.device)
-            mask = pos[None, :] <= (end - n_q + torch.arange(n_q, device=q.device))[:, None]
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(0), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, is_causal=n_q > 1 and mask is None,
-            scale=scaling, enable_gqa=self.layout.group > 1)
-        return out.squeeze(0)
+        return sdpa_chunk(q, keys, values, scaling, self.layout.group)
 
     def append(self, k, v, q=None, out=None):
-        staged, self._staged = self._staged, None
-        self.check_chunk(q, k, v)  # nothing to do for the chunk attend checked (and it lets go of it)
-        if staged is None or staged[0] is not k or staged[1] is not v:  # not the chunk attend just stored
+        if not self.stored_by_attend(q, k, v):
             self._store(k, v)
         self.seq_len += k.shape[1]

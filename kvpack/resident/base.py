@@ -107,6 +107,7 @@ class LayerStore(ABC):
         self.seq_len = 0
         self.scaling: float | None = None  # the layer's logit scale, known from the first attend
         self._checked: tuple | None = None  # the chunk attend checked, until append takes it
+        self._staged: tuple | None = None  # the chunk an attend that stores (FullKV, hf_quantized) stored
 
     # -- the template -----------------------------------------------------------------------
 
@@ -217,6 +218,14 @@ class LayerStore(ABC):
             return
         self._validate_chunk(q, k, v)
         self._checked = (k, v, q)
+
+    def stored_by_attend(self, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """For stores whose ``attend`` already stores the chunk (FullKV writes it into its buffer,
+        ``hf_quantized`` hands it to transformers' layer): whether ``append``'s chunk is that one. The
+        chunk is checked if it is not, and let go of either way."""
+        staged, self._staged = self._staged, None
+        self.check_chunk(q, k, v)
+        return staged is not None and staged[0] is k and staged[1] is v
 
     def _validate_chunk(self, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> None:
         lay = self.layout

@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from ..attention.dense import dense_state
+from ..attention.dense import dense_state, sdpa_chunk
 from ..config import STORAGE_DTYPE_NAMES, MethodConfig, choice, number, option
 from ..registry import register_method
 from .base import LayerLayout, LayerStore
@@ -50,7 +49,6 @@ class FullStore(LayerStore):
         super().__init__(layout, config)
         empty = torch.empty(layout.kv_heads, 0, layout.head_dim, dtype=self.storage_dtype)
         self.k_buf, self.v_buf = empty, empty.clone()
-        self._staged: tuple[torch.Tensor, torch.Tensor] | None = None  # the chunk attend wrote, not yet counted
 
     @property
     def k(self) -> torch.Tensor:
@@ -94,22 +92,10 @@ class FullStore(LayerStore):
         self._write(k, v)
         self._staged = (k, v)
         end = self.seq_len + n_q
-        keys = self.k_buf[None, :, :end].to(q.dtype)  # no copy when the model's dtype is the storage dtype
-        values = self.v_buf[None, :, :end].to(q.dtype)
-        mask = None
-        if n_q > 1 and self.seq_len > 0:
-            # Query i sits at position seq_len + i (SDPA's is_causal aligns top-left, so mask explicitly).
-            pos = torch.arange(end, device=q.device)
-            mask = pos[None, :] <= (self.seq_len + torch.arange(n_q, device=q.device))[:, None]
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(0), keys, values, attn_mask=mask, is_causal=n_q > 1 and mask is None, scale=scaling,
-            enable_gqa=self.layout.group > 1,
-        )
-        return out.squeeze(0)
+        # views of the buffer: no copy when the model's dtype is the storage dtype
+        return sdpa_chunk(q, self.k_buf[None, :, :end], self.v_buf[None, :, :end], scaling, self.layout.group)
 
     def append(self, k, v, q=None, out=None):
-        staged, self._staged = self._staged, None
-        self.check_chunk(q, k, v)  # nothing to do for the chunk attend checked (and it lets go of it)
-        if staged is None or staged[0] is not k or staged[1] is not v:  # not the chunk attend just wrote
+        if not self.stored_by_attend(q, k, v):
             self._write(k, v)
         self.seq_len += k.shape[1]
