@@ -10,6 +10,10 @@ the invariants below:
   compression attends exactly as fp64 attention over :meth:`LayerStore.reconstruct`; the cache
   built from one exact prefill (``Method.from_prefill``, the harness's path) equals the one
   compressed live;
+* storage methods, on both tiny models (calibrated in the test): the cache built from one exact
+  prefill (``from_prefill``) equals the one ``compress`` + ``resume`` restore — the same bytes and the
+  same next token — and a copy of it is independent (a storage method has no resident bytes to hold
+  to a budget, nor a batch: its blob is one sequence);
 * every method: its config survives a JSON round trip and is hashable (frozen); a budget out of
   range is refused with a message naming the field.
 """
@@ -29,7 +33,7 @@ from kvpack.hf.prefill import exact_prefill
 from kvpack.methods import available_methods, get_method, method_config_class, method_takes_budget
 from kvpack.resident import get_resident_method, resident_methods
 
-from .helpers import tiny_gemma3, tiny_llama
+from .helpers import TINY_KVTC_SETTINGS, tiny_gemma3, tiny_kvtc_chunks, tiny_llama
 
 # method: a small config on the tiny models (head_dim 16, prompts of PROMPT tokens).
 MATRIX: dict[str, dict] = {
@@ -202,3 +206,45 @@ def test_cache_from_one_exact_prefill_equals_the_live_one(model, method):
     torch.testing.assert_close(next_logits, live_next, rtol=1e-4, atol=1e-4)
     with twin.active(model) as cache:  # the copy is independent: the step above did not touch it
         torch.testing.assert_close(_step(model, cache, ids[:, -1:]), live_next, rtol=1e-4, atol=1e-4)
+
+
+# -- storage methods on the tiny models ---------------------------------------------------------
+
+STORAGE = sorted(m for m in MATRIX if m not in resident_methods())
+
+
+class _IdsTokenizer:
+    """What generation needs of a tokenizer on a random model: a pad id and a decode."""
+
+    pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+@pytest.fixture(scope="module")
+def calibration_dir(model, tmp_path_factory):
+    from kvpack.storage.kvtc.calibration import CalibrationSettings, calibrate
+
+    calib = calibrate(model, None, CalibrationSettings(ratios=(MATRIX["kvtc"]["ratio"],), **TINY_KVTC_SETTINGS),
+                      chunks=tiny_kvtc_chunks(), progress=False)
+    directory = tmp_path_factory.mktemp("calibration")
+    calib.save(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize("method", STORAGE)
+@torch.no_grad()
+def test_storage_cache_from_one_exact_prefill_equals_compress_and_resume(model, calibration_dir, method):
+    assert method == "kvtc", "a new storage method needs its own calibration (or none) here"
+    ids = prompt_ids(120)[0].tolist()
+    storage = get_method(method, **MATRIX[method], calibration=calibration_dir)
+    blob = storage.compress(model, ids[:-1])
+    resumed = storage.resume(model, _IdsTokenizer(), blob, ids[-1:], max_new_tokens=1)
+    assert resumed.restored_tokens == len(ids) - 1 and resumed.kv_bytes == len(blob)
+    prepared = storage.from_prefill(model, exact_prefill(model, ids[:-1]))
+    assert prepared.kv_bytes == len(blob) and prepared.dense_kv_bytes == resumed.dense_kv_bytes
+    twin = prepared.copy()
+    for cache_of in (prepared, twin):
+        with cache_of.active(model) as cache:
+            assert _step(model, cache, torch.tensor([ids[-1:]])).argmax(-1).item() == resumed.token_ids[0]
