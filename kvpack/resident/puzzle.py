@@ -297,9 +297,9 @@ class PuzzleStore(SegmentedStore):
         return PageSet(f["lk_q"], f["rk_q"], f["lv_q"], f["rv_q"], scales=(f["lk_s"], f["rk_s"], f["lv_s"], f["rv_s"]))
 
     def history_dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        H, d = self.layout.kv_heads, self.layout.head_dim
         if not self.n_pages:
-            return torch.empty(H, 0, d), torch.empty(H, 0, d)
+            return self.empty_history()
+        H, d = self.layout.kv_heads, self.layout.head_dim
         lk, rk, lv, rv = self.pages_view().float_factors(0, self.n_pages)
         n = self.n_pages * self.config.page_size
         k = (lk.float() @ rk.float()).reshape(H, n, d)

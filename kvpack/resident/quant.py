@@ -151,7 +151,7 @@ class KIVIStore(SegmentedStore):
 
     def history_dense(self):
         if not self.n_blocks:
-            return (torch.empty(self.layout.kv_heads, 0, self.layout.head_dim),) * 2
+            return self.empty_history()
         return self.dequantized(0, self.n_blocks)
 
     def resolved_params(self):

@@ -74,6 +74,12 @@ class SegmentedStore(LayerStore):
             **self.history_tensors(),
         }
 
+    def empty_history(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What :meth:`history_dense` returns before anything is compressed: fp32 ``[kv_heads, 0, d]``
+        twice, on the store's device."""
+        empty = torch.empty(self.layout.kv_heads, 0, self.layout.head_dim, device=self.sink_k.device)
+        return empty, empty.clone()
+
     def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.history_dense()
         return (torch.cat([self.sink_k.float(), k, self.tail_k.float()], dim=1),

@@ -72,9 +72,9 @@ class SVDStore(SegmentedStore):
         return dict(self.factors)
 
     def history_dense(self):
-        f, lay = self.factors, self.layout
+        f = self.factors
         if not f:
-            return torch.empty(lay.kv_heads, 0, lay.head_dim), torch.empty(lay.kv_heads, 0, lay.head_dim)
+            return self.empty_history()
         return f["uk"].float() @ f["bk"].float(), f["uv"].float() @ f["bv"].float()
 
     def resolved_params(self):

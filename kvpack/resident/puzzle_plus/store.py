@@ -265,8 +265,7 @@ class PuzzlePlusStore(SegmentedStore):
         return ragged_pages_partials(self.pages_view(), qg, scaling)
 
     def history_dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        H, d = self.layout.kv_heads, self.layout.head_dim
         if not self.n_pages:
-            return torch.empty(H, 0, d), torch.empty(H, 0, d)
+            return self.empty_history()
         k, v = self.pages_view().dense_pages()
         return (rope_at(self.layout.rope, k, self.sink_k.shape[1]) if self.pre_rope else k), v
