@@ -80,12 +80,10 @@ def chunk_attend_kernel(m_ptr, l_ptr, o_ptr, q_ptr, tk_ptr, tv_ptr, k_ptr, v_ptr
 
 
 def _triton_chunk_attend(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, qg: torch.Tensor, tail_k: torch.Tensor,
-                 tail_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out [H, M, D], m [H, M], l [H, M])`` fp32: attention of grouped queries ``qg [H, M, D]`` over
-    the stored states ``m, l [H, S, M]``, ``o [H, S, M, D]``, the stored dense tokens ``tail_k,
-    tail_v [H, T, D]`` (``T`` may be 0) and the chunk ``k, v [H, Q, D]`` (causal within the chunk),
-    normalised; ``m, l`` are the merged state's, for callers that keep the log-sum-exp."""
+                         tail_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton kernel of ``kvpack::chunk_attend`` (its contract and shapes:
+    ``kvpack.attention.chunk_op.chunk_attend``, which declares the op without importing Triton)."""
     H, S, M = m.shape
     T, Q, D = tail_k.shape[1], k.shape[1], k.shape[2]
     out = qg.new_empty(H, M, D, dtype=torch.float32)
