@@ -139,18 +139,13 @@ class HFQuantizedStore(LayerStore):
                 **_inner_tensors("quantized_v.", self.layer._quantized_values),
                 "residual_k": self.layer.keys, "residual_v": self.layer.values}
 
-    def _quantized_part(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The quantized tokens' keys and values, dequantized: ``[kv_heads, n, d]`` each."""
-        k = self.layer._dequantize(self.layer._quantized_keys)[0]
-        v = self.layer._dequantize(self.layer._quantized_values)[0]
-        return k, v
-
     def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.layer.is_initialized:
             empty = torch.empty(self.layout.kv_heads, 0, self.layout.head_dim)
             return empty, empty.clone()
-        k, v = self._quantized_part()
-        parts_k, parts_v = [k.float()], [v.float()]
+        # the quantized tokens, dequantized by the layer itself ([1, kv_heads, n, d])
+        parts_k = [self.layer._dequantize(self.layer._quantized_keys)[0].float()]
+        parts_v = [self.layer._dequantize(self.layer._quantized_values)[0].float()]
         if self.layer.keys.dim() == 4:  # a residual (transformers keeps an empty 1-D tensor otherwise)
             parts_k.append(self.layer.keys[0].float())
             parts_v.append(self.layer.values[0].float())
