@@ -24,19 +24,21 @@ enum class Rotation { Identity, Sylvester, Matrix };
 // Entry (i, j) of the unnormalised Sylvester-Hadamard matrix: (-1)^popcount(i & j).
 inline float sylvester(int64_t i, int64_t j) { return __builtin_popcountll(uint64_t(i & j)) & 1 ? -1.f : 1.f; }
 
+// Runs once per call (per layer and decode step): each check stops at its first mismatch, so the
+// Hadamard codec's matrix is scanned once in full, and the identity's is.
 Rotation classify(const at::Tensor& hmat, std::vector<float>& m) {
   const int64_t D = hmat.size(0);
   m.resize(D * D);
   widen_row(hmat.data_ptr<c10::Half>(), m.data(), D * D);
-  bool identity = true, hadamard = true;
-  for (int64_t i = 0; i < D; ++i)
-    for (int64_t j = 0; j < D; ++j) {
-      identity &= m[i * D + j] == (i == j ? 1.f : 0.f);
-      hadamard &= m[i * D + j] == sylvester(i, j);
-    }
-  if (identity) return Rotation::Identity;
+  auto equals = [&](auto entry) {
+    for (int64_t i = 0; i < D; ++i)
+      for (int64_t j = 0; j < D; ++j)
+        if (m[i * D + j] != entry(i, j)) return false;
+    return true;
+  };
+  if (equals([](int64_t i, int64_t j) { return i == j ? 1.f : 0.f; })) return Rotation::Identity;
 #if defined(__AVX512F__)
-  if (hadamard && (D == 16 || D == 32 || D == 64 || D == 128 || D == 256)) return Rotation::Sylvester;
+  if ((D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && equals(sylvester)) return Rotation::Sylvester;
 #endif
   return Rotation::Matrix;
 }
