@@ -251,32 +251,41 @@ inline void scores_block(const float* q, const float* k, int64_t M, int64_t n, i
     for (int64_t i = 0; i < M; ++i) s[i * stride + t] = dot(q + i * D, k + t * D, D) * scaling;
 }
 
-// out [D] += sum_t c[t] rows[t] for n rows [n, D]. The output row stays in registers across the n
-// updates: a row buffer updated in memory made each axpy wait on the previous one's store (measured as
-// the hot spot of the first kernels).
+// out [D] += sum_t c[t] rows[t] for n rows [n, D] (any D; rows back to back). The output row stays in
+// registers across the n updates: a row buffer updated in memory made each axpy wait on the previous
+// one's store (measured as the hot spot of the first kernels). The last vector is masked when D is not
+// a multiple of 16 (a rank of 36, a head of 80).
 #if defined(__AVX512F__)
 template <int NCH>
-inline void combine_regs(const float* __restrict c, const float* __restrict rows, int64_t n, float* __restrict out) {
+inline void combine_regs(const float* __restrict c, const float* __restrict rows, int64_t n, int64_t D,
+                         float* __restrict out) {
+  const __mmask16 last = D % 16 ? tail_mask(D % 16) : __mmask16(0xFFFF);
   __m512 acc[NCH];
-  for (int j = 0; j < NCH; ++j) acc[j] = _mm512_loadu_ps(out + 16 * j);
+  for (int j = 0; j < NCH; ++j) acc[j] = _mm512_maskz_loadu_ps(j + 1 < NCH ? __mmask16(0xFFFF) : last, out + 16 * j);
   for (int64_t t = 0; t < n; ++t) {
     const __m512 a = _mm512_set1_ps(c[t]);
-    const float* row = rows + t * NCH * 16;
+    const float* row = rows + t * D;
 #pragma GCC unroll 16
-    for (int j = 0; j < NCH; ++j) acc[j] = _mm512_fmadd_ps(a, _mm512_loadu_ps(row + 16 * j), acc[j]);
+    for (int j = 0; j < NCH; ++j)
+      acc[j] = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(j + 1 < NCH ? __mmask16(0xFFFF) : last, row + 16 * j), acc[j]);
   }
-  for (int j = 0; j < NCH; ++j) _mm512_storeu_ps(out + 16 * j, acc[j]);
+  for (int j = 0; j < NCH; ++j) _mm512_mask_storeu_ps(out + 16 * j, j + 1 < NCH ? __mmask16(0xFFFF) : last, acc[j]);
 }
 #endif
 
 inline void combine(const float* __restrict c, const float* __restrict rows, int64_t n, int64_t D,
                     float* __restrict out) {
 #if defined(__AVX512F__)
-  switch (D) {
-    case 32: return combine_regs<2>(c, rows, n, out);
-    case 64: return combine_regs<4>(c, rows, n, out);
-    case 128: return combine_regs<8>(c, rows, n, out);
-    case 256: return combine_regs<16>(c, rows, n, out);
+  switch ((D + 15) / 16) {
+    case 1: return combine_regs<1>(c, rows, n, D, out);
+    case 2: return combine_regs<2>(c, rows, n, D, out);
+    case 3: return combine_regs<3>(c, rows, n, D, out);
+    case 4: return combine_regs<4>(c, rows, n, D, out);
+    case 5: return combine_regs<5>(c, rows, n, D, out);
+    case 6: return combine_regs<6>(c, rows, n, D, out);
+    case 7: return combine_regs<7>(c, rows, n, D, out);
+    case 8: return combine_regs<8>(c, rows, n, D, out);
+    case 16: return combine_regs<16>(c, rows, n, D, out);
     default: break;
   }
 #endif

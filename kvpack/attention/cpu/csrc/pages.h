@@ -1,24 +1,25 @@
 // Factorized pages on CPU, shared by the PuzzleKV kernels (puzzle.cpp: fixed ranks; ragged.cpp:
 // puzzle_plus's per-(page, head) ranks): one page's factors widened to fp32 (INT4 decoded), and the
-// fold of one page into the online-softmax state, scores in rank space.
+// fold of one page into the online-softmax state.
 //
-// A page's logits are (q R_K^T) L_K^T and its output (p L_V) R_V: the query meets the factors in rank
-// space and a page's dense K/V never exist. Pre-RoPE keys are rebuilt for one page at a time in a
-// [P, D] buffer (L_K R_K), rotated at their positions (rotate_half convention) and dotted with the
-// queries; values still go through their factors.
+// Post-RoPE keys are scored in rank space, (q R_K^T) L_K^T: the page's dense keys never exist.
+// Pre-RoPE keys depend on the position inside the page through the rotation, so a page's keys are
+// rebuilt, L_K R_K, a tile of tokens at a time in registers, rotated there at their positions
+// (rotate_half convention) and dotted with the queries at once: the rebuilt keys never reach memory.
+// That rebuild is P r D multiply-adds per page, the page's whole cost when r is near P (puzzle_plus's
+// INT4 default spends its budget on ranks of 56-64 of 64), so it is a register-tiled product.
+// Values always go through their factors: o += (p L_V) R_V.
 #pragma once
 
 #include "common.h"
 
 namespace kvpack {
 
-// One page's factors as fp32, the left factors transposed so that every inner loop runs over the
-// page's P tokens or the D channels (ranks are small: 12-16 at the defaults, too short to vectorise):
-// lkT [RK, P], rk [RK, D], lvT [RV, P], rv [RV, D]; `scratch` holds a left factor before its transpose.
+// One page's factors as fp32, as stored (row-major, at the page's own ranks rk <= RK, rv <= RV):
+// lk [P, rk], rk [rk, D], lv [P, rv], rv [rv, D].
 struct Page {
-  std::vector<float> lkT, rk, lvT, rv, scratch;
-  Page(int64_t P, int64_t RK, int64_t RV, int64_t D)
-      : lkT(RK * P), rk(RK * D), lvT(RV * P), rv(RV * D), scratch(P * std::max(RK, RV)) {}
+  std::vector<float> lk, rk, lv, rv;
+  Page(int64_t P, int64_t RK, int64_t RV, int64_t D) : lk(P * RK), rk(RK * D), lv(P * RV), rv(RV * D) {}
 };
 
 // [rows, cols] -> [cols, rows]
@@ -102,49 +103,129 @@ struct Geometry {
   int64_t W;
 };
 
-// Per-job buffers of fold_page.
+// Per-job buffers of fold_page: qr [M, RK] (queries in rank space), s [M, P] (logits, then
+// probabilities), u [M, RV] (probabilities in rank space), keys [P, D] (the generic pre-RoPE path's
+// rebuilt keys), lkT [RK, P] (post-RoPE: L_K transposed, so that its inner loop runs over the tokens).
 struct PageScratch {
-  std::vector<float> qr, s, u, keys, coeffs;
+  std::vector<float> qr, s, u, keys, lkT;
   explicit PageScratch(const Geometry& g)
-      : qr(g.M * g.RK), s(g.M * g.P), u(g.M * g.RV), keys(g.pre_rope ? g.P * g.D : 0), coeffs(g.RK) {}
+      : qr(g.M * g.RK), s(g.M * g.P), u(g.M * g.RV), keys(g.pre_rope ? g.P * g.D : 0),
+        lkT(g.pre_rope ? 0 : g.RK * g.P) {}
 };
+
+// Rotates row k [D] at one position (rotate_half convention): k1' = k1 c - k2 s, k2' = k2 c2 + k1 s2 for
+// the halves k1, k2; c2 / s2 are the table's second halves (its first ones where the table keeps one).
+inline void rotate_row(float* k, const float* c, const float* sn, int64_t D, int64_t W) {
+  const int64_t half = D / 2;
+  const float* c2 = W == D ? c + half : c;
+  const float* s2 = W == D ? sn + half : sn;
+#pragma omp simd
+  for (int64_t j = 0; j < half; ++j) {
+    const float k1 = k[j], k2 = k[j + half];
+    k[j] = k1 * c[j] - k2 * sn[j];
+    k[j + half] = k2 * c2[j] + k1 * s2[j];
+  }
+}
+
+#if defined(__AVX512F__)
+// Logits of M query rows against TT consecutive pre-RoPE keys of a page, rebuilt in registers:
+// key t = sum_r lk[t, r] R[r] (lk rows of `rank` coefficients, R [rank, 16 NV]), rotated at position
+// pos + t, then s[i * stride + t] = q_i . key_t. TT x NV accumulators (<= 16 at the instantiations).
+template <int NV, int TT>
+inline void rope_scores_tile(const float* __restrict q, int64_t M, const float* __restrict lk, int64_t rank,
+                             const float* __restrict R, const float* cos, const float* sin, int64_t W, float* s,
+                             int64_t stride) {
+  constexpr int D = 16 * NV, HV = NV / 2;
+  __m512 acc[TT][NV];
+  for (int t = 0; t < TT; ++t)
+    for (int v = 0; v < NV; ++v) acc[t][v] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < rank; ++r) {
+    const float* row = R + r * D;
+    __m512 rv[NV];
+    for (int v = 0; v < NV; ++v) rv[v] = _mm512_loadu_ps(row + 16 * v);
+    for (int t = 0; t < TT; ++t) {
+      const __m512 a = _mm512_set1_ps(lk[t * rank + r]);
+      for (int v = 0; v < NV; ++v) acc[t][v] = _mm512_fmadd_ps(a, rv[v], acc[t][v]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    const float* c = cos + t * W;
+    const float* sn = sin + t * W;
+    const float* c2 = W == D ? c + D / 2 : c;
+    const float* s2 = W == D ? sn + D / 2 : sn;
+    for (int v = 0; v < HV; ++v) {
+      const __m512 k1 = acc[t][v], k2 = acc[t][v + HV];
+      acc[t][v] = _mm512_fmsub_ps(k1, _mm512_loadu_ps(c + 16 * v), _mm512_mul_ps(k2, _mm512_loadu_ps(sn + 16 * v)));
+      acc[t][v + HV] =
+          _mm512_fmadd_ps(k2, _mm512_loadu_ps(c2 + 16 * v), _mm512_mul_ps(k1, _mm512_loadu_ps(s2 + 16 * v)));
+    }
+    for (int64_t i = 0; i < M; ++i) {
+      const float* qi = q + i * D;
+      __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qi), acc[t][0]);
+      for (int v = 1; v < NV; ++v) d = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * v), acc[t][v], d);
+      s[i * stride + t] = _mm512_reduce_add_ps(d);
+    }
+  }
+}
+
+// The page's P tokens through rope_scores_tile, TT at a time (then one at a time).
+template <int NV, int TT>
+inline void rope_scores(const float* q, int64_t M, const float* lk, int64_t rank, const float* R, int64_t P,
+                        int64_t pos, const Geometry& g, float* s) {
+  int64_t p = 0;
+  for (; p + TT <= P; p += TT)
+    rope_scores_tile<NV, TT>(q, M, lk + p * rank, rank, R, g.cos + (pos + p) * g.W, g.sin + (pos + p) * g.W, g.W,
+                             s + p, P);
+  for (; p < P; ++p)
+    rope_scores_tile<NV, 1>(q, M, lk + p * rank, rank, R, g.cos + (pos + p) * g.W, g.sin + (pos + p) * g.W, g.W,
+                            s + p, P);
+}
+#endif
+
+// Pre-RoPE logits s [M, P] of one page (keys L_K R_K at ranks `rank`, first token at `pos`), unscaled.
+inline void pre_rope_scores(const float* q, const Page& pg, int64_t rank, int64_t pos, const Geometry& g,
+                            PageScratch& w) {
+  const int64_t M = g.M, D = g.D, P = g.P;
+#if defined(__AVX512F__)
+  // Register tiles for the head sizes models use (the halves must be whole vectors).
+  switch (D) {
+    case 32: return rope_scores<2, 8>(q, M, pg.lk.data(), rank, pg.rk.data(), P, pos, g, w.s.data());
+    case 64: return rope_scores<4, 4>(q, M, pg.lk.data(), rank, pg.rk.data(), P, pos, g, w.s.data());
+    case 128: return rope_scores<8, 2>(q, M, pg.lk.data(), rank, pg.rk.data(), P, pos, g, w.s.data());
+    case 256: return rope_scores<16, 1>(q, M, pg.lk.data(), rank, pg.rk.data(), P, pos, g, w.s.data());
+    default: break;
+  }
+#endif
+  // Any other D: each key row rebuilt in a buffer (combine), rotated, then dotted with the queries.
+  std::fill(w.keys.begin(), w.keys.end(), 0.f);
+  for (int64_t p = 0; p < P; ++p) {
+    float* k = w.keys.data() + p * D;
+    combine(pg.lk.data() + p * rank, pg.rk.data(), rank, D, k);
+    rotate_row(k, g.cos + (pos + p) * g.W, g.sin + (pos + p) * g.W, D, g.W);
+  }
+  scores_block(q, w.keys.data(), M, P, D, 1.f, w.s.data(), P);
+}
 
 // Fold one loaded page (ranks rk <= g.RK, rv <= g.RV; its first token at position `pos`) into the state.
 inline void fold_page(const float* q, const Page& pg, int64_t rk, int64_t rv, int64_t pos, const Geometry& g,
                       PageScratch& w, RowsState& st) {
-  const int64_t M = g.M, D = g.D, P = g.P, half = D / 2;
-  std::fill(w.s.begin(), w.s.end(), 0.f);
+  const int64_t M = g.M, D = g.D, P = g.P;
   if (g.pre_rope) {
-    // K = L_K R_K, one row per token: row p = sum_r lkT[r, p] R_K[r]; then rotated at its position.
-    std::fill(w.keys.begin(), w.keys.end(), 0.f);
-    for (int64_t p = 0; p < P; ++p) {
-      float* k = w.keys.data() + p * D;
-      for (int64_t r = 0; r < rk; ++r) w.coeffs[r] = pg.lkT[r * P + p];
-      combine(w.coeffs.data(), pg.rk.data(), rk, D, k);
-      const float* c = g.cos + (pos + p) * g.W;
-      const float* sn = g.sin + (pos + p) * g.W;
-      const float* c2 = g.W == D ? c + half : c;  // equal halves: the table keeps one
-      const float* s2 = g.W == D ? sn + half : sn;
-#pragma omp simd
-      for (int64_t j = 0; j < half; ++j) {
-        const float k1 = k[j], k2 = k[j + half];
-        k[j] = k1 * c[j] - k2 * sn[j];
-        k[j + half] = k2 * c2[j] + k1 * s2[j];
-      }
-    }
-    scores_block(q, w.keys.data(), M, P, D, 1.f, w.s.data(), P);
+    pre_rope_scores(q, pg, rk, pos, g, w);
   } else {
     // (q R_K^T) L_K^T: the query in rank space, then s[i, :] = sum_r qr[i, r] lkT[r, :].
+    transpose(pg.lk.data(), P, rk, w.lkT.data());
+    std::fill(w.s.begin(), w.s.end(), 0.f);
     for (int64_t i = 0; i < M; ++i)
       for (int64_t r = 0; r < rk; ++r) w.qr[i * g.RK + r] = dot(q + i * D, pg.rk.data() + r * D, D);
     for (int64_t i = 0; i < M; ++i)
-      for (int64_t r = 0; r < rk; ++r) axpy(w.qr[i * g.RK + r], pg.lkT.data() + r * P, w.s.data() + i * P, P);
+      for (int64_t r = 0; r < rk; ++r) axpy(w.qr[i * g.RK + r], w.lkT.data() + r * P, w.s.data() + i * P, P);
   }
   for (int64_t x = 0; x < M * P; ++x) w.s[x] *= g.scaling;
   st.absorb(w.s.data(), P, P);
-  // (p L_V) R_V: u[i, r] = p[i, :] . lvT[r, :], then o[i] += sum_r u[i, r] R_V[r].
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t r = 0; r < rv; ++r) w.u[i * g.RV + r] = dot(w.s.data() + i * P, pg.lvT.data() + r * P, P);
+  // (p L_V) R_V: u[i] = sum_p p[i, p] L_V[p] (rows of rv), then o[i] += sum_r u[i, r] R_V[r].
+  std::fill(w.u.begin(), w.u.end(), 0.f);
+  for (int64_t i = 0; i < M; ++i) combine(w.s.data() + i * P, pg.lv.data(), P, rv, w.u.data() + i * g.RV);
   for (int64_t i = 0; i < M; ++i) combine(w.u.data() + i * g.RV, pg.rv.data(), rv, D, st.o.data() + i * D);
 }
 

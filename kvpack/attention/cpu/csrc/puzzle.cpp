@@ -1,10 +1,8 @@
 // kvpack::puzzle_attention on CPU: grouped queries over one PuzzleKV layer — dense sink, factorized
 // pages of the main and the recent set (read in place), dense tail — split-K over pages and tokens.
 //
-// A page's logits are (q R_K^T) L_K^T and its output (p L_V) R_V: the query meets the factors in rank
-// space and a page's dense K/V never exist. Pre-RoPE keys are rebuilt for one page at a time in a
-// [P, D] buffer (L_K R_K), rotated at their positions (rotate_half convention) and dotted with the
-// queries; values still go through their factors. INT4 factors (nibble - 8 times an fp16 scale:
+// A page is folded by pages.h (logits in rank space for post-RoPE keys, pre-RoPE keys rebuilt a tile
+// at a time in registers; values through their factors). INT4 factors (nibble - 8 times an fp16 scale:
 // per column for L_K, R_K, R_V, per row for L_V; low nibble = even element) are widened one page at a
 // time. Layouts as puzzle_decode.puzzle_split_kernel's docstring.
 #include "pages.h"
@@ -21,24 +19,21 @@ struct FactorSet {
 template <typename E>
 void load_page(const FactorSet& f, bool int4, int64_t page, int64_t P, int64_t RK, int64_t RV, int64_t D, Page& out,
                std::vector<float>& scale_buf) {
-  float* tmp = out.scratch.data();
   if (int4) {
     const int64_t rkc = (RK + 1) / 2, rvc = (RV + 1) / 2, dc = (D + 1) / 2;
-    widen_int4(static_cast<const uint8_t*>(f.lk) + page * P * rkc, f.lks + page * RK, nullptr, P, RK, tmp, scale_buf);
-    transpose(tmp, P, RK, out.lkT.data());
+    widen_int4(static_cast<const uint8_t*>(f.lk) + page * P * rkc, f.lks + page * RK, nullptr, P, RK, out.lk.data(),
+               scale_buf);
     widen_int4(static_cast<const uint8_t*>(f.rk) + page * RK * dc, f.rks + page * D, nullptr, RK, D, out.rk.data(),
                scale_buf);
-    widen_int4(static_cast<const uint8_t*>(f.lv) + page * P * rvc, nullptr, f.lvs + page * P, P, RV, tmp, scale_buf);
-    transpose(tmp, P, RV, out.lvT.data());
+    widen_int4(static_cast<const uint8_t*>(f.lv) + page * P * rvc, nullptr, f.lvs + page * P, P, RV, out.lv.data(),
+               scale_buf);
     widen_int4(static_cast<const uint8_t*>(f.rv) + page * RV * dc, f.rvs + page * D, nullptr, RV, D, out.rv.data(),
                scale_buf);
     return;
   }
-  widen_row(static_cast<const E*>(f.lk) + page * P * RK, tmp, P * RK);
-  transpose(tmp, P, RK, out.lkT.data());
+  widen_row(static_cast<const E*>(f.lk) + page * P * RK, out.lk.data(), P * RK);
   widen_row(static_cast<const E*>(f.rk) + page * RK * D, out.rk.data(), RK * D);
-  widen_row(static_cast<const E*>(f.lv) + page * P * RV, tmp, P * RV);
-  transpose(tmp, P, RV, out.lvT.data());
+  widen_row(static_cast<const E*>(f.lv) + page * P * RV, out.lv.data(), P * RV);
   widen_row(static_cast<const E*>(f.rv) + page * RV * D, out.rv.data(), RV * D);
 }
 

@@ -5,7 +5,7 @@
 // (rank [N, H] int16, offset [N, H] int32); L [P, r] starts at element o P of the flat left buffer,
 // R [r, D] at element o D of the right one (INT4: bytes o P / 2 and o D / 2, codes two per byte along
 // a row, L's column scales at o, R's at e D). Each page is widened into fp32 buffers sized for the
-// largest rank and folded in rank space (pages.h), so the work follows each page's own rank.
+// largest rank and folded (pages.h) at its own ranks, so the work follows each page's rank.
 #include "pages.h"
 
 namespace kvpack {
@@ -20,20 +20,19 @@ struct RaggedSide {
   const int32_t* offset;         // [N, H]
 };
 
-// One side's factors of entry e (rank r, offset o) as fp32: L transposed into lT [r, P], R into [r, D].
+// One side's factors of entry e (rank r, offset o) as fp32: L into [P, r], R into [r, D].
 template <typename E>
-void load_side(const RaggedSide& side, bool int4, int64_t e, int64_t r, int64_t o, int64_t P, int64_t D,
-               float* lT, float* R, float* tmp, std::vector<float>& scale_buf) {
+void load_side(const RaggedSide& side, bool int4, int64_t e, int64_t r, int64_t o, int64_t P, int64_t D, float* L,
+               float* R, std::vector<float>& scale_buf) {
   if (int4) {
-    widen_int4(static_cast<const uint8_t*>(side.left) + o * P / 2, side.left_scale + o, nullptr, P, r, tmp,
+    widen_int4(static_cast<const uint8_t*>(side.left) + o * P / 2, side.left_scale + o, nullptr, P, r, L,
                scale_buf);
     widen_int4(static_cast<const uint8_t*>(side.right) + o * D / 2, side.right_scale + e * D, nullptr, r, D, R,
                scale_buf);
   } else {
-    widen_row(static_cast<const E*>(side.left) + o * P, tmp, P * r);
+    widen_row(static_cast<const E*>(side.left) + o * P, L, P * r);
     widen_row(static_cast<const E*>(side.right) + o * D, R, r * D);
   }
-  transpose(tmp, P, r, lT);
 }
 
 RaggedSide ragged_side(const at::Tensor& left, const at::Tensor& right, const at::Tensor& left_scale,
@@ -126,10 +125,8 @@ State puzzle_ragged_attention(const at::Tensor& q, const at::Tensor& lk, const a
           for (int64_t n = s * pps; n < std::min(N, (s + 1) * pps); ++n) {
             const int64_t e = n * H + h;
             const int64_t rk_e = ks.rank[e], rv_e = vs.rank[e];
-            load_side<FE>(ks, int4, e, rk_e, ks.offset[e], P, D, pg.lkT.data(), pg.rk.data(), pg.scratch.data(),
-                          scale_buf);
-            load_side<FE>(vs, int4, e, rv_e, vs.offset[e], P, D, pg.lvT.data(), pg.rv.data(), pg.scratch.data(),
-                          scale_buf);
+            load_side<FE>(ks, int4, e, rk_e, ks.offset[e], P, D, pg.lk.data(), pg.rk.data(), scale_buf);
+            load_side<FE>(vs, int4, e, rv_e, vs.offset[e], P, D, pg.lv.data(), pg.rv.data(), scale_buf);
             fold_page(qh, pg, rk_e, rv_e, first_position + n * P, g, w, st);
           }
         } else {
