@@ -90,3 +90,18 @@ def test_summary_tells_a_method_that_loses_the_needles_from_one_that_keeps_them(
     text = summary_markdown(summarize(rows))
     assert "| loses@0.25 |" in text and "**yes** (p = 0.00012; 14 vs 0)" in text
     assert "no (p = 1; 1 vs 1)" in text
+
+
+def test_speed_column_is_the_median_of_paired_ratios_to_fullkv():
+    scores = {"niah_single_1": [1.0] * 4}
+    full, fast = _rows("full", "full", None, scores), _rows("fast@0.25", "fast", 0.25, scores)
+    for r, ms in zip(full, (100.0, 100.0, 200.0, 100.0)):
+        r["decode_ms"] = ms
+    for r, ms in zip(fast, (50.0, 80.0, 100.0, 120.0)):  # ratios 0.5, 0.8, 0.5, 1.2
+        r["decode_ms"] = ms
+    fast[1]["decode_ms"] = None  # a row with no decode step after the first token: no ratio
+    m = summarize(full + fast)["query-aware"]["methods"]
+    assert m["fast@0.25"]["speed_vs_full"] == pytest.approx(0.5)  # median of 0.5, 0.5, 1.2
+    assert m["fast@0.25"]["speed_vs_full_max"] == pytest.approx(1.2)
+    assert m["fast@0.25"]["decode_ms"] == pytest.approx(100.0) and m["full"]["speed_vs_full"] == pytest.approx(1.0)
+    assert "| 100.0 | 0.50x (1.20x) |" in summary_markdown(summarize(full + fast))

@@ -13,8 +13,13 @@ from .common import add_model_args, load
 
 # The main job's defaults: the two tasks the 135M default model answers reliably with the exact cache
 # at 2K tokens, 8 needle depths each (16 paired samples per method: enough for the McNemar test to
-# tell a method that loses the needles from FullKV), one budget, both settings.
+# tell a method that loses the needles from FullKV), both settings, and the frontier at one budget:
+# both faithful methods and their _plus variants, the baselines users know (KIVI, SnapKV,
+# StreamingLLM) and transformers' own QuantizedCache (hf_quantized, 4-bit quanto: 0.28 of the bf16
+# bytes at 2K, measured), so every budgeted method gets the same 0.28.
 DEFAULT_EVAL_TASKS = "niah_single_1,niah_single_2"
+DEFAULT_EVAL_METHODS = "full,puzzle,puzzle_plus,anchor,anchor_plus,kivi,snapkv,streaming,hf_quantized"
+DEFAULT_EVAL_BUDGETS = "0.28"
 
 
 def _task_list(text: str) -> list[str]:
@@ -57,8 +62,9 @@ def cmd_eval(args) -> int:
 def add_parsers(sub) -> None:
     e = sub.add_parser("eval", help="kvpack's main job: RULER-style long-context evaluation at matched bytes")
     add_model_args(e, "bfloat16")
-    e.add_argument("--methods", default="full,puzzle,anchor,snapkv,streaming", help="comma-separated methods")
-    e.add_argument("--budgets", default="0.25", help="comma-separated budgets (fractions of dense bf16 bytes)")
+    e.add_argument("--methods", default=DEFAULT_EVAL_METHODS, help="comma-separated methods")
+    e.add_argument("--budgets", default=DEFAULT_EVAL_BUDGETS,
+                   help="comma-separated budgets (fractions of dense bf16 bytes)")
     e.add_argument("--tasks", default=DEFAULT_EVAL_TASKS,
                    help="comma-separated tasks, or 'ruler' (all 12) / 'niah' (the 8 NIAH tasks)")
     e.add_argument("--lengths", default="2048", help="comma-separated prompt lengths in tokens")

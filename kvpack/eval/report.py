@@ -13,10 +13,14 @@ Per setting and method × budget, every score with its 95% interval (``kvpack.ev
   ran: ``p`` and whether the method is *distinguishable* from FullKV (p < 0.05) — with few samples
   "not distinguishable" means "no evidence of a difference", not "equal";
 * the mean measured KV ratio (bytes held ÷ dense bf16 bytes), mean KL and continuation perplexity,
-  and the number of samples and refusals.
+  and the number of samples and refusals;
+* speed: the median decode ms/token (each row's median step after the first new token) and, paired,
+  the median over samples of the row's ms/token ÷ FullKV's on the same sample (measured in the same
+  run, one after the other), with the slowest of those ratios beside it.
 
-Plots: average score (with its interval as an error bar) against the measured ratio per method
-(``score_vs_ratio.png``) and a per-task heat map (``heatmap_<setting>.png``).
+Plots: average score (with its interval as an error bar) and decode ms/token against the measured
+ratio per method (``score_vs_ratio.png``, two rows of panels) and a per-task heat map
+(``heatmap_<setting>.png``).
 """
 
 from __future__ import annotations
@@ -82,6 +86,11 @@ def _mean(values):
     return statistics.fmean(values) if values else None
 
 
+def _median(values):
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
 def _task_order(tasks: set[str]) -> list[str]:
     return sorted(tasks, key=lambda t: (RULER_TASKS.index(t) if t in RULER_TASKS else len(RULER_TASKS), t))
 
@@ -103,6 +112,8 @@ def summarize(rows: list[dict]) -> dict:
             groups[r["label"]].append(r)
         full = {t: _mean(r["score"] for r in groups.get("full", []) if r["task"] == t) for t in tasks}
         full_by_sample = {_sample_key(r): r["score"] for r in groups.get("full", []) if r.get("error") is None}
+        full_ms = {_sample_key(r): r["decode_ms"] for r in groups.get("full", [])
+                   if r.get("error") is None and r.get("decode_ms")}
         methods = {}
         for label, grows in groups.items():
             ok = [r for r in grows if r.get("error") is None]
@@ -111,6 +122,8 @@ def summarize(rows: list[dict]) -> dict:
             present = [v for v in per_task.values() if v is not None]
             pairs = [(full_by_sample[_sample_key(r)], r["score"]) for r in ok if _sample_key(r) in full_by_sample]
             retention, retention_ci = paired_retention(pairs)
+            speed = [r["decode_ms"] / full_ms[_sample_key(r)] for r in ok
+                     if r.get("decode_ms") and _sample_key(r) in full_ms]
             test = mcnemar_exact([f == 1.0 for f, _ in pairs], [m == 1.0 for _, m in pairs]) if pairs else None
             methods[label] = {
                 "method": grows[0]["method"], "budget": grows[0]["budget"], "per_task": per_task,
@@ -126,6 +139,9 @@ def summarize(rows: list[dict]) -> dict:
                 "ratio": _mean(r.get("ratio") for r in ok), "kl_answer": _mean(r.get("kl_answer") for r in ok),
                 "ppl_continuation": _mean(r.get("ppl_continuation") for r in ok),
                 "compress_s": _mean(r.get("compress_s") for r in ok), "decode_s": _mean(r.get("decode_s") for r in ok),
+                "decode_ms": _median(r.get("decode_ms") for r in ok),
+                "speed_vs_full": statistics.median(speed) if speed else None,
+                "speed_vs_full_max": max(speed) if speed else None,
                 "runs": len(ok), "refused": len(grows) - len(ok),
                 "errors": sorted({r["error"] for r in grows if r.get("error")}),
             }
@@ -158,6 +174,12 @@ def _test_cell(m: dict) -> str:
     return f"{verdict} (p = {t['p_value']:.2g}; {t['only_reference']} vs {t['only_method']})"
 
 
+def _speed_cell(m: dict) -> str:
+    if m["speed_vs_full"] is None:
+        return "–"
+    return f"{m['speed_vs_full']:.2f}x ({m['speed_vs_full_max']:.2f}x)"
+
+
 def summary_markdown(summary: dict) -> str:
     lines = []
     for setting, s in summary.items():
@@ -166,10 +188,11 @@ def summary_markdown(summary: dict) -> str:
                      f"{s['samples_per_task']} sample(s) per task and length\n")
         lines.append("Scores with 95% intervals; retention on the samples FullKV answers; *differs from FullKV*: "
                      "exact McNemar test on fully correct answers, p < 0.05 (samples only FullKV vs only the "
-                     "method answers).\n")
+                     "method answers). Decode: median ms/token; *vs FullKV*: median over samples of ms/token ÷ "
+                     "FullKV's on the same sample, same run (the slowest sample's ratio in brackets).\n")
         lines.append("| method | " + " | ".join(tasks) + " | average | retention | differs from FullKV | KV ratio | "
-                     "KL (answer) | PPL (cont.) |")
-        lines.append("|" + "---|" * (len(tasks) + 7))
+                     "KL (answer) | PPL (cont.) | decode ms/token | vs FullKV |")
+        lines.append("|" + "---|" * (len(tasks) + 9))
         for label in _order(s["methods"]):
             m = s["methods"][label]
             if m["runs"] == 0:
@@ -179,7 +202,8 @@ def summary_markdown(summary: dict) -> str:
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {_with_ci(m['average'], m['average_ci'])} | "
                          f"{_with_ci(m['retention'], m['retention_ci'])} | {_test_cell(m)} | "
                          f"{_fmt(m['ratio'], '.3f')} | {_fmt(m['kl_answer'], '.4f')} | "
-                         f"{_fmt(m['ppl_continuation'], '.2f')} |")
+                         f"{_fmt(m['ppl_continuation'], '.2f')} | {_fmt(m['decode_ms'], '.1f')} | "
+                         f"{_speed_cell(m)} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -201,8 +225,8 @@ def _plots(summary: dict, out_dir: Path) -> None:
     import matplotlib.pyplot as plt
 
     settings = list(summary)
-    fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4.5), squeeze=False)
-    for ax, setting in zip(axes[0], settings):
+    fig, axes = plt.subplots(2, len(settings), figsize=(6 * len(settings), 8.5), squeeze=False)
+    for ax, speed_ax, setting in zip(axes[0], axes[1], settings):
         by_method: dict[str, list[tuple[float, float, float, float]]] = defaultdict(list)
         for m in summary[setting]["methods"].values():
             if m["ratio"] is not None and m["average"] is not None:
@@ -219,6 +243,18 @@ def _plots(summary: dict, out_dir: Path) -> None:
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+        speeds: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for m in summary[setting]["methods"].values():
+            if m["ratio"] is not None and m.get("decode_ms") is not None:
+                speeds[m["method"]].append((m["ratio"], m["decode_ms"]))
+        for method, pts in sorted(speeds.items()):
+            pts.sort()
+            speed_ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+        speed_ax.set_xlabel("measured KV bytes / dense bf16 bytes")
+        speed_ax.set_ylabel("decode ms/token (median)")
+        speed_ax.set_xscale("log")
+        speed_ax.grid(alpha=0.3)
+        speed_ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_dir / "score_vs_ratio.png", dpi=120)
     plt.close(fig)

@@ -6,9 +6,11 @@ prompt token, in the *query-agnostic* setting only instruction + context, cut fr
 query-aware prefill when both run (one model run per sample) — and every method × budget is built
 from that same prefill and decoded greedily (the rest of the prompt is prefilled over the
 compressed cache first). Decoding stops once the prediction holds every reference (its score can
-no longer change). Rows are appended to ``results.jsonl`` as they finish; a rerun
-skips every (setting, task, length, sample, method, budget, config overrides) already there — a
-method rerun with other ``--set`` overrides is computed again, not taken from the earlier rows.
+no longer change); each row records the median milliseconds of its decode steps (after the first
+new token, which also prefills the rest of the prompt), the report's speed column. Rows are
+appended to ``results.jsonl`` as they finish; a rerun skips every (setting, task, length, sample,
+method, budget, config overrides) already there — a method rerun with other ``--set`` overrides is
+computed again, not taken from the earlier rows.
 
 Fidelity (``fidelity=True``), from a copy of each built cache taken before decoding (one build
 per method and sample): the rest of the prompt, the gold answer and a held-out continuation (more
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from ..hf.cache import cache_kwargs
-from ..hf.generation import greedy_generate
+from ..hf.generation import StepClock, greedy_generate
 from ..hf.prefill import ExactPrefill, exact_prefill
 from ..methods import PreparedCache, get_method, method_takes_budget
 from .scoring import score
@@ -144,17 +147,20 @@ def teacher_forced_logprobs(model, prepared: PreparedCache, chunk: list[int], to
     return torch.log_softmax(out.logits[0].float(), dim=-1)
 
 
-def _greedy(model, tokenizer, prepared: PreparedCache, ids: list[int], sample) -> tuple[str, float]:
-    """Greedy prediction and its seconds. Decoding stops once the prediction holds every reference:
-    RULER's string-match scores never fall as text is appended, so the score is already final
-    (only the recorded prediction is shorter)."""
+def _greedy(model, tokenizer, prepared: PreparedCache, ids: list[int], sample) -> tuple[str, float, list[float]]:
+    """Greedy prediction, its seconds and the milliseconds of each decode step after the first new
+    token. Decoding stops once the prediction holds every reference: RULER's string-match scores
+    never fall as text is appended, so the score is already final (only the recorded prediction is
+    shorter)."""
     def answered(new: list[int]) -> bool:
         return score(tokenizer.decode(new, skip_special_tokens=True), sample.answers, sample.metric) == 1.0
 
+    clock = StepClock()
     start = time.perf_counter()
     with prepared.active(model) as cache:
-        new = greedy_generate(model, tokenizer, cache, ids, sample.max_new_tokens, stop_when=answered)
-    return tokenizer.decode(new, skip_special_tokens=True), time.perf_counter() - start
+        new = greedy_generate(model, tokenizer, cache, ids, sample.max_new_tokens, streamer=clock,
+                              stop_when=answered)
+    return tokenizer.decode(new, skip_special_tokens=True), time.perf_counter() - start, clock.decode_steps_ms()
 
 
 @dataclass
@@ -221,9 +227,10 @@ def _evaluate(model, tokenizer, plan: EvalPlan, unit: _Unit, spec: MethodSpec) -
         built = get_method(spec.method, **spec.method_config()).from_prefill(model, unit.prefill)
         # the fidelity pass runs on a copy of the same compressed cache (decoding mutates it)
         again = built.copy() if plan.fidelity else None
-        prediction, decode_s = _greedy(model, tokenizer, built, unit.ids, sample)
+        prediction, decode_s, steps_ms = _greedy(model, tokenizer, built, unit.ids, sample)
         row.update(config=built.config, kv_bytes=built.kv_bytes, dense_kv_bytes=built.dense_kv_bytes,
                    ratio=built.kv_bytes / built.dense_kv_bytes, compress_s=built.seconds, decode_s=decode_s,
+                   decode_steps=len(steps_ms), decode_ms=statistics.median(steps_ms) if steps_ms else None,
                    prediction=prediction, score=score(prediction, sample.answers, sample.metric))
         if plan.fidelity:
             row.update(_fidelity(model, unit, again))

@@ -63,6 +63,24 @@ class GenerationResult:
         }
 
 
+class StepClock(BaseStreamer):
+    """Timestamps of generate's puts: the first is the prompt, the second the first new token (the
+    rest of the prompt was prefilled before it), each later one a decode step over the cache."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def put(self, value):
+        self.stamps.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+    def decode_steps_ms(self) -> list[float]:
+        """Milliseconds of each decode step after the first new token."""
+        return [(b - a) * 1e3 for a, b in zip(self.stamps[1:], self.stamps[2:])]
+
+
 class ProgressStreamer(BaseStreamer):
     """Times the prefill (up to the first generated token) and counts decode steps on stderr.
 

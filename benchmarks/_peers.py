@@ -1,0 +1,65 @@
+"""What the peer benchmarks share (kvpack's environment only): kvpack's eval samples as token ids, and
+the tables that put a peer's rows beside each other and beside kvpack's own eval rows."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+
+def build_samples(tasks: list[str], lengths: list[int], samples: int, seed: int, path: Path) -> list[dict]:
+    """kvpack's eval samples as token ids (exactly the ids kvpack's eval feeds the model)."""
+    from kvpack.eval.tasks import make_sample
+    from kvpack.hf.models import load_tokenizer
+
+    tok = load_tokenizer()
+    rows = []
+    for task in tasks:
+        for length in lengths:
+            for index in range(samples):
+                s = make_sample(tok, task, length, index, samples, seed)
+                context = tok(s.context).input_ids
+                ids = context + tok(s.question, add_special_tokens=False).input_ids
+                rows.append({"key": [task, length, index], "ids": ids, "context_tokens": len(context),
+                             "answers": s.answers, "metric": s.metric,
+                             "max_new_tokens": s.max_new_tokens, "depth": s.depth})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def table(rows: list[dict], reference: str) -> str:
+    """One line per label: average with its 95% interval, McNemar against ``reference`` on the same
+    samples, the measured KV bytes ÷ bf16 (``ratio``), prefill, decode ms/token and its ratio to the
+    reference's (every row has ``label``, ``score``, ``ratio``, ``prefill_s``, ``decode_ms``)."""
+    from kvpack.eval.report import average_interval
+    from kvpack.eval.stats import mcnemar_exact
+
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    ref = {(r["task"], r["length"], r["sample"]): r for r in rows if r["label"] == reference}
+    ref_ms = statistics.median(r["decode_ms"] for r in ref.values() if r.get("decode_ms"))
+    lines = [f"| KV | average (95%) | differs from {reference} | KV / bf16 | prefill s | decode ms/token | "
+             f"vs {reference} |", "|---|---|---|---|---|---|---|"]
+    for label in labels:
+        grp = [r for r in rows if r["label"] == label]
+        avg = statistics.fmean(r["score"] for r in grp)
+        lo, hi = average_interval(grp)
+        pairs = [(ref[k]["score"] == 1.0, r["score"] == 1.0) for r in grp
+                 if (k := (r["task"], r["length"], r["sample"])) in ref]
+        test = mcnemar_exact([a for a, _ in pairs], [b for _, b in pairs])
+        differs = "–" if label == reference else (
+            f"{'**yes**' if test['p_value'] < 0.05 else 'no'} (p = {test['p_value']:.2g})")
+        ms = statistics.median(r["decode_ms"] for r in grp if r.get("decode_ms"))
+        lines.append(f"| {label} | {avg:.2f} ({lo:.2f}–{hi:.2f}) | {differs} | "
+                     f"{statistics.fmean(r['ratio'] for r in grp):.3f} | "
+                     f"{statistics.median(r['prefill_s'] for r in grp):.2f} | {ms:.2f} | {ms / ref_ms:.2f}x |")
+    return "\n".join(lines)
+
+
+def kvpack_table(results_dir: Path, lengths: list[int]) -> str:
+    """kvpack's rows (every label and setting) from an eval directory, on the lengths measured here."""
+    from kvpack.eval.report import summarize, summary_markdown
+    from kvpack.eval.runner import load_rows
+
+    rows = [r for r in load_rows(results_dir / "results.jsonl") if r["length"] in lengths]
+    return summary_markdown(summarize(rows)) if rows else f"(no kvpack rows at {lengths} in {results_dir})"

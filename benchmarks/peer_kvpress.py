@@ -1,0 +1,200 @@
+"""NVIDIA kvpress's presses as peers, on kvpack's eval samples, in both of kvpack's settings.
+
+kvpress 0.5.5 pins transformers < 5.3 while kvpack needs >= 5.20, so kvpress runs in its own virtual
+environment (``bash scripts/install_kvpress.sh``) as a worker process started with that environment's
+Python (``--venv``). The worker loads the same SmolLM2 weights kvpack uses (kvpack's converted model
+directory, bf16, SDPA) and gets the exact token ids of kvpack's eval (``make_sample``); the answers
+are scored here by kvpack's scorer. Settings as kvpack's eval: *query-aware* prefills context +
+question but the last token under the press, *query-agnostic* prefills the context alone under the
+press and then reads the question through the compressed cache. ``compression_ratio`` in kvpress is
+the share removed: ``--kept 0.25,0.5`` runs 0.75 and 0.5.
+
+Bytes are measured from the cache's tensors after the prefill. SnapKV, StreamingLLM and expected
+attention gather the kept tokens into smaller tensors: they free memory. KVzip scores by context
+reconstruction and then *masks* the evicted keys at attention time (kvpress's attention patch): its
+tensors hold every token, so its bytes are the dense bytes (ratio 1.0), whatever its nominal ratio.
+
+Usage: python benchmarks/peer_kvpress.py [--venv .kvpress-venv]
+    [--presses snapkv,streaming_llm,kvzip,expected_attention] [--kept 0.25,0.5] [--lengths 2048]
+    [--tasks niah_single_1,niah_single_2] [--samples 8]
+    [--out results/peer-kvpress] [--kvpack-results kvpack-eval/]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PRESSES = ("snapkv", "streaming_llm", "kvzip", "expected_attention")
+SETTINGS = ("query-aware", "query-agnostic")
+
+
+# -- the worker (runs in the kvpress environment) ---------------------------------------------------
+
+
+def make_press(name: str, kept: float):
+    import kvpress
+
+    cls = {"snapkv": kvpress.SnapKVPress, "streaming_llm": kvpress.StreamingLLMPress,
+           "kvzip": kvpress.KVzipPress, "expected_attention": kvpress.ExpectedAttentionPress}[name]
+    return cls(compression_ratio=1.0 - kept)
+
+
+def worker(samples_path: str, model_dir: str, presses: list[str], kept: list[float], out_path: str) -> None:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    torch.set_grad_enabled(False)
+    transformers.utils.logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    samples = [json.loads(line) for line in Path(samples_path).read_text().splitlines()]
+    cfg = model.config
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    versions = {"kvpress": importlib.metadata.version("kvpress"), "transformers": transformers.__version__,
+                "torch": torch.__version__}
+
+    def greedy(cache, pending: list[int], position: int, max_new: int) -> tuple[list[int], list[float]]:
+        """Feed `pending` (the tokens after the prefilled ones), then decode greedily."""
+        new, stamps = [], [time.perf_counter()]
+        ids = torch.tensor([pending])
+        for _ in range(max_new):
+            # RoPE at the logical positions; the mask follows the cache's physical length (an evicting press
+            # holds fewer tokens than were prefilled), so no cache_position is passed (as kvpress's pipeline)
+            pos = torch.arange(position, position + ids.shape[1])[None]
+            out = model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True)
+            position += ids.shape[1]
+            tok = int(out.logits[0, -1].argmax())
+            stamps.append(time.perf_counter())
+            if tok in eos:
+                break
+            new.append(tok)
+            ids = torch.tensor([[tok]])
+        return new, [(b - a) * 1e3 for a, b in zip(stamps[1:], stamps[2:])]
+
+    def clear_masks():
+        for layer in model.model.layers:  # KVzip leaves its masked indices on the modules
+            layer.self_attn.masked_key_indices = None
+
+    with open(out_path, "w") as out:
+        for name in presses:
+            for k in kept:
+                for s in samples:
+                    for setting in SETTINGS:
+                        ids = s["ids"]
+                        n_pre = len(ids) - 1 if setting == "query-aware" else s["context_tokens"]
+                        press, cache = make_press(name, k), DynamicCache()
+                        clear_masks()
+                        start = time.perf_counter()
+                        with press(model):
+                            model(input_ids=torch.tensor([ids[:n_pre]]), past_key_values=cache, use_cache=True)
+                        prefill_s = time.perf_counter() - start
+                        held = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)
+                        masked = any(getattr(layer.self_attn, "masked_key_indices", None) is not None
+                                     for layer in model.model.layers)
+                        new, steps = greedy(cache, ids[n_pre:], n_pre, s["max_new_tokens"])
+                        clear_masks()
+                        out.write(json.dumps({"key": s["key"], "setting": setting, "press": name, "kept": k,
+                                              "new_ids": new, "prefill_s": prefill_s, "steps_ms": steps,
+                                              "ratio": held / (n_pre * per_token), "masked": masked,
+                                              "versions": versions}) + "\n")
+                        out.flush()
+                print(f"[kvpress] {name} kept {k}: done", file=sys.stderr, flush=True)
+
+
+# -- the driver (kvpack's environment) ---------------------------------------------------------------
+
+
+def kvpress_rows(samples: list[dict], raw: list[dict]) -> list[dict]:
+    """Scored rows in kvpack's result schema (method ``kvpress-<press>``, budget = the share kept)."""
+    from kvpack.eval.scoring import score
+    from kvpack.hf.models import load_tokenizer
+
+    tok = load_tokenizer()
+    by_key = {tuple(s["key"]): s for s in samples}
+    rows = []
+    for r in raw:
+        s = by_key[tuple(r["key"])]
+        prediction = tok.decode(r["new_ids"], skip_special_tokens=True)
+        task, length, index = s["key"]
+        rows.append({"setting": r["setting"], "task": task, "length": length, "sample": index, "depth": s["depth"],
+                     "method": f"kvpress-{r['press']}", "budget": r["kept"],
+                     "label": f"kvpress {r['press']}@{r['kept']:g}" + (" (masks)" if r["masked"] else ""),
+                     "prediction": prediction, "score": score(prediction, s["answers"], s["metric"]),
+                     "ratio": r["ratio"], "masked": r["masked"], "prefill_s": r["prefill_s"],
+                     "decode_ms": statistics.median(r["steps_ms"]) if r["steps_ms"] else None})
+    return rows
+
+
+def main() -> int:
+    from _peers import build_samples, kvpack_table, table
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--venv", default=".kvpress-venv", help="the kvpress virtual environment")
+    parser.add_argument("--presses", default=",".join(PRESSES))
+    parser.add_argument("--kept", default="0.25,0.5", help="shares of the prefilled tokens kept")
+    parser.add_argument("--tasks", default="niah_single_1,niah_single_2")
+    parser.add_argument("--lengths", default="2048")
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results/peer-kvpress")
+    parser.add_argument("--kvpack-results", help="a kvpack eval directory whose rows to print beside")
+    parser.add_argument("--worker", nargs=3, metavar=("SAMPLES", "MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    presses, kept = [p for p in args.presses.split(",") if p], [float(k) for k in args.kept.split(",")]
+    if unknown := sorted(set(presses) - set(PRESSES)):
+        parser.error(f"unknown presses {unknown}; known: {', '.join(PRESSES)}")
+    if any(not 0 < k <= 1 for k in kept):
+        parser.error(f"--kept must be shares in (0, 1], got {kept}")
+    if args.worker:
+        worker(args.worker[0], args.worker[1], presses, kept, args.worker[2])
+        return 0
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from kvpack.hf.models import model_directory
+
+    python = Path(args.venv) / "bin" / "python"
+    if not python.exists():
+        print(f"no kvpress environment at {args.venv}: run `bash scripts/install_kvpress.sh` first (or pass --venv)",
+              file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lengths = [int(n) for n in args.lengths.split(",")]
+    samples = build_samples(args.tasks.split(","), lengths, args.samples, args.seed, out / "samples.jsonl")
+    raw_path = out / "kvpress_raw.jsonl"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    subprocess.run([str(python), __file__, "--presses", args.presses, "--kept", args.kept, "--worker",
+                    str(out / "samples.jsonl"), str(model_directory()), str(raw_path)], check=True, env=env)
+    raw = [json.loads(line) for line in raw_path.read_text().splitlines()]
+    rows = kvpress_rows(samples, raw)
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    v = raw[0]["versions"]
+    report = [f"# kvpress {v['kvpress']} (transformers {v['transformers']}, torch {v['torch']}, SmolLM2 bf16) on "
+              f"kvpack's samples: {args.tasks}, {args.samples} per task and length"]
+    for setting in SETTINGS:
+        for n in lengths:
+            grp = [r for r in rows if r["setting"] == setting and r["length"] == n]
+            best = max({r["label"] for r in grp}, key=lambda lab: statistics.fmean(
+                r["score"] for r in grp if r["label"] == lab))
+            report += [f"\n## {setting}, {n} tokens (speed and McNemar against the best press, {best})\n",
+                       table(grp, best)]
+    if args.kvpack_results:
+        report += ["\n## kvpack on the same samples\n", kvpack_table(Path(args.kvpack_results), lengths)]
+    text = "\n".join(report) + "\n"
+    (out / "summary.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
