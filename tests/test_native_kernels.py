@@ -271,6 +271,10 @@ def anchor_store(method: str, H: int, group: int, d: int, T: int, seed: int = 0,
     ("anchor", 2, 1, 64, 97, {"budget": 0.3, "residual_codec": "naive"}),
     ("anchor_plus", 2, 3, 64, 1000, {"budget": 0.5}),  # past saturation: the 4-bit tier, uint8 indices
     ("anchor_plus", 2, 4, 128, 301, {"budget": 0.25}),
+    # the vector decode of the codes: a head of 32 (half a 16-byte load of 2-bit codes) and of 256
+    # (several loads per residual, both tiers)
+    ("anchor", 1, 3, 32, 200, {"budget": 0.3}),
+    ("anchor_plus", 1, 2, 256, 150, {"budget": 0.5}),
 ])
 def test_anchor_kernel_matches_fp64_reference(method, H, group, d, T, cfg):
     from kvpack.attention.triton.anchor_op import anchor_partials

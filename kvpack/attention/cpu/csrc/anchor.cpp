@@ -84,8 +84,8 @@ struct Codec {
   std::vector<float> matrix;  // [D, D] 0/±1
   std::vector<float> signs;   // [D]
   float factor;
-  float levels2[4];
-  float levels4[16];
+  float levels2[16] = {};  // 4 used (16: one vector load for the lane lookup)
+  float levels4[16] = {};
   int64_t D;
 
   // x[c] += factor * (y M)[c] * signs[c]; y is overwritten.
@@ -179,12 +179,47 @@ Tier make_tier(const at::Tensor& mask, const at::Tensor& prefix, const at::Tenso
   return t;
 }
 
+#if defined(__AVX512F__)
+// y = levels[codes] for the D codes of one residual (`bits` 2 or 4, little-end first within a byte),
+// `levels` already times the residual's scale (4 or 16 lanes used). Output vector m, lane l holds code
+// 16 m + l: its byte is broadcast to the lane (one permute of the zero-extended bytes), shifted by
+// its place in the byte (a variable shift), masked, and looked up in the levels (a lane permute), so
+// 16 codes cost five vector operations and come out in order.
+template <int BITS>
+inline void decode_codes(const uint8_t* r, int64_t D, __m512 levels, float* y) {
+  constexpr int PER_BYTE = 8 / BITS;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i byte_of_lane = _mm512_srli_epi32(lane, BITS == 2 ? 2 : 1);  // l / PER_BYTE
+  const __m512i shift = _mm512_slli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(PER_BYTE - 1)),
+                                          BITS == 2 ? 1 : 2);           // BITS * (l % PER_BYTE)
+  const __m512i code_mask = _mm512_set1_epi32((1 << BITS) - 1);
+  const int64_t bytes = D * BITS / 8;
+  for (int64_t b0 = 0; b0 < bytes; b0 += 16) {  // 16 bytes: 16 PER_BYTE codes
+    const int64_t nb = std::min<int64_t>(16, bytes - b0);
+    const __m512i wide = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(__mmask16((1u << nb) - 1), r + b0));
+    for (int64_t m = 0; m < nb * PER_BYTE / 16; ++m) {
+      const __m512i idx = _mm512_add_epi32(byte_of_lane, _mm512_set1_epi32(int(m * 16 / PER_BYTE)));
+      const __m512i code = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(idx, wide), shift), code_mask);
+      _mm512_storeu_ps(y + b0 * PER_BYTE + 16 * m, _mm512_permutexvar_ps(code, levels));
+    }
+  }
+}
+#endif
+
 // y = scale * levels[codes] of residual `slot` of a tier.
 inline void residual_codes(const Tier& t, const Codec& c, int64_t slot, float* y) {
   TORCH_CHECK(slot >= 0 && slot < t.slots, "anchor_segment_attention: residual slot ", slot, " outside [0, ",
               t.slots, "): corrupted mask or prefix");
   const float s = t.scale[slot];
   const int64_t D = c.D;
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    const __m512 sv = _mm512_set1_ps(s);
+    if (t.bits == 2)
+      return decode_codes<2>(t.res + slot * (D / 4), D, _mm512_mul_ps(_mm512_loadu_ps(c.levels2), sv), y);
+    return decode_codes<4>(t.res + slot * (D / 2), D, _mm512_mul_ps(_mm512_loadu_ps(c.levels4), sv), y);
+  }
+#endif
   if (t.bits == 2) {
     const uint8_t* r = t.res + slot * (D / 4);
     for (int64_t j = 0; j < D / 4; ++j) {
