@@ -265,7 +265,7 @@ void segment_blocks(const float* q, int64_t h, int64_t b0, int64_t b1, int64_t n
                     const E* anchor_k, const E* anchor_v, const Side& ks, const Side& vs, const Codec& codec,
                     const float* cos, const float* sin, int64_t W, int64_t first_position, float scaling,
                     RowsState& st) {
-  const int64_t M = st.M, half = D / 2;
+  const int64_t M = st.M;
   std::vector<float> keys(32 * D), s(M * 32), y(D), tmp, bins(M * K, 0.f), acc_rot(M * D, 0.f), anchor_row(D),
       m_old(M);
   bool any_value_residual = false;
@@ -285,17 +285,7 @@ void segment_blocks(const float* q, int64_t h, int64_t b0, int64_t b1, int64_t n
         residual_codes(ks.tiers[slots.tier[t - t0]], codec, slots.slot[t - t0], y.data());
         codec.unrotate_add(y.data(), x, tmp);
       }
-      const int64_t pos = first_position + t;
-      const float* c1 = cos + pos * W;
-      const float* s1 = sin + pos * W;
-      const float* c2 = W == D ? c1 + half : c1;
-      const float* s2 = W == D ? s1 + half : s1;
-#pragma omp simd
-      for (int64_t j = 0; j < half; ++j) {
-        const float k1 = x[j], k2 = x[j + half];
-        x[j] = k1 * c1[j] - k2 * s1[j];
-        x[j + half] = k2 * c2[j] + k1 * s2[j];
-      }
+      rotate_row(x, cos + (first_position + t) * W, sin + (first_position + t) * W, D, W);
     }
     scores_block(q, keys.data(), M, B, D, scaling, s.data(), 32);
     std::copy(st.m.begin(), st.m.end(), m_old.begin());

@@ -337,6 +337,20 @@ void with_dtype(const at::Tensor& t, const char* name, F&& f) {
   }
 }
 
+// Rotates row k [D] at one position (rotate_half convention): k1' = k1 c - k2 s, k2' = k2 c2 + k1 s2 for
+// the halves k1, k2; c2 / s2 are the table's second halves (its first ones where the table keeps one).
+inline void rotate_row(float* k, const float* c, const float* sn, int64_t D, int64_t W) {
+  const int64_t half = D / 2;
+  const float* c2 = W == D ? c + half : c;
+  const float* s2 = W == D ? sn + half : sn;
+#pragma omp simd
+  for (int64_t j = 0; j < half; ++j) {
+    const float k1 = k[j], k2 = k[j + half];
+    k[j] = k1 * c[j] - k2 * sn[j];
+    k[j + half] = k2 * c2[j] + k1 * s2[j];
+  }
+}
+
 // Splits of `n` items, `per` at a time.
 inline int64_t n_chunks(int64_t n, int64_t per) { return per > 0 ? (n + per - 1) / per : 0; }
 

@@ -113,20 +113,6 @@ struct PageScratch {
         lkT(g.pre_rope ? 0 : g.RK * g.P) {}
 };
 
-// Rotates row k [D] at one position (rotate_half convention): k1' = k1 c - k2 s, k2' = k2 c2 + k1 s2 for
-// the halves k1, k2; c2 / s2 are the table's second halves (its first ones where the table keeps one).
-inline void rotate_row(float* k, const float* c, const float* sn, int64_t D, int64_t W) {
-  const int64_t half = D / 2;
-  const float* c2 = W == D ? c + half : c;
-  const float* s2 = W == D ? sn + half : sn;
-#pragma omp simd
-  for (int64_t j = 0; j < half; ++j) {
-    const float k1 = k[j], k2 = k[j + half];
-    k[j] = k1 * c[j] - k2 * sn[j];
-    k[j + half] = k2 * c2[j] + k1 * s2[j];
-  }
-}
-
 #if defined(__AVX512F__)
 // Logits of M query rows against TT consecutive pre-RoPE keys of a page, rebuilt in registers:
 // key t = sum_r lk[t, r] R[r] (lk rows of `rank` coefficients, R [rank, 16 NV]), rotated at position
