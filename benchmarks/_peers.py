@@ -63,3 +63,15 @@ def kvpack_table(results_dir: Path, lengths: list[int]) -> str:
 
     rows = [r for r in load_rows(results_dir / "results.jsonl") if r["length"] in lengths]
     return summary_markdown(summarize(rows)) if rows else f"(no kvpack rows at {lengths} in {results_dir})"
+
+
+def write_outputs(out: Path, rows: list[dict], report: list[str], kvpack_results: str | None,
+                  lengths: list[int]) -> None:
+    """``out/results.jsonl`` (the peer's scored rows) and ``out/summary.md`` (``report``, then kvpack's
+    rows of ``kvpack_results`` at ``lengths`` when given), also printed."""
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if kvpack_results:
+        report = [*report, "\n## kvpack on the same samples\n", kvpack_table(Path(kvpack_results), lengths)]
+    text = "\n".join(report) + "\n"
+    (out / "summary.md").write_text(text)
+    print(text)

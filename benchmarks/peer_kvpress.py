@@ -136,7 +136,7 @@ def kvpress_rows(samples: list[dict], raw: list[dict]) -> list[dict]:
 
 
 def main() -> int:
-    from _peers import build_samples, kvpack_table, table
+    from _peers import build_samples, table, write_outputs
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--venv", default=".kvpress-venv", help="the kvpress virtual environment")
@@ -182,7 +182,6 @@ def main() -> int:
     if not raw:
         return 1
     rows = kvpress_rows(samples, raw)
-    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     v = raw[0]["versions"]
     report = [f"# kvpress {v['kvpress']} (transformers {v['transformers']}, torch {v['torch']}, SmolLM2 bf16) on "
               f"kvpack's samples: {args.tasks}, {args.samples} per task and length"]
@@ -193,11 +192,7 @@ def main() -> int:
                 r["score"] for r in grp if r["label"] == lab))
             report += [f"\n## {setting}, {n} tokens (speed and McNemar against the best press, {best})\n",
                        table(grp, best)]
-    if args.kvpack_results:
-        report += ["\n## kvpack on the same samples\n", kvpack_table(Path(args.kvpack_results), lengths)]
-    text = "\n".join(report) + "\n"
-    (out / "summary.md").write_text(text)
-    print(text)
+    write_outputs(out, rows, report, args.kvpack_results, lengths)
     return 0
 
 

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from _peers import build_samples, kvpack_table, table
+from _peers import build_samples, table, write_outputs
 
 # ggml's block sizes: (bytes per block, values per block) — the nominal bits per value.
 GGML_TYPES = {"f16": (1, 2, 1), "q8_0": (8, 34, 32), "q4_0": (2, 18, 32)}  # name: (ggml type id, bytes, values)
@@ -149,18 +149,13 @@ def main() -> int:
                     str(out / "samples.jsonl"), str(gguf), str(raw_path)], check=True)
     raw = [json.loads(line) for line in raw_path.read_text().splitlines()]
     rows = llamacpp_rows(samples, raw, AutoConfig.from_pretrained(model_directory(), local_files_only=True))
-    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     version = subprocess.run([str(python), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
                              capture_output=True, text=True).stdout.strip()
     report = [f"# llama.cpp {version} (flash attention, {args.threads} threads) on kvpack's samples: "
               f"{args.tasks}, {args.samples} per task and length"]
     for n in lengths:
         report += [f"\n## {n} tokens\n", table([r for r in rows if r["length"] == n], "llama.cpp f16")]
-    if args.kvpack_results:
-        report += ["\n## kvpack on the same samples\n", kvpack_table(Path(args.kvpack_results), lengths)]
-    text = "\n".join(report) + "\n"
-    (out / "summary.md").write_text(text)
-    print(text)
+    write_outputs(out, rows, report, args.kvpack_results, lengths)
     return 0
 
 
