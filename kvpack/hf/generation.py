@@ -28,7 +28,9 @@ class GenerationResult:
         prefill_s: time to the first generated token (a storage method's compression and restore
             included).
         restored_tokens: tokens restored from stored bytes rather than prefilled (0: none);
-            restore_s: the time that took (reading and decoding the bytes).
+            restore_s: the time that took (reading and decoding the bytes); restore_stages: its
+            seconds per stage (kvtc: read, verify, inflate, dequantize, inverse_pca, rope, assemble,
+            to_cache; empty where not measured).
     """
 
     text: str
@@ -43,6 +45,7 @@ class GenerationResult:
     token_ids: list[int] = field(default_factory=list)
     restored_tokens: int = 0
     restore_s: float = 0.0
+    restore_stages: dict[str, float] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -59,7 +62,7 @@ class GenerationResult:
             "new_tokens": self.new_tokens, "kv_bytes": self.kv_bytes, "dense_kv_bytes": self.dense_kv_bytes,
             "ratio": self.ratio, "prefill_s": self.prefill_s, "total_s": self.total_s,
             "restored_tokens": self.restored_tokens, "prefilled_tokens": self.prefilled_tokens,
-            "restore_s": self.restore_s,
+            "restore_s": self.restore_s, "restore_stages": self.restore_stages,
         }
 
 

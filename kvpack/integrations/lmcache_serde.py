@@ -106,8 +106,9 @@ def build_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     """LMCache serde factory: ``calibration`` (directory, required), ``ratio`` (default 16),
     ``fused_order`` (``vllm_cpu``, default; or ``halves``), ``exact_tokens`` (default 4),
     ``align`` (bytes, default 4096), ``max_workers`` (default 1), ``require_mac`` (default false:
-    refuse to start unless ``KVPACK_STORE_KEY`` is set)."""
-    known = {"calibration", "ratio", "fused_order", "exact_tokens", "align", "max_workers", "require_mac"}
+    refuse to start unless ``KVPACK_STORE_KEY`` is set), ``precision`` (the inverse PCA's: ``auto``, default;
+    ``float32``, ``bfloat16``)."""
+    known = {"calibration", "ratio", "fused_order", "exact_tokens", "align", "max_workers", "require_mac", "precision"}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise ValueError(f"kvtc serde: unknown option(s) {unknown}; known: {', '.join(sorted(known))}")
@@ -126,7 +127,8 @@ def build_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
         raise ValueError("kvtc serde: this CPU has AMX, where vLLM's CPU kernels lay KV blocks out in a way the "
                          "vllm_cpu order does not describe (it is the AVX-512 'vec' layout)")
     codec = ChunkCodec(load_calibration(kwargs["calibration"]), float(kwargs.get("ratio", 16)),
-                       fused_order=fused_order, exact_tokens=int(kwargs.get("exact_tokens", 4)), mac_key=key)
+                       fused_order=fused_order, exact_tokens=int(kwargs.get("exact_tokens", 4)), mac_key=key,
+                       precision=str(kwargs.get("precision", "auto")))
     align = int(kwargs.get("align", DEFAULT_ALIGN))
     if align < 1:
         raise ValueError(f"kvtc serde: align must be >= 1, got {align}")

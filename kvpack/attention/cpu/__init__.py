@@ -31,7 +31,7 @@ from ...paths import cache_dir
 NATIVE_CHOICES = ("auto", "native", "torch")  # attention_backend of methods with no Triton kernel
 NATIVE_ENV = "KVPACK_NATIVE"  # "0" turns the native kernels off (the PyTorch path everywhere)
 SOURCES = ("common.h", "pages.h", "bindings.cpp", "dense.cpp", "kivi.cpp", "puzzle.cpp", "ragged.cpp", "anchor.cpp",
-           "chunk.cpp")
+           "chunk.cpp", "kvtc.cpp")
 _CSRC = Path(__file__).parent / "csrc"
 
 # -O3 and OpenMP (at::parallel_for is OpenMP inside torch's CPU build; the libgomp it links is the one

@@ -55,7 +55,7 @@ import torch
 from ...store.format import BlobError
 from ...store.mac import KEY_ENV, mac
 from .calibration import Calibration, ratio_key
-from .coder import decode_coefficients, encode_coefficients
+from .coder import decode_coefficients, encode_coefficients, inverse_dtype
 
 MAGIC = b"KVTCCHK\x00"
 VERSION, KEYED_VERSION = 1, 2  # the digest: SHA-256 | HMAC-SHA256 under a key
@@ -124,10 +124,12 @@ class ChunkCodec:
             breaks retrieval (measured in docs/kvtc.md).
         mac_key: with a key (``kvpack.store.mac.store_key``), chunks are written with an
             HMAC-SHA256 digest and only chunks whose MAC verifies are decoded.
+        precision: the inverse PCA's arithmetic (:func:`kvpack.storage.kvtc.coder.inverse_dtype`:
+            ``auto``, ``float32``, ``bfloat16``), for decoding and for choosing the exact tokens.
     """
 
     def __init__(self, calibration: Calibration, ratio: float, fused_order: str = "vllm_cpu", exact_tokens: int = 4,
-                 mac_key: bytes | None = None):
+                 mac_key: bytes | None = None, precision: str = "auto"):
         if fused_order not in FUSED_ORDERS:
             raise ValueError(f"fused_order must be one of {FUSED_ORDERS}, got {fused_order!r}")
         if isinstance(exact_tokens, bool) or not isinstance(exact_tokens, int) or not 0 <= exact_tokens <= 4096:
@@ -141,6 +143,7 @@ class ChunkCodec:
             raise ValueError(f"kvtc chunks need every layer to be a full-attention layer the calibration covers; "
                              f"it covers layers {calibration.layers}")
         self.fused_order, self.exact_tokens = fused_order, exact_tokens
+        self.mm_dtype = inverse_dtype(precision)
         self.mac_key = mac_key
         self.calibration = calibration
         self.ratio = float(ratio)
@@ -285,9 +288,11 @@ class ChunkCodec:
         """``X = D V_rᵀ + μ`` ``[T, p]`` for keys and values, from the coded sections."""
         cal, get = self.calibration, sections.__getitem__
         out = []
-        for kind, mean, basis in (("keys", cal.key_mean, cal.key_basis), ("values", cal.value_mean, cal.value_basis)):
+        for kind, mean in (("keys", cal.key_mean), ("values", cal.value_mean)):
             alloc = self.alloc[kind]
-            out.append(decode_coefficients(get, alloc, kind, tokens) @ basis[:, :alloc.coded_extent].T + mean)
+            coeffs = decode_coefficients(get, alloc, kind, tokens, self.mm_dtype)
+            x = (coeffs @ cal.inverse_basis(kind, None, alloc.coded_extent, self.mm_dtype)).float()
+            out.append(x.add_(mean))
         return out[0], out[1]
 
     def _sections(self, buf: torch.Tensor, tokens: int) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from ...registry import register_method
 from ...store.format import BACKENDS, Blob
 from ..base import DenseKV, StorageCodec
 from .calibration import META_FILE, Calibration
-from .coder import compress_cache, decompress_cache
+from .coder import DECODE_PRECISIONS, compress_cache, decompress_cache
 from .session import continue_from_blob, continue_from_store
 
 ZLIB_MAX_LEVEL, ZSTD_MAX_LEVEL = 9, 22
@@ -39,6 +39,10 @@ class KvtcConfig(MethodConfig):
         calibration: directory written by ``kvpack calibrate`` (required to compress).
         backend: entropy coder: ``zlib`` (DEFLATE, default), ``zstd`` or ``none``.
         level: the entropy coder's level (zlib 0–9, zstd 0–22).
+        decode_precision: the inverse PCA's arithmetic when a blob is decoded (not stored in it):
+            ``auto`` (default: bf16 operands with fp32 accumulation on CUDA and on CPUs with AMX,
+            fp32 elsewhere), ``float32`` (the reference) or ``bfloat16``
+            (:func:`kvpack.storage.kvtc.coder.inverse_dtype`).
     """
 
     ratio: float | None = option(None, number(1.0, low_open=True, optional=True),
@@ -46,6 +50,8 @@ class KvtcConfig(MethodConfig):
     calibration: str | None = option(None, text(optional=True), "calibration directory (kvpack calibrate)")
     backend: str = option("zlib", choice(*BACKENDS), "entropy coder")
     level: int = option(6, integer(minimum=0, maximum=ZSTD_MAX_LEVEL), "entropy coder level (zlib 0-9, zstd 0-22)")
+    decode_precision: str = option("auto", choice(*DECODE_PRECISIONS),
+                                   "inverse PCA arithmetic: auto (bf16 where AMX / CUDA), float32, bfloat16")
 
     def check(self) -> None:
         if self.ratio is not None and self.budget is not None:
@@ -111,15 +117,16 @@ class KvtcCodec(StorageCodec):
                               backend=self.config.backend, level=self.config.level)
 
     def decompress(self, model: torch.nn.Module, blob: bytes) -> tuple[DenseKV, list[int]]:
-        return decompress_cache(blob, self.calibration(), model)
+        return decompress_cache(blob, self.calibration(), model, precision=self.config.decode_precision)
 
     def resume(self, model, tokenizer, blob, new_token_ids, max_new_tokens, min_new_tokens=0, prefix_tokens=None):
         return continue_from_blob(model, tokenizer, self.calibration(), blob, new_token_ids, max_new_tokens,
-                                  min_new_tokens, prefix_tokens=prefix_tokens, config=self.describe())
+                                  min_new_tokens, prefix_tokens=prefix_tokens, config=self.describe(),
+                                  precision=self.config.decode_precision)
 
     def resume_from_store(self, store, model, tokenizer, token_ids, max_new_tokens, min_new_tokens=0):
         return continue_from_store(store, model, tokenizer, self.calibration(), token_ids, max_new_tokens,
-                                   min_new_tokens, config=self.describe())
+                                   min_new_tokens, config=self.describe(), precision=self.config.decode_precision)
 
     def describe(self) -> dict:
         return {**self.config.to_dict(), "calibration_id": self.calibration().calibration_id}

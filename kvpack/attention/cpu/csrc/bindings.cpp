@@ -1,5 +1,7 @@
 // The CPU kernels of kvpack's decode-attention custom ops, exposed to Python; kvpack/attention/cpu
 // registers each as the "cpu" kernel of its kvpack:: op (one schema, a Triton and a CPU backend).
+// kvtc_dequantize and kvtc_layer_out (kvtc.cpp) are plain functions kvtc's decoder calls (no Triton
+// twin, no op).
 #include <pybind11/stl.h>
 
 #include "common.h"
@@ -41,6 +43,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attend(const at::Tensor& m,
                                                             const at::Tensor& o, const at::Tensor& q,
                                                             const at::Tensor& tail_k, const at::Tensor& tail_v,
                                                             const at::Tensor& k, const at::Tensor& v, double scaling);
+void kvtc_dequantize(const at::Tensor& stream, int64_t width, const at::Tensor& shift, const at::Tensor& scale,
+                     at::Tensor out);
+void kvtc_layer_out(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin,
+                    at::Tensor out);
 }  // namespace kvpack
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -52,4 +58,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "softmax state over one AnchorKV segment (anchors, coefficients, residual tiers)");
   m.def("chunk_attend", &kvpack::chunk_attend, "stored states merged with the tail and the chunk, normalised");
   m.def("kivi_attention", &kvpack::kivi_attention, "softmax state over KIVI's quantized blocks and residual");
+  m.def("kvtc_dequantize", &kvpack::kvtc_dequantize,
+        "kvtc: one coded group's bit stream unpacked and dequantized into its coefficient columns");
+  m.def("kvtc_layer_out", &kvpack::kvtc_layer_out,
+        "kvtc: a layer's inverse-PCA output + mean, RoPE'd, transposed, in the cache dtype, into its cache rows");
 }

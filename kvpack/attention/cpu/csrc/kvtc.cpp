@@ -1,0 +1,164 @@
+// kvtc's decoding, the memory passes of it in native code.
+//
+// kvtc_dequantize: one coded group's bit stream (kvpack.ops.bitpack.pack_bitstream: codes of
+// `width` bits, little-endian within each byte, token-major) unpacked and dequantized in one pass,
+// `code * scale[t] + shift[t]` per token t, written straight into the group's columns of the
+// coefficient matrix the inverse PCA multiplies (fp32, or bf16 for a bf16 inverse transform).
+//
+// The PyTorch path (numpy unpackbits -> one byte per bit -> packbits -> float ops) makes five memory
+// passes over eight times the stream; this reads each byte once. Numerics: the product and the sum are
+// two fp32 roundings (no FMA contraction: see the pragma below), as `codes.float() * scale + shift` rounds,
+// so the fp32 output equals the PyTorch path bit for bit; a bf16 output is that value rounded to
+// nearest even, as `.to(torch.bfloat16)` rounds it.
+//
+// kvtc_layer_out: one layer's inverse-PCA output X [T, H*d] (fp32, or bf16 from a bf16 GEMM) plus the
+// mean, RoPE re-applied at each token's position (keys), transposed and written in the cache dtype
+// into its rows of the layer's [H, tokens, d] cache tensor: one read and one write instead of the
+// PyTorch path's widen, add, four products, two sums, cat, permute and cast. Same fp32 products and
+// sums in the same order as kvpack.ops.rope.apply_rope (x1 cos - x2 sin | x2 cos + x1 sin), then one
+// rounding to the cache dtype: bit for bit the PyTorch path.
+#include "common.h"
+
+// No fused multiply-adds in this file: the PyTorch path rounds each product and each sum, and these
+// kernels must give its bits (GCC contracts across statements by default even under -std=c++17).
+#pragma GCC optimize("fp-contract=off")
+#pragma STDC FP_CONTRACT OFF
+
+namespace kvpack {
+namespace {
+
+inline void put(float* dst, float x) { *dst = x; }
+inline void put(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }  // round to nearest even
+inline void put(c10::Half* dst, float x) { *dst = c10::Half(x); }          // round to nearest even
+
+template <typename Out>
+void dequantize_rows(const uint8_t* __restrict stream, int64_t nbytes, int64_t width, const c10::Half* shift,
+                     const c10::Half* scale, Out* out, int64_t row_stride, int64_t tokens, int64_t size) {
+  const uint32_t mask = (1u << width) - 1u;
+  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float a = widen(scale[t]), b = widen(shift[t]);
+      Out* row = out + t * row_stride;
+      int64_t bit = t * size * width;
+      for (int64_t c = 0; c < size; ++c, bit += width) {
+        const int64_t byte = bit >> 3;
+        // width + (bit & 7) <= 15: two bytes hold every code; the stream's last byte may have no successor.
+        uint32_t word = stream[byte];
+        if (byte + 1 < nbytes) word |= uint32_t(stream[byte + 1]) << 8;
+        const float code = float((word >> (bit & 7)) & mask);
+        float v = code * a;
+        v = v + b;
+        put(row + c, v);
+      }
+    }
+  });
+}
+
+template <typename In, typename Out>
+void layer_rows(const In* __restrict x, const float* __restrict mean, const float* cos, const float* sin,
+                Out* out, int64_t tokens, int64_t heads, int64_t d, int64_t head_stride, int64_t token_stride) {
+  const int64_t half = d / 2, width = heads * d;
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> y(d);
+    for (int64_t t = begin; t < end; ++t) {
+      const In* row = x + t * width;
+      for (int64_t h = 0; h < heads; ++h) {
+        const In* src = row + h * d;
+        const float* mu = mean + h * d;
+        for (int64_t c = 0; c < d; ++c) y[c] = widen(src[c]) + mu[c];
+        Out* dst = out + h * head_stride + t * token_stride;
+        if (cos == nullptr) {
+          for (int64_t c = 0; c < d; ++c) put(dst + c, y[c]);
+          continue;
+        }
+        const float* ct = cos + t * d;
+        const float* st = sin + t * d;
+        for (int64_t c = 0; c < half; ++c) {
+          float a = y[c] * ct[c], b = y[c + half] * st[c];
+          put(dst + c, a - b);
+          float e = y[c + half] * ct[c + half], f = y[c] * st[c + half];
+          put(dst + c + half, e + f);
+        }
+      }
+    }
+  });
+}
+
+template <typename In>
+void layer_out_typed(const at::Tensor& x, const float* mean, const float* cos, const float* sin, at::Tensor& out) {
+  const int64_t heads = out.size(0), tokens = out.size(1), d = out.size(2);
+  const In* src = x.data_ptr<In>();
+  switch (out.scalar_type()) {
+    case at::kFloat:
+      layer_rows(src, mean, cos, sin, out.data_ptr<float>(), tokens, heads, d, out.stride(0), out.stride(1));
+      break;
+    case at::kBFloat16:
+      layer_rows(src, mean, cos, sin, out.data_ptr<c10::BFloat16>(), tokens, heads, d, out.stride(0), out.stride(1));
+      break;
+    case at::kHalf:
+      layer_rows(src, mean, cos, sin, out.data_ptr<c10::Half>(), tokens, heads, d, out.stride(0), out.stride(1));
+      break;
+    default:
+      TORCH_CHECK(false, "kvtc_layer_out: the cache is fp32, bf16 or fp16, got ", out.scalar_type());
+  }
+}
+
+}  // namespace
+
+// x: [T, H*d] fp32 or bf16 contiguous; mean: fp32 [H*d]; cos, sin: fp32 [T, d] contiguous, or empty
+// (values: no RoPE); out: [H, T, d] with unit last stride (the coded rows of a layer's cache tensor).
+void kvtc_layer_out(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin,
+                    at::Tensor out) {
+  TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1, "kvtc_layer_out: out is [heads, tokens, d], unit last stride");
+  const int64_t heads = out.size(0), tokens = out.size(1), d = out.size(2);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) == tokens && x.size(1) == heads * d,
+              "kvtc_layer_out: x is a contiguous [tokens, heads*d] matrix matching out");
+  TORCH_CHECK(mean.scalar_type() == at::kFloat && mean.is_contiguous() && mean.numel() == heads * d,
+              "kvtc_layer_out: mean is fp32 [heads*d]");
+  const bool rope = cos.numel() > 0;
+  if (rope) {
+    TORCH_CHECK(d % 2 == 0, "kvtc_layer_out: RoPE needs an even head dim, got ", d);
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                    sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == tokens && cos.size(1) == d &&
+                    sin.sizes() == cos.sizes(),
+                "kvtc_layer_out: cos and sin are contiguous fp32 [tokens, d]");
+  }
+  if (tokens == 0) return;
+  const float* c = rope ? cos.data_ptr<float>() : nullptr;
+  const float* s = rope ? sin.data_ptr<float>() : nullptr;
+  if (x.scalar_type() == at::kFloat) {
+    layer_out_typed<float>(x, mean.data_ptr<float>(), c, s, out);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "kvtc_layer_out: x is fp32 or bf16, got ", x.scalar_type());
+    layer_out_typed<c10::BFloat16>(x, mean.data_ptr<float>(), c, s, out);
+  }
+}
+
+// stream: uint8 [>= ceil(tokens*size*width/8)]; shift, scale: fp16 [tokens]; out: fp32 or bf16 [tokens, size]
+// with unit column stride (a column slice of the coefficient matrix).
+void kvtc_dequantize(const at::Tensor& stream, int64_t width, const at::Tensor& shift, const at::Tensor& scale,
+                     at::Tensor out) {
+  TORCH_CHECK(width >= 1 && width <= 8, "kvtc_dequantize: width must be in 1..8, got ", width);
+  TORCH_CHECK(stream.scalar_type() == at::kByte && stream.dim() == 1 && stream.is_contiguous(),
+              "kvtc_dequantize: the stream is a contiguous uint8 vector");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1, "kvtc_dequantize: out is [tokens, size] with unit column stride");
+  const int64_t tokens = out.size(0), size = out.size(1);
+  TORCH_CHECK(shift.scalar_type() == at::kHalf && scale.scalar_type() == at::kHalf && shift.is_contiguous() &&
+                  scale.is_contiguous() && shift.numel() == tokens && scale.numel() == tokens,
+              "kvtc_dequantize: shift and scale are contiguous fp16 [tokens]");
+  const int64_t need = (tokens * size * width + 7) / 8;
+  TORCH_CHECK(stream.numel() >= need, "kvtc_dequantize: a stream of ", stream.numel(), " bytes is shorter than the ",
+              need, " its codes need");
+  if (tokens == 0 || size == 0) return;
+  const auto* s = stream.data_ptr<uint8_t>();
+  const auto* sh = shift.data_ptr<c10::Half>();
+  const auto* sc = scale.data_ptr<c10::Half>();
+  if (out.scalar_type() == at::kFloat) {
+    dequantize_rows(s, need, width, sh, sc, out.data_ptr<float>(), out.stride(0), tokens, size);
+  } else {
+    TORCH_CHECK(out.scalar_type() == at::kBFloat16, "kvtc_dequantize: out is fp32 or bf16, got ", out.scalar_type());
+    dequantize_rows(s, need, width, sh, sc, out.data_ptr<c10::BFloat16>(), out.stride(0), tokens, size);
+  }
+}
+
+}  // namespace kvpack
