@@ -16,6 +16,7 @@ layer 0 before layer 1 is reconstructed (streaming); :func:`decompress_cache` co
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -301,13 +302,18 @@ def _decoded_layers(blob: Blob, header: KvtcHeader, calibration: Calibration, mo
     dtype = header.cache_dtype
     s, n_mid, n_tokens = header.sinks, header.coded_tokens, header.tokens
     alloc = calibration.allocations[header.ratio]
-    section = times.timed("inflate", blob.section)
-    sink_k, sink_v = section("sink_keys"), section("sink_values")
-    win_k, win_v = section("window_keys"), section("window_values")
+    section = times.timed("inflate", blob.section)  # the lossless layers', one by one below
+    names = ["sink_keys", "sink_values", "window_keys", "window_values"]
+    if n_mid:  # the two code streams first: the largest sections, inflated side by side
+        names = ["keys_codes", "values_codes", *names, *(f"{kind}_{part}" for kind in ("keys", "values")
+                                                         for part in ("shift", "scale"))]
+    with times("inflate"), ThreadPoolExecutor(2) as pool:  # zlib and zstd inflate without the GIL
+        inflated = dict(zip(names, pool.map(blob.section, names)))
+    sink_k, sink_v = inflated["sink_keys"], inflated["sink_values"]
+    win_k, win_v = inflated["window_keys"], inflated["window_values"]
     heads, d = calibration.kv_heads, calibration.head_dim
     coeffs = {}
     for kind in ("keys", "values") if n_mid else ():
-        inflated = {name: section(name) for name in (f"{kind}_codes", f"{kind}_shift", f"{kind}_scale")}
         with times("dequantize"):
             coeffs[kind] = decode_coefficients(inflated.__getitem__, alloc[kind], kind, n_mid, mm_dtype,
                                                backend=kernels)
