@@ -1,6 +1,7 @@
-"""kvtc's native decode passes against the PyTorch path, and the bf16 inverse PCA against fp32.
+"""kvtc's native passes against the PyTorch path, and the bf16 inverse PCA against fp32.
 
-``kvtc_dequantize`` (bit stream -> dequantized coefficient columns) and ``kvtc_layer_out`` (inverse-PCA
+``kvtc_quantize`` (coefficient columns -> fp16 shift/scale and a bit stream) must give the PyTorch path's
+bytes; ``kvtc_dequantize`` (bit stream -> dequantized coefficient columns) and ``kvtc_layer_out`` (inverse-PCA
 output + mean, RoPE, transpose, cast into a cache tensor's rows) must give the PyTorch path's bits
 exactly (the same fp32 products and sums, the same round-to-nearest-even casts), on every code width,
 odd token counts, column slices and each cache dtype; a whole blob decoded with the kernels must equal
@@ -16,6 +17,7 @@ from kvpack.attention import cpu
 from kvpack.hf.dense import prefill
 from kvpack.methods import get_method
 from kvpack.ops.bitpack import pack_bitstream
+from kvpack.ops.group_quant import quantize_groups
 from kvpack.ops.rope import LlamaRotary, RotaryTable, apply_rope
 from kvpack.storage.kvtc.coder import _checked, _decoded_layers, compress_cache, decompress_cache, inverse_dtype
 
@@ -143,3 +145,28 @@ def test_decode_precision_is_checked():
         inverse_dtype("fp8")
     with pytest.raises(ValueError, match="decode_precision"):
         get_method("kvtc", decode_precision="half")
+
+
+@pytest.mark.parametrize("width", range(1, 9))
+@pytest.mark.parametrize("tokens,size", [(1, 1), (7, 1), (13, 3), (33, 16), (129, 64)])
+def test_quantize_and_pack_give_the_pytorch_paths_bytes(lib, width, tokens, size):
+    g = torch.Generator().manual_seed(width * 100 + tokens)
+    coeffs = torch.randn(tokens, size + 7, generator=g) * 5
+    coeffs[0, 3:3 + size] = 1.25  # a constant group: scale 0, every code 0
+    stream, shift, scale = lib.kvtc_quantize(coeffs, 3, size, width)
+    codes, ref_shift, ref_scale = quantize_groups(coeffs[:, 3:3 + size], width)
+    assert torch.equal(shift, ref_shift) and torch.equal(scale, ref_scale)
+    assert torch.equal(stream, pack_bitstream(codes, width))
+
+
+def test_blob_encoded_with_the_kernels_equals_the_pytorch_encode(tiny):
+    from kvpack.storage.kvtc import coder
+
+    model, calib = tiny
+    x = torch.randn(40, calib.features) * 3
+    alloc = calib.allocation(8)["keys"]
+    fast = coder.encode_coefficients(x, calib.key_mean, calib.key_basis, alloc, "keys")
+    slow = coder.encode_coefficients(x, calib.key_mean, calib.key_basis, alloc, "keys", backend="torch")
+    assert fast.keys() == slow.keys() and all(torch.equal(fast[k], slow[k]) for k in fast)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        coder.encode_coefficients(x * float("nan"), calib.key_mean, calib.key_basis, alloc, "keys")

@@ -26,7 +26,7 @@ from ...hf.generation import context_limit
 from ...ops.accounting import DENSE_REFERENCE_BYTES_PER_ELEMENT
 from ...ops.bitalloc import Allocation
 from ...ops.bitpack import pack_bitstream, unpack_bitstream
-from ...ops.group_quant import dequantize_groups, quantize_groups
+from ...ops.group_quant import FP16_MAX, dequantize_groups, quantize_groups
 from ...ops.rope import apply_rope
 from ...store.format import Blob, BlobError, pack_blob, tokens_digest
 from ...store.schema import ForeignBlobError
@@ -55,15 +55,33 @@ def _check_cache(cache, calibration: Calibration, n_tokens: int) -> None:
 
 
 def encode_coefficients(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor, alloc: Allocation,
-                         prefix: str) -> dict[str, torch.Tensor]:
-    """Sections for one kind: the bit streams of every coded group, the shifts and the scales."""
+                        prefix: str, backend: str = "auto") -> dict[str, torch.Tensor]:
+    """Sections for one kind: the bit streams of every coded group, the shifts and the scales.
+
+    ``backend``: ``auto`` quantizes and packs each group in one native pass where kvpack's CPU
+    kernels are built (``kvtc_quantize``: the same bytes), ``torch`` takes the PyTorch path.
+
+    Raises:
+        ValueError: a coefficient is NaN/Inf or beyond the fp16 range of the shifts and scales.
+    """
     coded = alloc.coded_groups()
     n = x.shape[0]
     coeffs = (x - mean) @ basis[:, :alloc.coded_extent]
+    lib = native() if backend == "auto" and coeffs.device.type == "cpu" else None
+    if lib is not None and coded:  # quantize_groups' checks, once for the whole matrix
+        if not bool(torch.isfinite(coeffs).all()):
+            raise ValueError("cannot quantize NaN or Inf coefficients")
+        if float(coeffs.abs().max()) > FP16_MAX / 2:
+            raise ValueError(f"coefficient magnitude {float(coeffs.abs().max()):.3g} exceeds the fp16 shift/scale "
+                             "range")
     streams, shifts, scales = [], [], []
     for start, size, width in coded:
-        codes, shift, scale = quantize_groups(coeffs[:, start:start + size], width)
-        streams.append(pack_bitstream(codes, width))
+        if lib is not None:
+            stream, shift, scale = lib.kvtc_quantize(coeffs, start, size, width)
+        else:
+            codes, shift, scale = quantize_groups(coeffs[:, start:start + size], width)
+            stream = pack_bitstream(codes, width)
+        streams.append(stream)
         shifts.append(shift)
         scales.append(scale)
     empty16 = torch.empty(n, 0, dtype=torch.float16)

@@ -11,6 +11,12 @@
 // so the fp32 output equals the PyTorch path bit for bit; a bf16 output is that value rounded to
 // nearest even, as `.to(torch.bfloat16)` rounds it.
 //
+// kvtc_quantize: the encoder's twin of kvtc_dequantize — one coded group's columns of the coefficient
+// matrix quantized per token (shift = min and scale = (max - shift) / (2^w - 1), both rounded to fp16
+// first; code = round-half-even((x - shift) / scale), clamped) and bit-packed, in one pass: the same
+// fp32 operations as kvpack.ops.group_quant.quantize_groups + ops.bitpack.pack_bitstream, so the same
+// bytes.
+//
 // kvtc_layer_out: one layer's inverse-PCA output X [T, H*d] (fp32, or bf16 from a bf16 GEMM) plus the
 // mean, RoPE re-applied at each token's position (keys), transposed and written in the cache dtype
 // into its rows of the layer's [H, tokens, d] cache tensor: one read and one write instead of the
@@ -132,6 +138,55 @@ void kvtc_layer_out(const at::Tensor& x, const at::Tensor& mean, const at::Tenso
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, "kvtc_layer_out: x is fp32 or bf16, got ", x.scalar_type());
     layer_out_typed<c10::BFloat16>(x, mean.data_ptr<float>(), c, s, out);
   }
+}
+
+// x: fp32 [tokens, >= start + size] with unit column stride. Returns (stream uint8 [ceil(tokens*size*width/8)],
+// shift fp16 [tokens], scale fp16 [tokens]). Finite inputs within the fp16 range are the caller's to check.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kvtc_quantize(const at::Tensor& x, int64_t start, int64_t size,
+                                                             int64_t width) {
+  TORCH_CHECK(width >= 1 && width <= 8, "kvtc_quantize: width must be in 1..8, got ", width);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "kvtc_quantize: x is fp32 [tokens, columns] with unit column stride");
+  TORCH_CHECK(start >= 0 && size >= 1 && start + size <= x.size(1), "kvtc_quantize: columns ", start, "..",
+              start + size, " outside x's ", x.size(1));
+  const int64_t tokens = x.size(0), stride = x.stride(0);
+  const int64_t nbytes = (tokens * size * width + 7) / 8;
+  auto stream = at::zeros({nbytes}, x.options().dtype(at::kByte));
+  auto shift = at::empty({tokens}, x.options().dtype(at::kHalf));
+  auto scale = at::empty({tokens}, x.options().dtype(at::kHalf));
+  const float* src = x.data_ptr<float>() + start;
+  uint8_t* out = stream.data_ptr<uint8_t>();
+  c10::Half* sh = shift.data_ptr<c10::Half>();
+  c10::Half* sc = scale.data_ptr<c10::Half>();
+  const float levels = float((1 << width) - 1);
+  const int64_t blocks = (tokens + 7) / 8;  // 8 tokens' codes end on a byte boundary: threads own whole bytes
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin * 8; t < std::min(tokens, end * 8); ++t) {
+      const float* row = src + t * stride;
+      float lo = row[0], hi = row[0];
+      for (int64_t c = 1; c < size; ++c) {
+        lo = std::min(lo, row[c]);
+        hi = std::max(hi, row[c]);
+      }
+      const c10::Half shift_h(lo);  // rounded to nearest even, as .to(torch.float16)
+      const float shift_f = widen(shift_h);
+      const c10::Half scale_h((hi - shift_f) / levels);
+      const float scale_f = widen(scale_h);
+      sh[t] = shift_h;
+      sc[t] = scale_h;
+      int64_t bit = t * size * width;
+      for (int64_t c = 0; c < size; ++c, bit += width) {
+        float q = scale_f > 0 ? std::nearbyint((row[c] - shift_f) / scale_f) : 0.0f;  // half to even
+        q = std::min(std::max(q, 0.0f), levels);
+        const uint32_t code = uint32_t(q);
+        const int64_t byte = bit >> 3;
+        const int off = int(bit & 7);
+        out[byte] |= uint8_t(code << off);
+        if (off + width > 8) out[byte + 1] |= uint8_t(code >> (8 - off));
+      }
+    }
+  });
+  return {stream, shift, scale};
 }
 
 // stream: uint8 [>= ceil(tokens*size*width/8)]; shift, scale: fp16 [tokens]; out: fp32 or bf16 [tokens, size]
