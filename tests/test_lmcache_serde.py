@@ -16,7 +16,7 @@ pytest.importorskip("lmcache", reason="LMCache is not installed (pip install -e 
 
 from kvpack.hf.dense import prefill  # noqa: E402
 from kvpack.storage.kvtc.calibration import CalibrationSettings, calibrate  # noqa: E402
-from kvpack.storage.kvtc.chunk import ChunkCodec  # noqa: E402
+from kvpack.storage.kvtc.chunk import ChunkCodec, ChunkShape  # noqa: E402
 from kvpack.storage.kvtc.coder import compress_cache, decompress_cache  # noqa: E402
 
 from .helpers import TINY_KVTC_SETTINGS, kv_chunk, tiny_kvtc_chunks, tiny_llama, token_ids  # noqa: E402
@@ -212,3 +212,126 @@ def test_keyed_chunks_swapped_in_redis_are_misses(calibrated, real_chunks, redis
     client.set(second, b)
     monkeypatch.delenv("KVPACK_STORE_KEY")
     assert _run(_fetch, redis_server.port, directory, len(chunks), tuple(chunks[0].shape)) == [None, None]
+
+
+# ------------------------------------------------------------------------------------------------
+# Variable-size (DEFLATE'd) objects: the serde's format, and what LMCache 0.5.6's adapters do with them
+# ------------------------------------------------------------------------------------------------
+
+
+class _Buffer:
+    """What the serde reads from LMCache's MemoryObj: ``.tensor`` (the serializer's input or output)."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def _codec(calibrated):
+    from kvpack.storage.kvtc.codec import load_calibration
+
+    return ChunkCodec(load_calibration(calibrated[2]), RATIO, fused_order="halves")
+
+
+def test_deflated_objects_are_smaller_and_decode_as_the_fixed_size_ones(calibrated, real_chunks):
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+
+    from kvpack.integrations.lmcache_serde import KvtcChunkDeserializer, KvtcChunkSerializer
+
+    codec, chunk, key = _codec(calibrated), real_chunks[0][0], _keys(1)[0]
+    layout = MemoryLayoutDesc(shapes=[chunk.shape], dtypes=[chunk.dtype])
+    decoded = []
+    for level in (None, 6):
+        serializer = KvtcChunkSerializer(codec, align=1, deflate_level=level)
+        buffer = torch.zeros(serializer.estimate_serialized_size(layout), dtype=torch.uint8)
+        size = serializer.serialize(_Buffer(chunk), _Buffer(buffer), key)
+        out = torch.empty_like(chunk)
+        KvtcChunkDeserializer(codec).deserialize(_Buffer(buffer), _Buffer(out), key)
+        decoded.append((size, out))
+    (fixed, a), (deflated, b) = decoded
+    assert deflated < fixed == codec.serialized_size(codec.shape_of(chunk.shape), chunk.dtype)
+    assert torch.equal(a, b)  # DEFLATE is lossless: the same chunk comes back
+
+
+def test_corrupted_truncated_or_bomb_deflated_objects_are_refused(calibrated, real_chunks):
+    import zlib
+
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+
+    from kvpack.integrations.lmcache_serde import DEFLATED_MAGIC, KvtcChunkDeserializer, KvtcChunkSerializer
+    from kvpack.storage.kvtc.chunk import ChunkError
+
+    codec, chunk, key = _codec(calibrated), real_chunks[0][0], _keys(1)[0]
+    layout = MemoryLayoutDesc(shapes=[chunk.shape], dtypes=[chunk.dtype])
+    serializer = KvtcChunkSerializer(codec, align=1, deflate_level=6)
+    buffer = torch.zeros(serializer.estimate_serialized_size(layout), dtype=torch.uint8)
+    size = serializer.serialize(_Buffer(chunk), _Buffer(buffer), key)
+    deserializer = KvtcChunkDeserializer(codec)
+
+    def load(data: torch.Tensor, match: str):
+        with pytest.raises(ChunkError, match=match):
+            deserializer.deserialize(_Buffer(data), _Buffer(torch.empty_like(chunk)), key)
+
+    flipped = buffer.clone()
+    flipped[size // 2] ^= 0x10
+    load(flipped, "does not inflate|corrupted|checksum")
+    load(buffer[:size - 100], "states .* bytes")
+    bomb = zlib.compress(bytes(10 * codec.serialized_size(codec.shape_of(chunk.shape), chunk.dtype)))
+    head = DEFLATED_MAGIC + len(bomb).to_bytes(4, "little")
+    load(torch.frombuffer(bytearray(head + bomb), dtype=torch.uint8), "inflates past")
+
+
+def _fs_manager(base_path: str, calibration: str, deflate_level):
+    from lmcache.v1.distributed.config import parse_args
+    from lmcache.v1.distributed.storage_manager import StorageManager
+
+    import kvpack.integrations.lmcache_serde  # noqa: F401 - registers "kvtc"
+
+    serde = {"type": "kvtc", "calibration": calibration, "ratio": RATIO, "fused_order": "halves", "align": 1}
+    if deflate_level is not None:
+        serde["deflate_level"] = deflate_level
+    adapter = {"type": "fs", "base_path": base_path, "serde": serde}
+    return StorageManager(parse_args(["--l1-size-gb", "0.05", "--eviction-policy", "LRU",
+                                      "--l2-adapter", json.dumps(adapter)]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("deflate_level", [None, 6])
+def test_filesystem_adapter_with_fixed_and_deflated_objects(calibrated, real_chunks, tmp_path, deflate_level):
+    """LMCache 0.5.6's filesystem adapter writes the size the serializer reports, and loads an object
+    only when the file fills the buffer the serde's size estimate sized: fixed-size kvtc objects round
+    trip; DEFLATE'd ones are written smaller and then read as an incomplete file — a miss, never
+    garbage. (When this test's second case starts hitting, LMCache reads variable-size objects: make
+    DEFLATE the filesystem default.)"""
+    from lmcache.v1.distributed.api import GroupedObjectKeys, MemoryLayoutDesc, PrefetchTaskSpec
+
+    _, calib, directory = calibrated
+    chunk = real_chunks[0][0]
+    key, layout = _keys(1)[0], MemoryLayoutDesc(shapes=[chunk.shape], dtypes=[chunk.dtype])
+    writer = _fs_manager(str(tmp_path), directory, deflate_level)
+    objects = writer.reserve_write([key], layout)
+    objects[key].tensor.copy_(chunk)
+    writer.finish_write([key])
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.rglob("*.data")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    writer.close()
+    (stored,) = list(tmp_path.rglob("*.data"))
+    fixed = ChunkCodec(calib, RATIO, fused_order="halves").serialized_size(ChunkShape.of(chunk.shape, "halves"),
+                                                                           chunk.dtype)
+    reader = _fs_manager(str(tmp_path), directory, deflate_level)
+    handle = reader.submit_prefetch_task(PrefetchTaskSpec(key_groups=[GroupedObjectKeys(
+        keys=[key], object_group_id=0, layout_desc=layout)]))
+    while (status := reader.query_prefetch_status(handle)) is None:
+        time.sleep(0.02)
+    try:
+        if deflate_level is None:
+            assert stored.stat().st_size == fixed and status.l2_hit_count == 1
+            with reader.read_prefetched_results([key], status.l1_owners) as got:
+                error = float((got[0].tensor - chunk).norm() / chunk.norm())
+            reader.finish_read_prefetched([key])
+            assert 0 < error < 0.5
+        else:
+            assert stored.stat().st_size < fixed and status.l2_hit_count == 0
+    finally:
+        reader.close()

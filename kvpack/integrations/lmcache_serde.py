@@ -33,7 +33,9 @@ server``), which imports it first.
 from __future__ import annotations
 
 import os
+import struct
 import threading
+import zlib
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")  # no usage telemetry from anything kvpack starts
 
@@ -44,12 +46,21 @@ from lmcache.v1.distributed.serde.base import Deserializer, SerdeProcessor, Seri
 from lmcache.v1.distributed.serde.factory import get_registered_serde_types, register_serde_factory
 from lmcache.v1.memory_management import MemoryObj
 
-from ..storage.kvtc.chunk import ChunkCodec
+from ..storage.kvtc.chunk import ChunkCodec, ChunkError
 from ..storage.kvtc.codec import load_calibration
 from ..store.mac import KEY_ENV, store_key
 
 SERDE_NAME = "kvtc"
 DEFAULT_ALIGN = 4096
+# A variable-size object: this magic, the DEFLATE stream's length, then the DEFLATE'd chunk (whose own
+# digest or MAC, checked after inflating, covers it). A fixed-size chunk starts with the chunk magic.
+DEFLATED_MAGIC = b"KVTCZ\x00\x00\x00"
+_DEFLATED_HEAD = struct.Struct("<8sI")
+
+
+def _deflate_bound(n: int) -> int:
+    """zlib's compressBound: the most bytes DEFLATE can turn ``n`` bytes into."""
+    return n + (n >> 12) + (n >> 14) + (n >> 25) + 13
 
 
 def _aligned(n: int, align: int) -> int:
@@ -62,22 +73,30 @@ def mac_context(key: ObjectKey) -> bytes:
 
 
 class KvtcChunkSerializer(Serializer):
-    """Codes a chunk with :class:`ChunkCodec` into exactly :meth:`estimate_serialized_size` bytes."""
+    """Codes a chunk with :class:`ChunkCodec` into exactly :meth:`estimate_serialized_size` bytes, or
+    with ``deflate_level`` set, DEFLATEs the coded chunk and returns its smaller size (a variable-size
+    object, for adapters that store and load what the serializer reports)."""
 
-    def __init__(self, codec: ChunkCodec, align: int = DEFAULT_ALIGN):
-        self.codec, self.align = codec, align
+    def __init__(self, codec: ChunkCodec, align: int = DEFAULT_ALIGN, deflate_level: int | None = None):
+        self.codec, self.align, self.deflate_level = codec, align, deflate_level
 
     def estimate_serialized_size(self, layout_desc: MemoryLayoutDesc) -> int:
         if len(layout_desc.shapes) != 1:
             raise ValueError(f"the kvtc serde codes one KV tensor per chunk, got {len(layout_desc.shapes)}")
         shape = self.codec.shape_of(tuple(layout_desc.shapes[0]))
         self.codec.check_shape(shape)
-        return _aligned(self.codec.serialized_size(shape, layout_desc.dtypes[0]), self.align)
+        size = self.codec.serialized_size(shape, layout_desc.dtypes[0])
+        if self.deflate_level is not None:  # an upper bound: DEFLATE can grow incompressible data a little
+            size = _DEFLATED_HEAD.size + _deflate_bound(size)
+        return _aligned(size, self.align)
 
     def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
         if src.tensor is None or dst.tensor is None:
             raise ValueError("the kvtc serde needs src and dst to have tensors")
         data = self.codec.encode(src.tensor, context=mac_context(key))
+        if self.deflate_level is not None:
+            stream = zlib.compress(data, self.deflate_level)
+            data = _DEFLATED_HEAD.pack(DEFLATED_MAGIC, len(stream)) + stream
         size = _aligned(len(data), self.align)
         out = dst.tensor.view(torch.uint8).flatten()
         if out.numel() < size:
@@ -98,17 +117,43 @@ class KvtcChunkDeserializer(Deserializer):
             raise ValueError("the kvtc serde needs src and dst to have tensors")
         shape = self.codec.shape_of(tuple(dst.tensor.shape))
         n = self.codec.serialized_size(shape, dst.tensor.dtype)
-        data = src.tensor.view(torch.uint8).flatten()[:n].cpu().numpy().tobytes()
+        raw = src.tensor.view(torch.uint8).flatten()
+        if bytes(raw[:len(DEFLATED_MAGIC)].cpu().numpy()) == DEFLATED_MAGIC:
+            data = _inflate(raw, n)
+        else:
+            data = raw[:n].cpu().numpy().tobytes()
         dst.tensor.copy_(self.codec.decode(data, shape, dtype=dst.tensor.dtype, context=mac_context(key)))
+
+
+def _inflate(raw: torch.Tensor, chunk_bytes: int) -> bytes:
+    """The coded chunk inside a variable-size object (at most ``chunk_bytes``: a stream that inflates to
+    more is refused, not followed)."""
+    if raw.numel() < _DEFLATED_HEAD.size:
+        raise ChunkError("a DEFLATE'd kvtc object is shorter than its header")
+    _, length = _DEFLATED_HEAD.unpack(bytes(raw[:_DEFLATED_HEAD.size].cpu().numpy()))
+    if _DEFLATED_HEAD.size + length > raw.numel():
+        raise ChunkError(f"a DEFLATE'd kvtc object states {length} bytes, {raw.numel() - _DEFLATED_HEAD.size} "
+                         "are there")
+    stream = raw[_DEFLATED_HEAD.size:_DEFLATED_HEAD.size + length].cpu().numpy().tobytes()
+    try:
+        inflater = zlib.decompressobj()
+        data = inflater.decompress(stream, chunk_bytes + 1)
+    except zlib.error as exc:
+        raise ChunkError(f"a DEFLATE'd kvtc object does not inflate: {exc}") from None
+    if len(data) > chunk_bytes or inflater.unconsumed_tail:
+        raise ChunkError(f"a DEFLATE'd kvtc object inflates past the {chunk_bytes} bytes of its chunk")
+    return data
 
 
 def build_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     """LMCache serde factory: ``calibration`` (directory, required), ``ratio`` (default 16),
     ``fused_order`` (``vllm_cpu``, default; or ``halves``), ``exact_tokens`` (default 4),
     ``align`` (bytes, default 4096), ``max_workers`` (default 1), ``require_mac`` (default false:
-    refuse to start unless ``KVPACK_STORE_KEY`` is set), ``precision`` (the inverse PCA's: ``auto``, default;
-    ``float32``, ``bfloat16``)."""
-    known = {"calibration", "ratio", "fused_order", "exact_tokens", "align", "max_workers", "require_mac", "precision"}
+    refuse to start unless ``KVPACK_STORE_KEY`` is set), ``precision`` (the inverse PCA's: ``auto``,
+    default; ``float32``, ``bfloat16``), ``deflate_level`` (default none: fixed-size objects; 0-9:
+    DEFLATE'd variable-size objects, for adapters that keep the size the serializer reports)."""
+    known = {"calibration", "ratio", "fused_order", "exact_tokens", "align", "max_workers", "require_mac", "precision",
+             "deflate_level"}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise ValueError(f"kvtc serde: unknown option(s) {unknown}; known: {', '.join(sorted(known))}")
@@ -132,7 +177,10 @@ def build_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     align = int(kwargs.get("align", DEFAULT_ALIGN))
     if align < 1:
         raise ValueError(f"kvtc serde: align must be >= 1, got {align}")
-    return AsyncSerdeProcessor(KvtcChunkSerializer(codec, align), KvtcChunkDeserializer(codec),
+    level = kwargs.get("deflate_level")
+    if level is not None and (isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= 9):
+        raise ValueError(f"kvtc serde: deflate_level must be an integer 0-9 (or absent: fixed size), got {level!r}")
+    return AsyncSerdeProcessor(KvtcChunkSerializer(codec, align, level), KvtcChunkDeserializer(codec),
                                max_workers=int(kwargs.get("max_workers", 1)))
 
 
