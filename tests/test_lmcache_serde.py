@@ -102,12 +102,6 @@ def _run(target, *args, timeout=180):
     return result
 
 
-# The serde refuses to start where vLLM would use its AMX kernels (their KV block layout is not the one
-# its default vllm_cpu order describes); the tests that run it in LMCache need a CPU without AMX.
-needs_no_amx = pytest.mark.skipif(torch.cpu._is_amx_tile_supported(),
-                                  reason="this CPU has AMX: the kvtc serde refuses the vllm_cpu layout here")
-
-
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
     model = tiny_llama(q_heads=4, kv_heads=2, head_dim=16, layers=2)
@@ -134,7 +128,6 @@ def real_chunks(calibrated):
 
 
 @pytest.mark.slow
-@needs_no_amx
 def test_chunk_stored_in_one_process_is_fetched_from_redis_in_another(calibrated, real_chunks, redis_server,
                                                                       redis_url):
     _, calib, directory = calibrated
@@ -155,7 +148,6 @@ def test_chunk_stored_in_one_process_is_fetched_from_redis_in_another(calibrated
 
 
 @pytest.mark.slow
-@needs_no_amx
 def test_corrupted_or_foreign_chunks_are_misses(calibrated, real_chunks, redis_server, redis_url, tmp_path):
     model, _, directory = calibrated
     chunks, _ = real_chunks
@@ -185,13 +177,10 @@ def test_require_mac_without_a_key_refuses_to_start(calibrated, monkeypatch):
     with pytest.raises(ValueError, match="must be true or false"):
         build_kvtc_serde({"calibration": directory, "ratio": RATIO, "require_mac": "yes"})
     monkeypatch.setenv("KVPACK_STORE_KEY", "a key of sixteen bytes or more")
-    # (on an AMX CPU the default vllm_cpu order is refused for its own reason; the key check is the point here)
-    order = {"fused_order": "halves"} if torch.cpu._is_amx_tile_supported() else {}
-    build_kvtc_serde({"calibration": directory, "ratio": RATIO, "require_mac": True, **order}).close()
+    build_kvtc_serde({"calibration": directory, "ratio": RATIO, "require_mac": True}).close()
 
 
 @pytest.mark.slow
-@needs_no_amx
 def test_keyed_chunks_swapped_in_redis_are_misses(calibrated, real_chunks, redis_server, redis_url, monkeypatch):
     """Issue 17, item 9: with KVPACK_STORE_KEY, a writer to Redis who swaps two valid chunks (each
     intact, each of this calibration) gets misses, not the other chunk's KV; a reader without the
@@ -335,3 +324,25 @@ def test_filesystem_adapter_with_fixed_and_deflated_objects(calibrated, real_chu
             assert stored.stat().st_size < fixed and status.l2_hit_count == 0
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_bf16_vllm_cpu_chunks_are_refused_where_vllm_uses_its_amx_layout(calibrated, real_chunks, monkeypatch, amx):
+    """vLLM lays bf16 KV blocks out with its amx kernels on CPUs with AMX; the vllm_cpu order reads the
+    'vec' layout it uses everywhere else (fp32 / fp16 caches there too)."""
+    from kvpack.storage.kvtc.codec import load_calibration
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    codec = ChunkCodec(load_calibration(calibrated[2]), RATIO)  # fused_order vllm_cpu, the default
+    separate = real_chunks[0][0]
+    fused = torch.cat([separate[0], separate[1]], dim=-1)[None]  # any [1, L, 256, 2W] tensor: layout is not read
+    data = codec.encode(fused)  # fp32: the vec layout on every CPU
+    assert codec.decode(data).shape == fused.shape
+    codec.encode(separate.to(torch.bfloat16))  # separate K and V: no vLLM block layout involved
+    if amx:
+        with pytest.raises(ValueError, match="bf16 vllm_cpu chunk on a CPU with AMX"):
+            codec.encode(fused.to(torch.bfloat16))
+        with pytest.raises(ValueError, match="bf16 vllm_cpu chunk on a CPU with AMX"):
+            codec.decode(data, dtype=torch.bfloat16)
+    else:
+        codec.encode(fused.to(torch.bfloat16))

@@ -9,8 +9,8 @@ server``), which imports it first.
 * Layouts: LMCache hands a chunk as ``[2, layers, tokens, kv_heads·head_dim]`` (separate K and V) or,
   from vLLM's CPU backend, ``[1, layers, tokens, 2·kv_heads·head_dim]``: rows of vLLM's paged blocks,
   keys transposed (``"fused_order": "vllm_cpu"``, the default; ``"halves"`` reads token-major
-  ``[all K | all V]`` rows); see :mod:`kvpack.storage.kvtc.chunk`. vLLM's AMX kernels lay blocks out
-  otherwise: on a machine with AMX the ``vllm_cpu`` order is refused.
+  ``[all K | all V]`` rows); see :mod:`kvpack.storage.kvtc.chunk`. vLLM's AMX kernels (bf16 caches on
+  CPUs with AMX) lay blocks out otherwise: such chunks are refused (a failed store, a miss).
 * Positions: the serde sees chunk keys (content hashes), not token positions, so this path uses a
   calibration of keys as cached (``kvpack calibrate --key-rope post``); a pre-RoPE calibration is
   refused when the serde is built.
@@ -167,10 +167,6 @@ def build_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     if kwargs.get("require_mac", False) and key is None:
         raise ValueError(f'kvtc serde: "require_mac" is set but {KEY_ENV} is not (the MAC key, 16+ bytes, the same '
                          "in every process sharing the store)")
-    # The same test vLLM makes before choosing its AMX kernels (vllm/v1/attention/backends/cpu_attn.py).
-    if fused_order == "vllm_cpu" and torch.cpu._is_amx_tile_supported():
-        raise ValueError("kvtc serde: this CPU has AMX, where vLLM's CPU kernels lay KV blocks out in a way the "
-                         "vllm_cpu order does not describe (it is the AVX-512 'vec' layout)")
     codec = ChunkCodec(load_calibration(kwargs["calibration"]), float(kwargs.get("ratio", 16)),
                        fused_order=fused_order, exact_tokens=int(kwargs.get("exact_tokens", 4)), mac_key=key,
                        precision=str(kwargs.get("precision", "auto")))

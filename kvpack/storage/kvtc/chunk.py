@@ -10,7 +10,9 @@ chunk does not say how its elements are laid out, so the codec is told (``fused_
   values ``[BS, head_size]`` (read off vLLM's own ``cpu_attn_reshape_and_cache``). LMCache copies
   row ``o`` of head ``h`` of a block — which holds elements ``o·2d ..`` of that region, not token
   ``o`` — to chunk row ``block·BS + o``, columns ``h·2d ..``. A chunk is whole blocks (``BS = 128``).
-  vLLM's ``amx`` ISA lays blocks out otherwise (refused where AMX is present; docs/kvtc.md);
+  vLLM's ``amx`` ISA lays blocks out otherwise: vLLM picks it for bf16 caches on CPUs with AMX, so
+  a bf16 ``vllm_cpu`` chunk is refused on such a CPU (:func:`check_vllm_cpu_layout`; fp32 and fp16
+  caches keep the ``vec`` layout there too; docs/kvtc.md);
 * ``halves``: a row ``[K of every head | V of every head]`` (a token-major fused layout). Every token of the chunk
 is coded — a chunk has no attention sinks or recent window of its own — with the calibration's PCA
 basis and the bit allocation of one calibrated ratio: ``D = (X − μ) V``, each coded group of
@@ -70,6 +72,16 @@ _HEAD = struct.Struct("<8sHBBHIIH32s8sI")
 HEADER_BYTES = _HEAD.size
 DIGEST_BYTES = 32
 SECTIONS = ("keys_codes", "keys_shift", "keys_scale", "values_codes", "values_shift", "values_scale")
+
+
+def check_vllm_cpu_layout(shape: ChunkShape, dtype: torch.dtype) -> None:
+    """Refuse a ``vllm_cpu`` chunk whose blocks vLLM lays out with its ``amx`` kernels: vLLM chooses
+    them for bf16 caches on CPUs with AMX tiles (``_get_attn_isa`` in vllm/v1/attention/backends/
+    cpu_attn.py; every block is 128 tokens, a multiple of 32), whose layout this codec does not read."""
+    if shape.layout == "fused_vllm_cpu" and dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported():
+        raise ValueError("a bf16 vllm_cpu chunk on a CPU with AMX: vLLM's amx kernels lay these KV blocks out in a "
+                         "way the vllm_cpu order does not describe (it is the AVX-512 'vec' layout, which vLLM "
+                         "uses here for fp32 and fp16 caches); run vLLM with dtype float32 or float16")
 
 
 class ChunkError(BlobError):
@@ -198,6 +210,7 @@ class ChunkCodec:
         ``context``: what the MAC binds the chunk to besides its bytes (an engine's key for it)."""
         shape = self.shape_of(chunk.shape)
         self.check_shape(shape)
+        check_vllm_cpu_layout(shape, chunk.dtype)
         if chunk.dtype not in DTYPE_CODES:
             raise ValueError(f"a KV chunk must be bfloat16, float16 or float32, got {chunk.dtype}")
         chunk = chunk.detach().to("cpu")
@@ -268,6 +281,7 @@ class ChunkCodec:
             raise ChunkError(f"kvtc chunk holds {found}, the caller expects {shape}")
         self.check_shape(found)
         stored_dtype = DTYPES[dtype_code]
+        check_vllm_cpu_layout(found, dtype or stored_dtype)
         if exact != self._exact(tokens) or n != self.payload_size(tokens, stored_dtype):
             raise ChunkError(f"kvtc chunk has {exact} exact tokens and {n} payload bytes; this codec expects "
                              f"{self._exact(tokens)} and {self.payload_size(tokens, stored_dtype)}")
