@@ -241,6 +241,22 @@ def test_runner_end_to_end_and_resume(tiny_model, tokenizer, tiny_calibration, t
     assert len(redo) == 1 and redo[0].get("prediction") == last.get("prediction")
 
 
+@pytest.mark.parametrize("fidelity", [True, False])
+def test_a_length_that_does_not_fit_the_context_is_refused_before_anything_runs(tiny_model, tokenizer, tmp_path,
+                                                                                fidelity):
+    """The tiny model's context is 2,048 tokens: prompts of 2,048 leave no room for the answer. The run is
+    refused up front (no row, no prefill), naming the longest length that fits — which then runs."""
+    plan = EvalPlan(tasks=["niah_single_1"], lengths=[2048], samples=1, specs=method_specs(["full"], [0.5], {}),
+                    settings=["query-aware"], fidelity=fidelity)
+    with pytest.raises(ValueError, match=r"--lengths 2048: niah_single_1's prompts of up to \d+ tokens .* exceed "
+                                         r"the model's context of 2048 tokens; use a length of at most (\d+)") as err:
+        run_eval(tiny_model, tokenizer, plan, tmp_path, progress=False)
+    assert not (tmp_path / "results.jsonl").exists()
+    fits = int(re.search(r"at most (\d+)", str(err.value)).group(1))
+    rows = run_eval(tiny_model, tokenizer, EvalPlan(**{**plan.__dict__, "lengths": [fits]}), tmp_path, progress=False)
+    assert len(rows) == 1 and rows[0].get("error") is None and rows[0]["score"] is not None
+
+
 def test_resume_computes_again_under_other_overrides(tiny_model, tokenizer, tmp_path):
     """Rows are keyed by their config overrides too: rerunning a method with other ``--set`` values
     in the same directory computes it again, and the plan's rows are the new ones."""

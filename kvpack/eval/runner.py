@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from ..hf.cache import cache_kwargs
-from ..hf.generation import StepClock, greedy_generate
+from ..hf.generation import StepClock, context_limit, greedy_generate
 from ..hf.prefill import ExactPrefill, exact_prefill
 from ..methods import PreparedCache, get_method, method_takes_budget
 from .scoring import score
@@ -240,8 +240,43 @@ def _evaluate(model, tokenizer, plan: EvalPlan, unit: _Unit, spec: MethodSpec) -
 
 
 @torch.no_grad()
+def check_plan_fits(model, tokenizer, plan: EvalPlan) -> None:
+    """Refuse, before anything runs, a plan whose prompts do not fit the model's context with the
+    tokens each sample generates (and, with fidelity on, the answer and continuation it scores).
+
+    Raises:
+        ValueError: naming the task, the length, the tokens needed and the longest length that fits.
+    """
+    limit = context_limit(model)
+    if limit is None:
+        return
+    for task in plan.tasks:
+        for length in plan.lengths:
+            need, prompt = 0, 0
+            for index in range(plan.samples):
+                sample = make_sample(tokenizer, task, length, index, plan.samples, plan.seed)
+                n = (len(tokenizer(sample.context).input_ids)
+                     + len(tokenizer(sample.question, add_special_tokens=False).input_ids))
+                extra = sample.max_new_tokens
+                if plan.fidelity:
+                    ans = tokenizer(" " + ", ".join(sample.answers), add_special_tokens=False).input_ids
+                    cont = tokenizer(sample.continuation, add_special_tokens=False).input_ids[:CONTINUATION_TOKENS]
+                    extra = max(extra, len(ans) + len(cont))
+                if n + extra > need:
+                    need, prompt = n + extra, n
+            if need > limit:
+                raise ValueError(f"--lengths {length}: {task}'s prompts of up to {prompt} tokens + {need - prompt} "
+                                 f"to generate{' and score' if plan.fidelity else ''} exceed the model's context of "
+                                 f"{limit} tokens; use a length of at most {length - (need - limit)}")
+
+
 def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bool = True) -> list[dict]:
-    """Run (or resume) ``plan``; returns every row of ``out_dir/results.jsonl``."""
+    """Run (or resume) ``plan``; returns every row of ``out_dir/results.jsonl``.
+
+    Raises:
+        ValueError: a length whose prompts do not fit the model's context (:func:`check_plan_fits`).
+    """
+    check_plan_fits(model, tokenizer, plan)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / "results.jsonl"
