@@ -1,4 +1,6 @@
-"""kvpack's native CPU kernels: the CPU backend of the ``kvpack::`` decode-attention custom ops.
+"""kvpack's native CPU kernels: the CPU backend of the ``kvpack::`` decode-attention custom ops, and
+kvtc's memory passes (``kvtc.cpp``: quantize + pack, unpack + dequantize, mean + RoPE + transpose +
+cast), which its coder calls directly.
 
 The C++ sources in ``csrc/`` are compiled on first use with ``torch.utils.cpp_extension`` (g++ and
 ninja; no network) into kvpack's cache directory, one build per (source hash, torch version, CPU
