@@ -57,7 +57,7 @@ import torch
 from ...store.format import BlobError
 from ...store.mac import KEY_ENV, mac
 from .calibration import Calibration, ratio_key
-from .coder import decode_coefficients, encode_coefficients, inverse_dtype
+from .coder import decode_coefficients, encode_coefficients, has_amx, inverse_dtype
 
 MAGIC = b"KVTCCHK\x00"
 VERSION, KEYED_VERSION = 1, 2  # the digest: SHA-256 | HMAC-SHA256 under a key
@@ -78,7 +78,7 @@ def check_vllm_cpu_layout(shape: ChunkShape, dtype: torch.dtype) -> None:
     """Refuse a ``vllm_cpu`` chunk whose blocks vLLM lays out with its ``amx`` kernels: vLLM chooses
     them for bf16 caches on CPUs with AMX tiles (``_get_attn_isa`` in vllm/v1/attention/backends/
     cpu_attn.py; every block is 128 tokens, a multiple of 32), whose layout this codec does not read."""
-    if shape.layout == "fused_vllm_cpu" and dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported():
+    if shape.layout == "fused_vllm_cpu" and dtype == torch.bfloat16 and has_amx():
         raise ValueError("a bf16 vllm_cpu chunk on a CPU with AMX: vLLM's amx kernels lay these KV blocks out in a "
                          "way the vllm_cpu order does not describe (it is the AVX-512 'vec' layout, which vLLM "
                          "uses here for fp32 and fp16 caches); run vLLM with dtype float32 or float16")

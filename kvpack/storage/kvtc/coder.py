@@ -95,7 +95,8 @@ def encode_coefficients(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor
 DECODE_PRECISIONS = ("auto", "float32", "bfloat16")
 
 
-def _has_amx() -> bool:
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles (torch's probe; False where this torch has none)."""
     try:
         return bool(torch.cpu._is_amx_tile_supported())
     except AttributeError:  # an older or newer torch without the probe: assume not
@@ -116,7 +117,7 @@ def inverse_dtype(precision: str) -> torch.dtype:
     if precision not in DECODE_PRECISIONS:
         raise ValueError(f"decode precision must be one of {DECODE_PRECISIONS}, got {precision!r}")
     if precision == "auto":
-        return torch.bfloat16 if _has_amx() else torch.float32
+        return torch.bfloat16 if has_amx() else torch.float32
     return getattr(torch, precision)
 
 
