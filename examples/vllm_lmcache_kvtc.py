@@ -245,6 +245,7 @@ def main() -> None:
     tok = load_tokenizer(args.model_dir)
     layers, width = len(calib.layers), calib.kv_heads * calib.head_dim
     dense_chunk = 2 * layers * CHUNK * width * torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
+    bf16_chunk = 2 * layers * CHUNK * width * 2
     print(f"model {args.model_dir} ({args.dtype}), calibration {calib.calibration_id} (post-RoPE), serdes "
           f"{', '.join(names)}\nworkdir {workdir}", flush=True)
     rows = []
@@ -255,7 +256,8 @@ def main() -> None:
             found = "found" if row["needle"] else "NOT found"
             print(f"\n{row['tokens']} tokens, serde {name}: Redis holds {row['chunks']} chunks, "
                   f"{row['stored_bytes']:,} bytes ({row['chunks'] * dense_chunk / max(row['stored_bytes'], 1):.2f}x "
-                  f"vs the chunks in {args.dtype}); vLLM loaded in {row['load_s']:.0f} s")
+                  f"vs the chunks in {args.dtype}, {row['chunks'] * bf16_chunk / max(row['stored_bytes'], 1):.2f}x "
+                  f"vs bf16); vLLM loaded in {row['load_s']:.0f} s")
             for line in row["lmcache_hits"]:
                 print("  LMCache:", line)
             print(f"  time to first token: recomputing {row['recompute_s']:.2f} s, prefix from Redis "
