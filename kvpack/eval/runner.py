@@ -178,12 +178,24 @@ class _Unit:
     ref_logprobs: torch.Tensor | None = None
 
 
+def _sample_ids(tokenizer, sample) -> tuple[list[int], int]:
+    """``(context + question token ids, context length)`` of a sample, as every run tokenizes it."""
+    ctx_ids = tokenizer(sample.context).input_ids
+    return ctx_ids + tokenizer(sample.question, add_special_tokens=False).input_ids, len(ctx_ids)
+
+
+def _scored_ids(tokenizer, sample) -> tuple[list[int], list[int]]:
+    """``(answer ids, continuation ids)`` the fidelity pass teacher-forces after the prompt."""
+    ans_ids = tokenizer(" " + ", ".join(sample.answers), add_special_tokens=False).input_ids
+    cont_ids = tokenizer(sample.continuation, add_special_tokens=False).input_ids[:CONTINUATION_TOKENS]
+    return ans_ids, cont_ids
+
+
 def _prepare_unit(model, tokenizer, plan: EvalPlan, setting: str, task: str, length: int, index: int,
                   last_prefill: ExactPrefill | None) -> _Unit:
     sample = make_sample(tokenizer, task, length, index, plan.samples, plan.seed)
-    ctx_ids = tokenizer(sample.context).input_ids
-    ids = ctx_ids + tokenizer(sample.question, add_special_tokens=False).input_ids
-    n_pre = len(ids) - 1 if setting == "query-aware" else len(ctx_ids)
+    ids, n_ctx = _sample_ids(tokenizer, sample)
+    n_pre = len(ids) - 1 if setting == "query-aware" else n_ctx
     # One model run per sample: the query-agnostic prefill is the leading tokens of the query-aware
     # one, which runs first (causal attention; see ExactPrefill.leading).
     prefill = None
@@ -194,8 +206,7 @@ def _prepare_unit(model, tokenizer, plan: EvalPlan, setting: str, task: str, len
         prefill = exact_prefill(model, ids[:n_pre])
     unit = _Unit(sample, ids, n_pre, prefill, fresh)
     if plan.fidelity:
-        ans_ids = tokenizer(" " + ", ".join(sample.answers), add_special_tokens=False).input_ids
-        cont_ids = tokenizer(sample.continuation, add_special_tokens=False).input_ids[:CONTINUATION_TOKENS]
+        ans_ids, cont_ids = _scored_ids(tokenizer, sample)
         unit.tf_chunk, unit.ans_len = ids[n_pre:] + ans_ids + cont_ids, len(ans_ids)
         ref = get_method("full").from_prefill(model, prefill)
         unit.ref_logprobs = teacher_forced_logprobs(model, ref, unit.tf_chunk, n_pre + len(unit.tf_chunk))
@@ -255,13 +266,10 @@ def check_plan_fits(model, tokenizer, plan: EvalPlan) -> None:
             need, prompt = 0, 0
             for index in range(plan.samples):
                 sample = make_sample(tokenizer, task, length, index, plan.samples, plan.seed)
-                n = (len(tokenizer(sample.context).input_ids)
-                     + len(tokenizer(sample.question, add_special_tokens=False).input_ids))
+                n = len(_sample_ids(tokenizer, sample)[0])
                 extra = sample.max_new_tokens
                 if plan.fidelity:
-                    ans = tokenizer(" " + ", ".join(sample.answers), add_special_tokens=False).input_ids
-                    cont = tokenizer(sample.continuation, add_special_tokens=False).input_ids[:CONTINUATION_TOKENS]
-                    extra = max(extra, len(ans) + len(cont))
+                    extra = max(extra, sum(len(x) for x in _scored_ids(tokenizer, sample)))
                 if n + extra > need:
                     need, prompt = n + extra, n
             if need > limit:
