@@ -37,7 +37,7 @@ Rotation classify(const at::Tensor& hmat, std::vector<float>& m) {
     return true;
   };
   if (equals([](int64_t i, int64_t j) { return i == j ? 1.f : 0.f; })) return Rotation::Identity;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(KVPACK_AVX2)
   if ((D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && equals(sylvester)) return Rotation::Sylvester;
 #endif
   return Rotation::Matrix;
@@ -76,6 +76,36 @@ inline void fwht_regs(const float* y, float* out) {
   for (int j = 0; j < NCH; ++j)
     v[j] = lane_butterfly<8>(lane_butterfly<4>(lane_butterfly<2>(lane_butterfly<1>(v[j]))));
   for (int j = 0; j < NCH; ++j) _mm512_storeu_ps(out + 16 * j, v[j]);
+}
+#elif defined(KVPACK_AVX2)
+// The same transform on 8-lane vectors: butterflies 8 or more apart between vectors, 1, 2 and 4 apart
+// in-vector (at D = 128 and 256 the 16 / 32 vectors exceed AVX2's registers and the compiler keeps some
+// on the stack: still ~D log2(D) / 8 vector operations against the D x D product's D^2 / 8).
+template <int STRIDE>
+inline __m256 lane_butterfly8(__m256 x) {
+  __m256 partner;
+  if constexpr (STRIDE == 1) partner = _mm256_permute_ps(x, 0xB1);
+  else if constexpr (STRIDE == 2) partner = _mm256_permute_ps(x, 0x4E);
+  else partner = _mm256_permute2f128_ps(x, x, 0x01);
+  alignas(32) static const float sign[8] = {
+      (0 & STRIDE) ? -1.f : 1.f, (1 & STRIDE) ? -1.f : 1.f, (2 & STRIDE) ? -1.f : 1.f, (3 & STRIDE) ? -1.f : 1.f,
+      (4 & STRIDE) ? -1.f : 1.f, (5 & STRIDE) ? -1.f : 1.f, (6 & STRIDE) ? -1.f : 1.f, (7 & STRIDE) ? -1.f : 1.f};
+  return _mm256_fmadd_ps(x, _mm256_load_ps(sign), partner);
+}
+
+template <int NCH>
+inline void fwht_regs(const float* y, float* out) {
+  __m256 v[NCH];
+  for (int j = 0; j < NCH; ++j) v[j] = _mm256_loadu_ps(y + 8 * j);
+  for (int span = 1; span < NCH; span *= 2)
+    for (int j = 0; j < NCH; ++j)
+      if (!(j & span)) {
+        const __m256 a = v[j], b = v[j + span];
+        v[j] = _mm256_add_ps(a, b);
+        v[j + span] = _mm256_sub_ps(a, b);
+      }
+  for (int j = 0; j < NCH; ++j) v[j] = lane_butterfly8<4>(lane_butterfly8<2>(lane_butterfly8<1>(v[j])));
+  for (int j = 0; j < NCH; ++j) _mm256_storeu_ps(out + 8 * j, v[j]);
 }
 #endif
 
@@ -117,9 +147,18 @@ struct Codec {
       case 256: return matvec_regs<16>(y, out);
       default: break;
     }
+#elif defined(KVPACK_AVX2)
+    if (rotation == Rotation::Sylvester) switch (D) {
+        case 16: return fwht_regs<2>(y, out);
+        case 32: return fwht_regs<4>(y, out);
+        case 64: return fwht_regs<8>(y, out);
+        case 128: return fwht_regs<16>(y, out);
+        case 256: return fwht_regs<32>(y, out);
+        default: break;  // classify() admits no other order
+      }
 #endif
     std::fill(out, out + D, 0.f);
-    for (int64_t r = 0; r < D; ++r) axpy(y[r], matrix.data() + r * D, out, D);
+    combine(y, matrix.data(), D, D, out);  // sum_r y[r] M[r] with the output row in registers
   }
 
 #if defined(__AVX512F__)
@@ -204,6 +243,35 @@ inline void decode_codes(const uint8_t* r, int64_t D, __m512 levels, float* y) {
     }
   }
 }
+#elif defined(KVPACK_AVX2)
+// The same on 8 lanes: 8 bytes zero-extended to 8 int32 lanes, each output vector's bytes broadcast
+// to its lanes by a lane permute, shifted, masked, and looked up; 16 levels (4-bit) are two 8-entry
+// permutes blended on the code's bit 3. Needs D % 8 == 0.
+template <int BITS>
+inline void decode_codes8(const uint8_t* r, int64_t D, __m256 levels_lo, __m256 levels_hi, float* y) {
+  constexpr int PER_BYTE = 8 / BITS;
+  const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m256i byte_of_lane = _mm256_srli_epi32(lane, BITS == 2 ? 2 : 1);
+  const __m256i shift = _mm256_slli_epi32(_mm256_and_si256(lane, _mm256_set1_epi32(PER_BYTE - 1)), BITS == 2 ? 1 : 2);
+  const __m256i code_mask = _mm256_set1_epi32((1 << BITS) - 1);
+  const int64_t bytes = D * BITS / 8;
+  for (int64_t b0 = 0; b0 < bytes; b0 += 8) {  // 8 bytes: 8 PER_BYTE codes
+    const int64_t nb = std::min<int64_t>(8, bytes - b0);
+    uint64_t chunk = 0;
+    std::memcpy(&chunk, r + b0, size_t(nb));
+    const __m256i wide = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(chunk)));
+    for (int64_t m = 0; m < nb * PER_BYTE / 8; ++m) {
+      const __m256i idx = _mm256_add_epi32(byte_of_lane, _mm256_set1_epi32(int(m * 8 / PER_BYTE)));
+      const __m256i code =
+          _mm256_and_si256(_mm256_srlv_epi32(_mm256_permutevar8x32_epi32(wide, idx), shift), code_mask);
+      __m256 v = _mm256_permutevar8x32_ps(levels_lo, code);
+      if constexpr (BITS == 4)
+        v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(levels_hi, code),
+                             _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
+      _mm256_storeu_ps(y + b0 * PER_BYTE + 8 * m, v);
+    }
+  }
+}
 #endif
 
 // y = scale * levels[codes] of residual `slot` of a tier.
@@ -218,6 +286,14 @@ inline void residual_codes(const Tier& t, const Codec& c, int64_t slot, float* y
     if (t.bits == 2)
       return decode_codes<2>(t.res + slot * (D / 4), D, _mm512_mul_ps(_mm512_loadu_ps(c.levels2), sv), y);
     return decode_codes<4>(t.res + slot * (D / 2), D, _mm512_mul_ps(_mm512_loadu_ps(c.levels4), sv), y);
+  }
+#elif defined(KVPACK_AVX2)
+  if (D % 8 == 0) {
+    const __m256 sv = _mm256_set1_ps(s);
+    if (t.bits == 2)
+      return decode_codes8<2>(t.res + slot * (D / 4), D, _mm256_mul_ps(_mm256_loadu_ps(c.levels2), sv), sv, y);
+    return decode_codes8<4>(t.res + slot * (D / 2), D, _mm256_mul_ps(_mm256_loadu_ps(c.levels4), sv),
+                            _mm256_mul_ps(_mm256_loadu_ps(c.levels4 + 8), sv), y);
   }
 #endif
   if (t.bits == 2) {

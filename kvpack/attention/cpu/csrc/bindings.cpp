@@ -3,6 +3,7 @@
 // kvtc_quantize, kvtc_dequantize and kvtc_layer_out (kvtc.cpp) are plain functions kvtc's coder calls (no Triton
 // twin, no op).
 #include <pybind11/stl.h>
+#include <torch/extension.h>
 
 #include "common.h"
 

@@ -11,8 +11,10 @@
 // of rows that saw no key must stay -inf).
 #pragma once
 
+// ATen alone (not torch/extension.h, which brings pybind11 and the autograd headers): each kernel
+// translation unit compiles in a fraction of the time; bindings.cpp includes the extension header.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
 
 #include <immintrin.h>
 
@@ -54,6 +56,31 @@ inline void widen_row(const T* __restrict src, float* __restrict dst, int64_t n)
 // row (a rank of 12, a page of 32 tokens) costs one or two vector operations and no scalar epilogue;
 // the compiler's own `omp simd` reduction ended in a serial chain of scalar adds, and its loops' scalar
 // prologues and epilogues cost more than the work at these lengths (both measured as hot spots).
+// AVX2 (8 lanes) does the same with vmaskmovps, whose masked-off lanes are never read (no fault past
+// the end of a buffer).
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define KVPACK_AVX2 1
+// Lanes [0, n) set, n in [0, 8].
+inline __m256i tail_mask8(int64_t n) {
+  static const int32_t bits[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + 8 - n));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+inline float hmax8(__m256 v) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+#endif
+
 #if defined(__AVX512F__)
 inline __mmask16 tail_mask(int64_t n) { return __mmask16((1u << n) - 1); }
 
@@ -87,19 +114,40 @@ inline void axpy(float a, const float* __restrict x, float* __restrict y, int64_
                           _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
   }
 }
+#elif defined(KVPACK_AVX2)
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  __m256 v = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), v);
+  if (i < n) {
+    const __m256i m = tail_mask8(n - i);
+    v = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, m), _mm256_maskload_ps(b + i, m), v);
+  }
+  return hsum8(v);
+}
+
+inline float sum(const float* __restrict a, int64_t n) {
+  __m256 v = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) v = _mm256_add_ps(_mm256_loadu_ps(a + i), v);
+  if (i < n) v = _mm256_add_ps(_mm256_maskload_ps(a + i, tail_mask8(n - i)), v);
+  return hsum8(v);
+}
+
+inline void axpy(float a, const float* __restrict x, float* __restrict y, int64_t n) {
+  const __m256 av = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  if (i < n) {
+    const __m256i m = tail_mask8(n - i);
+    _mm256_maskstore_ps(y + i, m, _mm256_fmadd_ps(av, _mm256_maskload_ps(x + i, m), _mm256_maskload_ps(y + i, m)));
+  }
+}
 #else
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  int64_t i = 0;
   float acc = 0.f;
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 v = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), v);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  acc = _mm_cvtss_f32(h);
-#endif
-  for (; i < n; ++i) acc += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
   return acc;
 }
 
@@ -155,6 +203,27 @@ inline void exp_shifted(float* __restrict x, float shift, int64_t n) {
     const __m512 r = _mm512_scalef_ps(p, fi);  // p * 2^fi
     _mm512_storeu_ps(x + i, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, lo, _CMP_GE_OQ), r));
   }
+#elif defined(KVPACK_AVX2)
+  // 2^fi built in the exponent field: fi >= -126 (inputs clamped at -87), so the biased exponent is >= 1.
+  const __m256 sh = _mm256_set1_ps(shift), lo = _mm256_set1_ps(-87.f), log2e = _mm256_set1_ps(1.4426950408889634f),
+               ln2 = _mm256_set1_ps(0.6931471805599453f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_sub_ps(_mm256_loadu_ps(x + i), sh);
+    const __m256 t = _mm256_mul_ps(_mm256_max_ps(v, lo), log2e);
+    const __m256 fi = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 g = _mm256_mul_ps(_mm256_sub_ps(t, fi), ln2);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.f));
+    const __m256 two_fi = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23));
+    const __m256 r = _mm256_mul_ps(p, two_fi);
+    _mm256_storeu_ps(x + i, _mm256_and_ps(_mm256_cmp_ps(v, lo, _CMP_GE_OQ), r));
+  }
 #endif
   for (; i < n; ++i) x[i] = exp_approx(x[i] - shift);
 }
@@ -166,6 +235,10 @@ inline float max_of(const float* __restrict x, int64_t n) {
   __m512 v = _mm512_set1_ps(NEG_INF);
   for (; i + 16 <= n; i += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(x + i));
   best = _mm512_reduce_max_ps(v);
+#elif defined(KVPACK_AVX2)
+  __m256 v = _mm256_set1_ps(NEG_INF);
+  for (; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + i));
+  best = hmax8(v);
 #endif
   for (; i < n; ++i) best = std::max(best, x[i]);
   return best;
@@ -271,10 +344,56 @@ inline void combine_regs(const float* __restrict c, const float* __restrict rows
   }
   for (int j = 0; j < NCH; ++j) _mm512_mask_storeu_ps(out + 16 * j, j + 1 < NCH ? __mmask16(0xFFFF) : last, acc[j]);
 }
+#elif defined(KVPACK_AVX2)
+// AVX2 has 16 vector registers: the row is done in blocks of at most 8 vectors (64 floats) held in
+// registers across the n updates; TAIL: the block's last vector is the row's partial one (masked).
+template <int NCH, bool TAIL>
+inline void combine_block8(const float* __restrict c, const float* __restrict rows, int64_t n, int64_t D,
+                           __m256i last, float* __restrict out) {
+  __m256 acc[NCH];
+  for (int j = 0; j < NCH; ++j)
+    acc[j] = TAIL && j + 1 == NCH ? _mm256_maskload_ps(out + 8 * j, last) : _mm256_loadu_ps(out + 8 * j);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 a = _mm256_set1_ps(c[t]);
+    const float* row = rows + t * D;
+#pragma GCC unroll 8
+    for (int j = 0; j < NCH; ++j)
+      acc[j] = _mm256_fmadd_ps(
+          a, TAIL && j + 1 == NCH ? _mm256_maskload_ps(row + 8 * j, last) : _mm256_loadu_ps(row + 8 * j), acc[j]);
+  }
+  for (int j = 0; j < NCH; ++j) {
+    if (TAIL && j + 1 == NCH) _mm256_maskstore_ps(out + 8 * j, last, acc[j]);
+    else _mm256_storeu_ps(out + 8 * j, acc[j]);
+  }
+}
+
+template <bool TAIL>
+inline void combine_block8_any(int nch, const float* c, const float* rows, int64_t n, int64_t D, __m256i last,
+                               float* out) {
+  switch (nch) {
+    case 1: return combine_block8<1, TAIL>(c, rows, n, D, last, out);
+    case 2: return combine_block8<2, TAIL>(c, rows, n, D, last, out);
+    case 3: return combine_block8<3, TAIL>(c, rows, n, D, last, out);
+    case 4: return combine_block8<4, TAIL>(c, rows, n, D, last, out);
+    case 5: return combine_block8<5, TAIL>(c, rows, n, D, last, out);
+    case 6: return combine_block8<6, TAIL>(c, rows, n, D, last, out);
+    case 7: return combine_block8<7, TAIL>(c, rows, n, D, last, out);
+    default: return combine_block8<8, TAIL>(c, rows, n, D, last, out);
+  }
+}
 #endif
 
 inline void combine(const float* __restrict c, const float* __restrict rows, int64_t n, int64_t D,
                     float* __restrict out) {
+#if defined(KVPACK_AVX2)
+  const int64_t nv = (D + 7) / 8;
+  const __m256i last = tail_mask8(D % 8 ? D % 8 : 8);
+  for (int64_t b = 0; b < nv; b += 8) {
+    const int nch = int(std::min<int64_t>(8, nv - b));
+    if (b + nch == nv && D % 8) combine_block8_any<true>(nch, c, rows + 8 * b, n, D, last, out + 8 * b);
+    else combine_block8_any<false>(nch, c, rows + 8 * b, n, D, last, out + 8 * b);
+  }
+#else
 #if defined(__AVX512F__)
   switch ((D + 15) / 16) {
     case 1: return combine_regs<1>(c, rows, n, D, out);
@@ -290,6 +409,7 @@ inline void combine(const float* __restrict c, const float* __restrict rows, int
   }
 #endif
   for (int64_t t = 0; t < n; ++t) axpy(c[t], rows + t * D, out, D);
+#endif
 }
 
 // o [M, D] += p [M, n] (row stride `stride`) @ v [n, D] (fp32 rows).

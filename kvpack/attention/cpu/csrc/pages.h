@@ -54,6 +54,21 @@ inline void widen_nibbles(const uint8_t* __restrict src, int64_t n, float* __res
     _mm512_storeu_ps(dst + c, _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first)), eight));
     _mm512_storeu_ps(dst + c + 16, _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(second)), eight));
   }
+#elif defined(KVPACK_AVX2)
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256 eight = _mm256_set1_ps(8.f);
+  auto store8 = [&](float* d, __m128i bytes) {  // the low 8 bytes as 8 floats minus 8
+    _mm256_storeu_ps(d, _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), eight));
+  };
+  for (; c + 32 <= n; c += 32) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c / 2));
+    const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+    const __m128i first = _mm_unpacklo_epi8(lo, hi), second = _mm_unpackhi_epi8(lo, hi);
+    store8(dst + c, first);
+    store8(dst + c + 8, _mm_srli_si128(first, 8));
+    store8(dst + c + 16, second);
+    store8(dst + c + 24, _mm_srli_si128(second, 8));
+  }
 #endif
   for (; c < n; c += 2) std::memcpy(dst + c, table.v[src[c / 2]], 8);
 }
@@ -166,6 +181,66 @@ inline void rope_scores(const float* q, int64_t M, const float* lk, int64_t rank
     rope_scores_tile<NV, 1>(q, M, lk + p * rank, rank, R, g.cos + (pos + p) * g.W, g.sin + (pos + p) * g.W, g.W,
                             s + p, P);
 }
+#elif defined(KVPACK_AVX2)
+// AVX2's 16 registers hold a tile of TT tokens x one group of 16 rotation pairs (channels c0 + [0, 16)
+// and their partners D / 2 + c0 + [0, 16)): 4 TT accumulators, the group's 4 R_K vectors and a
+// broadcast. Each group's keys are rotated in registers and their partial dot products with the
+// queries added into s (zeroed by the caller); needs D % 32 == 0.
+template <int TT>
+inline void rope_scores_tile8(const float* __restrict q, int64_t M, int64_t D, const float* __restrict lk,
+                              int64_t rank, const float* __restrict R, const float* cos, const float* sin, int64_t W,
+                              float* s, int64_t stride) {
+  const int64_t half = D / 2;
+  for (int64_t c0 = 0; c0 < half; c0 += 16) {
+    __m256 acc[TT][4];
+    for (int t = 0; t < TT; ++t)
+      for (int v = 0; v < 4; ++v) acc[t][v] = _mm256_setzero_ps();
+    for (int64_t r = 0; r < rank; ++r) {
+      const float* row = R + r * D + c0;
+      const __m256 r0 = _mm256_loadu_ps(row), r1 = _mm256_loadu_ps(row + 8), r2 = _mm256_loadu_ps(row + half),
+                   r3 = _mm256_loadu_ps(row + half + 8);
+      for (int t = 0; t < TT; ++t) {
+        const __m256 a = _mm256_set1_ps(lk[t * rank + r]);
+        acc[t][0] = _mm256_fmadd_ps(a, r0, acc[t][0]);
+        acc[t][1] = _mm256_fmadd_ps(a, r1, acc[t][1]);
+        acc[t][2] = _mm256_fmadd_ps(a, r2, acc[t][2]);
+        acc[t][3] = _mm256_fmadd_ps(a, r3, acc[t][3]);
+      }
+    }
+    for (int t = 0; t < TT; ++t) {
+      const float* c = cos + t * W + c0;
+      const float* sn = sin + t * W + c0;
+      const float* c2 = W == D ? c + half : c;
+      const float* s2 = W == D ? sn + half : sn;
+      __m256 k[4];
+      for (int v = 0; v < 2; ++v) {  // k1' = k1 c - k2 s, k2' = k2 c2 + k1 s2
+        const __m256 k1 = acc[t][v], k2 = acc[t][v + 2];
+        k[v] = _mm256_fmsub_ps(k1, _mm256_loadu_ps(c + 8 * v), _mm256_mul_ps(k2, _mm256_loadu_ps(sn + 8 * v)));
+        k[v + 2] = _mm256_fmadd_ps(k2, _mm256_loadu_ps(c2 + 8 * v), _mm256_mul_ps(k1, _mm256_loadu_ps(s2 + 8 * v)));
+      }
+      for (int64_t i = 0; i < M; ++i) {
+        const float* qi = q + i * D + c0;
+        __m256 d = _mm256_mul_ps(_mm256_loadu_ps(qi), k[0]);
+        d = _mm256_fmadd_ps(_mm256_loadu_ps(qi + 8), k[1], d);
+        d = _mm256_fmadd_ps(_mm256_loadu_ps(qi + half), k[2], d);
+        d = _mm256_fmadd_ps(_mm256_loadu_ps(qi + half + 8), k[3], d);
+        s[i * stride + t] += hsum8(d);
+      }
+    }
+  }
+}
+
+inline void rope_scores8(const float* q, int64_t M, const float* lk, int64_t rank, const float* R, int64_t P,
+                         int64_t pos, const Geometry& g, float* s) {
+  std::fill(s, s + M * P, 0.f);
+  int64_t p = 0;
+  for (; p + 2 <= P; p += 2)
+    rope_scores_tile8<2>(q, M, g.D, lk + p * rank, rank, R, g.cos + (pos + p) * g.W, g.sin + (pos + p) * g.W, g.W,
+                         s + p, P);
+  for (; p < P; ++p)
+    rope_scores_tile8<1>(q, M, g.D, lk + p * rank, rank, R, g.cos + (pos + p) * g.W, g.sin + (pos + p) * g.W, g.W,
+                         s + p, P);
+}
 #endif
 
 // Pre-RoPE logits s [M, P] of one page (keys L_K R_K at ranks `rank`, first token at `pos`), unscaled.
@@ -181,6 +256,8 @@ inline void pre_rope_scores(const float* q, const Page& pg, int64_t rank, int64_
     case 256: return rope_scores<16, 1>(q, M, pg.lk.data(), rank, pg.rk.data(), P, pos, g, w.s.data());
     default: break;
   }
+#elif defined(KVPACK_AVX2)
+  if (D % 32 == 0) return rope_scores8(q, M, pg.lk.data(), rank, pg.rk.data(), P, pos, g, w.s.data());
 #endif
   // Any other D: each key row rebuilt in a buffer (combine), rotated, then dotted with the queries.
   std::fill(w.keys.begin(), w.keys.end(), 0.f);
@@ -204,8 +281,7 @@ inline void fold_page(const float* q, const Page& pg, int64_t rk, int64_t rv, in
     std::fill(w.s.begin(), w.s.end(), 0.f);
     for (int64_t i = 0; i < M; ++i)
       for (int64_t r = 0; r < rk; ++r) w.qr[i * g.RK + r] = dot(q + i * D, pg.rk.data() + r * D, D);
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t r = 0; r < rk; ++r) axpy(w.qr[i * g.RK + r], w.lkT.data() + r * P, w.s.data() + i * P, P);
+    for (int64_t i = 0; i < M; ++i) combine(w.qr.data() + i * g.RK, w.lkT.data(), rk, P, w.s.data() + i * P);
   }
   for (int64_t x = 0; x < M * P; ++x) w.s[x] *= g.scaling;
   st.absorb(w.s.data(), P, P);
