@@ -19,6 +19,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -276,6 +277,12 @@ struct RowsState {
 
 // Runs body(h, s, state) for every (KV head h, split s) on torch's intra-op pool and merges the splits'
 // states by log-sum-exp into m, l [H, M], o [H, M, D].
+//
+// Jobs are handed out one at a time from a shared counter (each of the pool's threads takes the next
+// job when it finishes one) rather than in the pool's static contiguous ranges: a split's cost follows
+// what it holds (puzzle_plus's per-page ranks, AnchorKV's residual counts), and with static ranges one
+// thread idled while the other finished the costly half. Each job writes its own state slot and the
+// merge below runs in job order, so the result does not depend on which thread ran what.
 template <typename Body>
 State split_k(int64_t H, int64_t n_splits, int64_t M, int64_t D, const at::TensorOptions& opts, Body&& body) {
   auto m = at::full({H, M}, NEG_INF, opts);
@@ -283,8 +290,10 @@ State split_k(int64_t H, int64_t n_splits, int64_t M, int64_t D, const at::Tenso
   auto o = at::zeros({H, M, D}, opts);
   if (n_splits == 0 || H == 0 || M == 0) return {m, l, o};
   std::vector<float> sm(H * n_splits * M), sl(H * n_splits * M), so(H * n_splits * M * D);
-  at::parallel_for(0, H * n_splits, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t job = begin; job < end; ++job) {
+  const int64_t jobs = H * n_splits;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(jobs, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t job; (job = next.fetch_add(1, std::memory_order_relaxed)) < jobs;) {
       const int64_t h = job / n_splits, s = job % n_splits;
       RowsState st(M, D);
       body(h, s, st);
