@@ -14,8 +14,13 @@ hold ÷ the same tokens in bf16 (kvpack's rows; the peers' dense bytes are the m
 with ``attention_backend=torch`` (the PyTorch reference path), so the native kernels' gain is measured
 in the same run.
 
+``--rebase N`` measures the ``DynamicCache`` row again after every N rows and at the end, and gives
+each row its ratio to the mean of the two baseline runs around it (both printed as ``base ms``): on a
+machine whose speed drifts during a run (a shared VM measured 232 then 302 ms/token for the same
+baseline 25 minutes apart), a single baseline at the start skews every later ratio.
+
 Usage: python benchmarks/bench_decode_e2e.py [--lengths 2048,4096,8192] [--dtypes float32,bfloat16]
-    [--new-tokens 40] [--rows full,kivi@0.25,...] [--torch-path] [--json out.jsonl]
+    [--new-tokens 40] [--rows full,kivi@0.25,...] [--torch-path] [--rebase N] [--json out.jsonl]
 """
 
 from __future__ import annotations
@@ -112,6 +117,30 @@ def run_row(model, tok, ids, new_tokens: int, row: str, torch_path: bool) -> dic
             "kv_ratio": kv_ratio, "new_tokens": out.shape[1] - ids.shape[1], "text_ids": out[0, ids.shape[1]:].tolist()}
 
 
+def print_row(res: dict, base_ms: float | None = None) -> None:
+    kv = "—" if res["kv_ratio"] is None else f"{res['kv_ratio']:.3f}"
+    extra = "" if base_ms is None else f"{base_ms:>10.1f}"
+    print(f"{res['row']:<32}{res['prefill_s']:>10.2f}{res['median_ms']:>10.1f}{res['mean_ms']:>8.1f}"
+          f"{res['max_ms']:>9.1f}{res['ratio']:>11.2f}x{kv:>11}{extra}", flush=True)
+
+
+def bracketed(done: list[dict]) -> None:
+    """Re-rate every row against the mean of the baseline runs just before and after it (``--rebase``),
+    and print the table again with that baseline beside each row."""
+    base_at = [i for i, r in enumerate(done) if r["row"] == "dynamic"]
+    print(f"\n# ratios to the mean of the DynamicCache runs around each row ({len(base_at)} baseline runs)")
+    print(f"{'cache':<32}{'prefill s':>10}{'ms/token':>10}{'mean':>8}{'slowest':>9}{'vs Dynamic':>12}"
+          f"{'KV / bf16':>11}{'base ms':>10}")
+    for i, res in enumerate(done):
+        if res["row"] == "dynamic":
+            continue
+        before = [j for j in base_at if j < i][-1:]
+        after = [j for j in base_at if j > i][:1]
+        base_ms = statistics.fmean(done[j]["median_ms"] for j in before + after)
+        res.update(ratio=res["median_ms"] / base_ms, base_ms=base_ms)
+        print_row(res, base_ms)
+
+
 def has_backend(row: str) -> bool:
     name, _ = parse_row(row)
     return name not in PEERS and hasattr(get_method(name).config, "attention_backend")
@@ -125,6 +154,8 @@ def main() -> int:
     parser.add_argument("--rows", default=",".join(PEERS + DEFAULT_ROWS),
                         help="comma-separated rows: dynamic, quanto4, quanto2, METHOD or METHOD@BUDGET")
     parser.add_argument("--torch-path", action="store_true", help="also each kvpack row on the PyTorch path")
+    parser.add_argument("--rebase", type=int, default=0,
+                        help="re-measure the DynamicCache baseline after every N rows (0: once, first)")
     parser.add_argument("--json", help="append every row as a JSON line to this file")
     args = parser.parse_args()
     rows = [r for r in args.rows.split(",") if r]
@@ -153,9 +184,14 @@ def main() -> int:
             print(f"\n## {dtype_name}, {ids.shape[1]} prompt tokens")
             print(f"{'cache':<32}{'prefill s':>10}{'ms/token':>10}{'mean':>8}{'slowest':>9}{'vs Dynamic':>12}"
                   f"{'KV / bf16':>11}")
-            base = None
             warm_ids = ids[:, :1024]  # every row once on a short prompt first: one-time builds and caches not timed
             plan = [(r, False) for r in rows] + [(r, True) for r in rows if args.torch_path and has_backend(r)]
+            if args.rebase > 0:  # the baseline again after every N rows and at the end
+                body = plan[1:]
+                plan = plan[:1]
+                for i in range(0, len(body), args.rebase):
+                    plan += body[i:i + args.rebase] + [("dynamic", False)]
+            done: list[dict] = []  # in run order, baselines included
             for row, torch_path in plan:
                 try:
                     run_row(model, tok, warm_ids, 2, row, torch_path)
@@ -163,15 +199,16 @@ def main() -> int:
                 except Exception as exc:  # a row that cannot run says why; the others go on
                     print(f"{row:<32} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                     continue
-                if base is None:
-                    base = res
+                base = next((r for r in reversed(done) if r["row"] == "dynamic"), res)
                 res.update(dtype=dtype_name, prompt_tokens=ids.shape[1],
                            same_tokens=res["text_ids"] == base["text_ids"], ratio=res["median_ms"] / base["median_ms"])
-                kv = "—" if res["kv_ratio"] is None else f"{res['kv_ratio']:.3f}"
-                print(f"{res['row']:<32}{res['prefill_s']:>10.2f}{res['median_ms']:>10.1f}{res['mean_ms']:>8.1f}"
-                      f"{res['max_ms']:>9.1f}{res['ratio']:>11.2f}x{kv:>11}", flush=True)
-                if args.json:
-                    with open(args.json, "a") as f:
+                done.append(res)
+                print_row(res)
+            if args.rebase > 0:
+                bracketed(done)
+            if args.json:
+                with open(args.json, "a") as f:
+                    for res in done:
                         f.write(json.dumps({k: v for k, v in res.items() if k != "text_ids"}) + "\n")
         del model
     return 0
