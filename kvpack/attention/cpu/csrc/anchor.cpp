@@ -12,7 +12,8 @@
 // The rotation: the identity (the naive ablation) is skipped; the paper's Sylvester-Hadamard matrix is
 // applied as a fast Walsh-Hadamard transform held in registers (D / 16 vectors: butterflies 16 or more
 // apart between vectors, 1, 2, 4 and 8 apart as a lane permute plus one FMA with a +-1 vector), about
-// D log2(D) / 16 vector operations; any other 0/+-1 matrix as a D x D product of AVX-512 row updates.
+// D log2(D) / 16 vector operations; any other 0/+-1 matrix as a D x D product (`combine`: the output row
+// held in registers).
 // Profiled at D = 128, the D x D product was 70% of the kernel's time.
 #include "common.h"
 
@@ -44,6 +45,8 @@ Rotation classify(const at::Tensor& hmat, std::vector<float>& m) {
 }
 
 #if defined(__AVX512F__)
+constexpr int LANES = 16;  // floats per vector register
+
 // One in-vector butterfly stage `stride` apart (1, 2, 4, 8): lane i becomes x[i ^ stride] + sign_i x[i],
 // sign_i = -1 where bit `stride` of i is set (the pair's difference), +1 where clear (its sum).
 template <int STRIDE>
@@ -78,6 +81,8 @@ inline void fwht_regs(const float* y, float* out) {
   for (int j = 0; j < NCH; ++j) _mm512_storeu_ps(out + 16 * j, v[j]);
 }
 #elif defined(KVPACK_AVX2)
+constexpr int LANES = 8;
+
 // The same transform on 8-lane vectors: butterflies 8 or more apart between vectors, 1, 2 and 4 apart
 // in-vector (at D = 128 and 256 the 16 / 32 vectors exceed AVX2's registers and the compiler keeps some
 // on the stack: still ~D log2(D) / 8 vector operations against the D x D product's D^2 / 8).
@@ -132,49 +137,19 @@ struct Codec {
   // out = y M. The output row stays in registers across the D row updates (a row buffer in memory
   // made every update wait on the previous one's store: the hot spot of the first version).
   void matvec(const float* y, float* out) const {
-#if defined(__AVX512F__)
-    if (rotation == Rotation::Sylvester) switch (D) {
-        case 16: return fwht_regs<1>(y, out);
-        case 32: return fwht_regs<2>(y, out);
-        case 64: return fwht_regs<4>(y, out);
-        case 128: return fwht_regs<8>(y, out);
-        case 256: return fwht_regs<16>(y, out);
-        default: break;  // classify() admits no other order
-      }
-    switch (D) {
-      case 64: return matvec_regs<4>(y, out);
-      case 128: return matvec_regs<8>(y, out);
-      case 256: return matvec_regs<16>(y, out);
-      default: break;
-    }
-#elif defined(KVPACK_AVX2)
-    if (rotation == Rotation::Sylvester) switch (D) {
-        case 16: return fwht_regs<2>(y, out);
-        case 32: return fwht_regs<4>(y, out);
-        case 64: return fwht_regs<8>(y, out);
-        case 128: return fwht_regs<16>(y, out);
-        case 256: return fwht_regs<32>(y, out);
+#if defined(__AVX512F__) || defined(KVPACK_AVX2)
+    if (rotation == Rotation::Sylvester) switch (D) {  // fwht_regs' template argument: vectors per row
+        case 16: return fwht_regs<16 / LANES>(y, out);
+        case 32: return fwht_regs<32 / LANES>(y, out);
+        case 64: return fwht_regs<64 / LANES>(y, out);
+        case 128: return fwht_regs<128 / LANES>(y, out);
+        case 256: return fwht_regs<256 / LANES>(y, out);
         default: break;  // classify() admits no other order
       }
 #endif
     std::fill(out, out + D, 0.f);
     combine(y, matrix.data(), D, D, out);  // sum_r y[r] M[r] with the output row in registers
   }
-
-#if defined(__AVX512F__)
-  template <int NCH>
-  void matvec_regs(const float* y, float* out) const {
-    __m512 acc[NCH];
-    for (int j = 0; j < NCH; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t r = 0; r < D; ++r) {
-      const __m512 a = _mm512_set1_ps(y[r]);
-      const float* row = matrix.data() + r * D;
-#pragma GCC unroll 16
-      for (int j = 0; j < NCH; ++j) acc[j] = _mm512_fmadd_ps(a, _mm512_loadu_ps(row + 16 * j), acc[j]);
-    }
-    for (int j = 0; j < NCH; ++j) _mm512_storeu_ps(out + 16 * j, acc[j]);
-  }
-#endif
 };
 
 struct Tier {  // one residual tier of one side
