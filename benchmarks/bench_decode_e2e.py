@@ -141,6 +141,12 @@ def bracketed(done: list[dict]) -> None:
         print_row(res, base_ms)
 
 
+def write_json(path: str, rows: list[dict]) -> None:
+    with open(path, "a") as f:
+        for res in rows:
+            f.write(json.dumps({k: v for k, v in res.items() if k != "text_ids"}) + "\n")
+
+
 def has_backend(row: str) -> bool:
     name, _ = parse_row(row)
     return name not in PEERS and hasattr(get_method(name).config, "attention_backend")
@@ -204,12 +210,12 @@ def main() -> int:
                            same_tokens=res["text_ids"] == base["text_ids"], ratio=res["median_ms"] / base["median_ms"])
                 done.append(res)
                 print_row(res)
-            if args.rebase > 0:
+                if args.json and not args.rebase:  # each row as it completes (a killed run keeps them)
+                    write_json(args.json, [res])
+            if args.rebase > 0:  # the ratios are known once the baseline after the last row is
                 bracketed(done)
-            if args.json:
-                with open(args.json, "a") as f:
-                    for res in done:
-                        f.write(json.dumps({k: v for k, v in res.items() if k != "text_ids"}) + "\n")
+                if args.json:
+                    write_json(args.json, done)
         del model
     return 0
 
