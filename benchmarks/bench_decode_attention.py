@@ -8,7 +8,11 @@ tensors where built, ``--torch-path`` adds each row on the PyTorch reference pat
 bytes each holds. StreamingLLM stands for the eviction baselines (H2O and SnapKV keep as many tokens
 in the same dense layout and are read by the same kernel; their prefill scoring is O(T²) here).
 
+``--shape smollm2`` times SmolLM2's layer shape instead (3 KV heads, 9 query heads, d = 64): the
+kernels' share of the end-to-end decode step that ``bench_decode_e2e.py`` measures.
+
 Usage: python benchmarks/bench_decode_attention.py [--contexts 8192,32768,65536] [--torch-path]
+    [--shape llama8b|smollm2] [--methods "puzzle_plus,puzzle_plus fp32,..."]
 """
 
 from __future__ import annotations
@@ -27,11 +31,19 @@ ROWS = [
     ("full bf16", "full", {"storage_dtype": "bfloat16"}),
     ("puzzle", "puzzle", {}), ("puzzle int4", "puzzle", {"int4": True}), ("puzzle@0.25", "puzzle", {"budget": 0.25}),
     ("puzzle_plus", "puzzle_plus", {}), ("puzzle_plus@0.25", "puzzle_plus", {"budget": 0.25}),
+    # the pre-RoPE rebuild with fp32 products (dot_precision's reference; the rows above use bf16 products
+    # where the CPU has AVX-512 BF16)
+    ("puzzle_plus fp32", "puzzle_plus", {"dot_precision": "float32"}),
+    ("puzzle_plus@0.25 fp32", "puzzle_plus", {"budget": 0.25, "dot_precision": "float32"}),
     ("anchor θ=0.1", "anchor", {"budget": 0.1}), ("anchor@0.25", "anchor", {"budget": 0.25}),
     ("anchor_plus", "anchor_plus", {}), ("anchor_plus@0.25", "anchor_plus", {"budget": 0.25}),
     ("svd@0.25", "svd", {"budget": 0.25}), ("kivi", "kivi", {}), ("kivi@0.25", "kivi", {"budget": 0.25}),
     ("streaming@0.25", "streaming", {"budget": 0.25}),
 ]
+
+
+# (KV heads, query heads, head_dim, RoPE theta)
+SHAPES = {"llama8b": (8, 32, 128, 500000.0), "smollm2": (3, 9, 64, 100000.0)}
 
 
 def synthetic_kv(H: int, T: int, d: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,10 +62,12 @@ def main() -> None:
     parser.add_argument("--torch-path", action="store_true", help="also every row on the PyTorch path")
     parser.add_argument("--methods", default=",".join(label for label, _, _ in ROWS),
                         help="comma-separated row labels")
+    parser.add_argument("--shape", default="llama8b", choices=sorted(SHAPES),
+                        help="head shape: llama8b (8 KV heads, 32 query heads, d = 128) or smollm2 (3, 9, 64)")
     args = parser.parse_args()
-    H, Hq, d = 8, 32, 128
+    H, Hq, d, theta = SHAPES[args.shape]
     scale = d ** -0.5
-    print(f"# bench_decode_attention  ({machine()})")
+    print(f"# bench_decode_attention  ({machine()}), {args.shape} head shape: {H} KV heads, {Hq} query heads, d = {d}")
     print("context  method           time ms   vs dense-bf16  vs dense-fp32   bytes MiB  bytes ratio")
     for T in (int(x) for x in args.contexts.split(",")):
         k, v = synthetic_kv(H, T, d)
@@ -70,7 +84,7 @@ def main() -> None:
         ref_bytes = dense["dense-bf16"][1]
         rows = [(name, t, b) for name, (t, b) in dense.items()]
         layout = LayerLayout(layer_idx=0, kv_heads=H, q_heads=Hq, head_dim=d,
-                             rope=RotaryTable(LlamaRotary(d, theta=500000.0), d))
+                             rope=RotaryTable(LlamaRotary(d, theta=theta), d))
         wanted = set(args.methods.split(","))
         plan = [(label, method, cfg) for label, method, cfg in ROWS if label in wanted]
         if args.torch_path:

@@ -21,6 +21,7 @@ baseline 25 minutes apart), a single baseline at the start skews every later rat
 
 Usage: python benchmarks/bench_decode_e2e.py [--lengths 2048,4096,8192] [--dtypes float32,bfloat16]
     [--new-tokens 40] [--rows full,kivi@0.25,...] [--torch-path] [--rebase N] [--json out.jsonl]
+A row may set config fields: ``puzzle_plus@0.25+dot_precision=float32``.
 """
 
 from __future__ import annotations
@@ -75,8 +76,14 @@ class StepTimes(BaseStreamer):
 
 
 def parse_row(row: str) -> tuple[str, dict]:
-    name, _, budget = row.partition("@")
-    return name, ({"budget": float(budget)} if budget else {})
+    """``METHOD[@BUDGET][+KEY=VALUE...]`` -> (method, config fields), typed by the method's config class
+    (``puzzle_plus@0.25+dot_precision=float32``)."""
+    from kvpack.methods import method_config_class
+
+    head, *sets = row.split("+")
+    name, _, budget = head.partition("@")
+    cfg = method_config_class(name).parse_overrides(sets) if sets else {}
+    return name, ({**cfg, "budget": float(budget)} if budget else cfg)
 
 
 def quanto_available() -> bool:
@@ -158,7 +165,7 @@ def main() -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--new-tokens", type=int, default=40)
     parser.add_argument("--rows", default=",".join(PEERS + DEFAULT_ROWS),
-                        help="comma-separated rows: dynamic, quanto4, quanto2, METHOD or METHOD@BUDGET")
+                        help="comma-separated rows: dynamic, quanto4, quanto2, METHOD[@BUDGET][+KEY=VALUE...]")
     parser.add_argument("--torch-path", action="store_true", help="also each kvpack row on the PyTorch path")
     parser.add_argument("--rebase", type=int, default=0,
                         help="re-measure the DynamicCache baseline after every N rows (0: once, first)")

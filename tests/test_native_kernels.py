@@ -245,6 +245,112 @@ def test_puzzle_plus_kernel_refuses_a_corrupted_rank_table():
         ragged_puzzle_partial(store.pages_view(), queries(2, 3, 64), 0.125, native=True)
 
 
+# -- pre-RoPE pages rebuilt with bf16 products (dot_precision) ---------------------------------------
+
+needs_bf16 = pytest.mark.skipif(not cpu.bf16_products_available(), reason="this CPU has no AVX-512 BF16")
+
+
+def ragged_reference(pages, q: torch.Tensor, scaling: float) -> PartialAttention:
+    from kvpack.attention.ragged_pages import ragged_pages_partials
+
+    states = ragged_pages_partials(pages, q.double(), scaling)
+    for k, v in ((pages.sink_k, pages.sink_v), (pages.tail_k, pages.tail_v)):
+        if k.shape[1]:
+            states.append(dense_partial(q.double(), k.double(), v.double(), scaling))
+    return merge_partials(states)
+
+
+def test_dot_precision_choice():
+    assert cpu.bf16_products("auto", True, torch.uint8)            # INT4 factors: rounding far below their step
+    assert cpu.bf16_products("auto", False, torch.bfloat16)        # bf16 factors: exact
+    assert not cpu.bf16_products("auto", False, torch.float32)     # fp32 factors keep fp32 products
+    assert cpu.bf16_products("bfloat16", False, torch.float32)
+    assert not cpu.bf16_products("float32", True, torch.uint8)
+    with pytest.raises(ValueError, match="dot_precision"):
+        cpu.bf16_products("fp8", True, torch.uint8)
+    with pytest.raises(ValueError, match="dot_precision"):
+        PuzzleConfig(dot_precision="half")
+
+
+# bf16 factors round to themselves: the bf16 products are exact, so the fp64 reference's tolerance holds.
+# Odd ranks (the pair's zero partner), page lengths that leave partial tiles, every tiled head size.
+@needs_bf16
+@pytest.mark.parametrize("d,P,rank_k,rows", [(32, 20, 7, 3), (64, 22, 9, 4), (128, 16, 5, 1), (256, 8, 3, 3)])
+def test_bf16_products_are_exact_for_bf16_factors(d, P, rank_k, rows):
+    store = puzzle_store(d, 300, 30, 2, page_size=P, rank_k=rank_k, rank_v=4, key_rope="pre",
+                         storage_dtype="bfloat16")
+    q = queries(2, rows, d, seed=3)
+    ref = puzzle_reference(store, q, d ** -0.5)
+    for pps in (None, 1):
+        close(puzzle_partial(store.pages_view(), q, d ** -0.5, pages_per_split=pps, native=True,
+                             dot_precision="bfloat16"), ref)
+
+
+@needs_bf16
+@pytest.mark.parametrize("d,T,rows,cfg", [
+    (64, 1000, 3, {"int4": False, "key_rope": "pre", "storage_dtype": "bfloat16", "budget": 0.9}),
+    (128, 301, 4, {"page_size": 16, "int4": False, "key_rope": "pre", "storage_dtype": "bfloat16", "budget": 0.9}),
+])
+def test_bf16_products_are_exact_for_bf16_ragged_factors(d, T, rows, cfg):
+    from kvpack.attention.triton.puzzle_ragged_op import ragged_puzzle_partial
+
+    store = ragged_store(2, d, T, **cfg)
+    q = queries(2, rows, d, seed=5)
+    close(ragged_puzzle_partial(store.pages_view(), q, d ** -0.5, native=True, dot_precision="auto"),
+          ragged_reference(store.pages_view(), q, d ** -0.5))
+
+
+def close_bf16(a: PartialAttention, ref: PartialAttention) -> None:
+    """The stated bound of bf16 products over INT4 factors: the normalised output's rms error within 1% of
+    the reference output's rms and its largest error within 5e-3, the log-sum-exp within 5e-3 (measured
+    on the cases below: rms 0.12-0.33%, largest 0.6e-3-2.7e-3)."""
+    out, want = finalize(PartialAttention(a.m.double(), a.l.double(), a.o.double())), finalize(ref)
+    err = out - want
+    assert err.pow(2).mean().sqrt() <= 1e-2 * want.pow(2).mean().sqrt()
+    assert err.abs().max() <= 5e-3
+    seen = ref.l > 0
+    lse, want_lse = a.m.double() + a.l.double().log(), ref.m + ref.l.log()
+    torch.testing.assert_close(lse[seen], want_lse[seen], atol=5e-3, rtol=0)
+
+
+# INT4 factors: R_K's codes are exact in bf16 (its column scales are applied to the rebuilt keys in fp32);
+# L_K's code times its fp16 column scale rounds by at most 2^-9 of the entry, against an INT4 step of
+# 1/8 of the column's largest entry.
+@needs_bf16
+@pytest.mark.parametrize("d,T,rows,cfg", [
+    (64, 1000, 3, {}),                                                  # puzzle_plus's defaults (INT4, pre, P = 64)
+    (64, 300, 4, {"page_size": 22, "key_rope": "pre", "rank_step": 2}),
+    (32, 250, 3, {"page_size": 20, "int4": True, "key_rope": "pre", "budget": 0.5, "rank_step": 2}),
+    (128, 400, 4, {"page_size": 32, "budget": 0.3}),
+])
+def test_bf16_products_stay_within_their_bound_for_int4_factors(d, T, rows, cfg):
+    from kvpack.attention.triton.puzzle_ragged_op import ragged_puzzle_partial
+
+    store = ragged_store(2, d, T, **cfg)
+    pages = store.pages_view()
+    q = queries(2, rows, d, seed=5)
+    ref = ragged_reference(pages, q, d ** -0.5)
+    exact = ragged_puzzle_partial(pages, q, d ** -0.5, native=True, dot_precision="float32")
+    close(exact, ref)
+    for pps in (None, 1):
+        rounded = ragged_puzzle_partial(pages, q, d ** -0.5, pages_per_split=pps, native=True, dot_precision="auto")
+        assert not torch.equal(rounded.o, exact.o)  # the bf16 path ran (or this test would test nothing)
+        close_bf16(rounded, ref)
+
+
+@needs_bf16
+def test_puzzle_stores_pass_their_dot_precision():
+    store = puzzle_store(64, 600, 0, 2, int4=True, key_rope="pre", rank_k=9, rank_v=8)
+    q = queries(2, 3, 64)
+    got = {}
+    for choice in ("float32", "auto"):
+        store.config = dataclasses.replace(store.config, attention_backend="native", dot_precision=choice)
+        (got[choice],) = store.stored_partials(q, 0.125)
+    assert torch.equal(got["float32"].o, puzzle_partial(store.pages_view(), q, 0.125, native=True).o)
+    assert not torch.equal(got["auto"].o, got["float32"].o)
+    close_bf16(got["auto"], puzzle_reference(store, q, 0.125))
+
+
 # -- AnchorKV ------------------------------------------------------------------------------------
 
 

@@ -39,3 +39,36 @@ def test_native_kernels_generate_the_reference_tokens(smollm2, needle_ids, metho
             for backend in ("torch", "auto")}
     assert runs["auto"].token_ids == runs["torch"].token_ids, (method, runs["auto"].text, runs["torch"].text)
     assert runs["auto"].kv_bytes == runs["torch"].kv_bytes
+
+
+def test_bf16_products_keep_puzzle_plus_tokens_and_logits(smollm2, needle_ids):
+    """``puzzle_plus``'s default INT4 pre-RoPE pages with ``dot_precision="auto"`` (bf16 products where the
+    CPU has AVX-512 BF16) against ``float32``: the same greedy tokens, and at every step (both fed the
+    float32 run's tokens) a next-token KL divergence within 1e-3 nats (measured on this prompt: at most
+    6.4e-5; 0 at the first token, which the prefill computes without the kernels)."""
+    import torch
+
+    from kvpack import attach
+    from kvpack.attention import cpu
+    from kvpack.hf.cache import cache_kwargs
+
+    if not cpu.bf16_products_available():
+        pytest.skip("this CPU has no AVX-512 BF16: both settings compute in fp32")
+    model, _ = smollm2
+    logits, fed = {}, []  # fed: the float32 run's greedy tokens, fed to both runs
+    for precision in ("float32", "auto"):
+        steps = []
+        with torch.no_grad(), attach(model, "puzzle_plus", dot_precision=precision) as cache:
+            out = model(torch.tensor([needle_ids]), **cache_kwargs(model, cache))
+            steps.append(out.logits[0, -1].double())
+            for i in range(NEW_TOKENS - 1):
+                if precision == "float32":
+                    fed.append(int(steps[-1].argmax()))
+                out = model(torch.tensor([[fed[i]]]), **cache_kwargs(model, cache))
+                steps.append(out.logits[0, -1].double())
+        logits[precision] = torch.stack(steps)
+    ref, got = logits["float32"].log_softmax(-1), logits["auto"].log_softmax(-1)
+    assert torch.equal(ref.argmax(-1), got.argmax(-1))
+    kl = (ref.exp() * (ref - got)).sum(-1)
+    assert kl.max() <= 1e-3, kl
+    assert not torch.equal(ref, got)  # the bf16 path ran

@@ -194,7 +194,7 @@ def test_custom_op_traces_with_fake_tensors():
                                    torch.empty(2, 4, 5, 32), e, e, e, e, e, e, e, e, e, e, e, e, e, e,
                                    torch.empty(2, 8, 32),
                                    torch.empty(2, 8, 32), torch.empty(2, 12, 32), torch.empty(2, 12, 32),
-                                   16, 5, 5, 0.2, False, False, 8, 2, 16)
+                                   16, 5, 5, 0.2, False, False, 8, 2, 16, False)
         assert m.shape == (2, 3) and l.shape == (2, 3) and o.shape == (2, 3, 32)
 
 

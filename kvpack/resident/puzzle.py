@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.cpu import use_native
+from ..attention.cpu import DOT_PRECISIONS, use_native
 from ..attention.pages import PageSet, PuzzlePages, puzzle_pages_partials
 from ..attention.triton import KERNEL_CHOICES, use_triton
 from ..attention.triton.puzzle_op import puzzle_partial
@@ -58,6 +58,11 @@ class PuzzleConfig(MethodConfig):
             Triton is installed, the native CPU kernel for CPU tensors where it is built, else PyTorch),
             ``triton`` (always; CPU only under ``TRITON_INTERPRET=1``), ``native`` (the CPU kernel) or
             ``torch`` (the reference).
+        dot_precision: how the native CPU kernel rebuilds pre-RoPE keys (``key_rope="pre"``): ``auto``
+            (default: bf16 products with fp32 accumulation where the CPU has AVX-512 BF16 and the factors
+            are INT4 or bf16, which round by at most 2^-9 of an entry or not at all), ``float32`` (the
+            reference numerics) or ``bfloat16`` (also for fp32 factors). Post-RoPE pages, the PyTorch and
+            Triton paths compute in fp32 whatever it says.
         budget: when set, the ranks are chosen per input as the largest pair whose total bytes
             (factors and dense regions, for the coming page cycle) stay within ``budget × dense``.
     """
@@ -71,6 +76,7 @@ class PuzzleConfig(MethodConfig):
     int4: bool = option(False, boolean(), "INT4 factors with Σ^½ absorbed into both (§4.3)")
     tile_pages: int = option(256, integer(minimum=1), "factorized pages per attention tile")
     attention_backend: str = option("auto", choice(*KERNEL_CHOICES), "attention path for stored tokens")
+    dot_precision: str = option("auto", choice(*DOT_PRECISIONS), "native pre-RoPE key rebuild: bf16 products or fp32")
 
     def check(self) -> None:
         for name in ("rank_k", "rank_v"):
@@ -318,7 +324,8 @@ class PuzzleStore(SegmentedStore):
         if use_triton(backend, qg.device):
             return [puzzle_partial(self.pages_view(), qg, scaling)]
         if use_native(backend, qg.device):
-            return [puzzle_partial(self.pages_view(), qg, scaling, native=True)]
+            return [puzzle_partial(self.pages_view(), qg, scaling, native=True,
+                                   dot_precision=self.config.dot_precision)]
         return super().stored_partials(qg, scaling)
 
     def history_partials(self, qg, scaling):

@@ -31,6 +31,8 @@ import torch
 from ...paths import cache_dir
 
 NATIVE_CHOICES = ("auto", "native", "torch")  # attention_backend of methods with no Triton kernel
+# dot_precision of the PuzzleKV stores: how the native kernels rebuild pre-RoPE keys (see bf16_products)
+DOT_PRECISIONS = ("auto", "float32", "bfloat16")
 NATIVE_ENV = "KVPACK_NATIVE"  # "0" turns the native kernels off (the PyTorch path everywhere)
 SOURCES = ("common.h", "pages.h", "bindings.cpp", "dense.cpp", "kivi.cpp", "puzzle.cpp", "ragged.cpp", "anchor.cpp",
            "chunk.cpp", "kvtc.cpp")
@@ -120,6 +122,29 @@ def use_native(choice: str, device: torch.device) -> bool:
         raise ValueError("attention_backend='native' but the native CPU kernels could not be built "
                          "(see the warning above); use 'auto' or 'torch'")
     return ok
+
+
+def bf16_products(choice: str, int4: bool, factor_dtype: torch.dtype) -> bool:
+    """Whether a PuzzleKV store with ``dot_precision=choice`` lets the native kernels rebuild its pre-RoPE
+    keys (``L_K R_K``, r·d multiply-adds per token) with bf16 products, two ranks per AVX-512 BF16
+    instruction, fp32 accumulation: ``auto`` where that rounds little or nothing — INT4 factors (a
+    4-bit code times an fp16 scale; each factor entry rounds by at most 2^-9, far below its INT4 step)
+    or factors stored in bf16 (exact) — but not fp32 factors; ``bfloat16`` always; ``float32`` never
+    (the reference numerics). The kernels use it only where the CPU has AVX-512 BF16
+    (:func:`bf16_products_available`); elsewhere every choice computes in fp32.
+
+    Raises:
+        ValueError: an unknown choice.
+    """
+    if choice not in DOT_PRECISIONS:
+        raise ValueError(f"dot_precision must be one of {', '.join(DOT_PRECISIONS)}, got {choice!r}")
+    return choice == "bfloat16" or (choice == "auto" and (int4 or factor_dtype == torch.bfloat16))
+
+
+def bf16_products_available() -> bool:
+    """Whether the native kernels are built and this CPU runs their bf16 products (AVX-512 BF16)."""
+    lib = native()
+    return lib is not None and bool(lib.bf16_products_available())
 
 
 _interpreter = threading.local()

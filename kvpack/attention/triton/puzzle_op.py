@@ -29,14 +29,16 @@ def _triton_puzzle_attention(
     cos: torch.Tensor, sin: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor,
     tail_k: torch.Tensor, tail_v: torch.Tensor,
     page_size: int, rank_k: int, rank_v: int, scaling: float, int4: bool, pre_rope: bool, first_position: int,
-    pages_per_split: int, tokens_per_split: int,
+    pages_per_split: int, tokens_per_split: int, bf16_products: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax state ``(m [H, M], l [H, M], o [H, M, D])`` fp32 of grouped queries ``q [H, M, D]``
     over ``N`` factorized pages (``lk`` etc., layouts in ``puzzle_decode.puzzle_split_kernel``), the
     ``N2`` pages that follow them (``lk2`` etc., the store's recent set; empty when there is none)
     and the dense sink ``[H, TS, D]`` and tail tokens. ``cos``/``sin`` are the shared RoPE tables
     (``RotaryTable.table``: half-width rows when both halves are equal) and ``first_position`` the
-    position of the first page's first token (pre-RoPE keys; the tables are unused otherwise)."""
+    position of the first page's first token (pre-RoPE keys; the tables are unused otherwise).
+    ``bf16_products``: the native CPU kernel rebuilds pre-RoPE keys with bf16 products where the CPU
+    has AVX-512 BF16 (``cpu.bf16_products``); the Triton kernel ignores it."""
     from .puzzle_decode import puzzle_split_kernel
     from .split_merge import merge_splits
 
@@ -80,14 +82,15 @@ cpu.register_cpu_kernel(puzzle_attention, _triton_puzzle_attention, "puzzle_atte
 @puzzle_attention.register_fake
 def _(q, lk, rk, lv, rv, lks, rks, lvs, rvs, lk2, rk2, lv2, rv2, lks2, rks2, lvs2, rvs2, cos, sin, sink_k, sink_v,
       tail_k, tail_v, page_size, rank_k, rank_v, scaling, int4, pre_rope, first_position, pages_per_split,
-      tokens_per_split):
+      tokens_per_split, bf16_products):
     H, M, D = q.shape
     return q.new_empty(H, M, dtype=torch.float32), q.new_empty(H, M, dtype=torch.float32), \
         q.new_empty(H, M, D, dtype=torch.float32)
 
 
 def puzzle_partial(pages: PuzzlePages, qg: torch.Tensor, scaling: float, pages_per_split: int | None = None,
-                   tokens_per_split: int = 256, native: bool = False) -> PartialAttention:
+                   tokens_per_split: int = 256, native: bool = False,
+                   dot_precision: str = "float32") -> PartialAttention:
     """Merged state of ``qg [kv_heads, rows, d]`` over everything a PuzzleKV store holds (its
     :class:`PuzzlePages` view), read in place: no per-step copy of the factors or of RoPE rows.
 
@@ -96,6 +99,8 @@ def puzzle_partial(pages: PuzzlePages, qg: torch.Tensor, scaling: float, pages_p
         tokens_per_split: dense tokens per program.
         native: run the op's native CPU kernel (CPU tensors); otherwise the Triton kernel (on CPU
             tensors: the interpreter, through the same op, inside ``cpu.triton_on_cpu``).
+        dot_precision: how the native kernel rebuilds pre-RoPE keys (``cpu.bf16_products``; the store's
+            config passes its own, ``auto`` by default; ``float32`` here, the reference numerics).
     """
     d = pages.head_dim
     pre_rope = pages.rope is not None
@@ -118,8 +123,9 @@ def puzzle_partial(pages: PuzzlePages, qg: torch.Tensor, scaling: float, pages_p
     if N and pre_rope:
         cos, sin = pages.rope.table(first + N * P, qg.device)
     pps = pages_per_split or max(1, math.ceil(N / 32))  # the recent set (<= max(8, √N) pages) adds a few
+    bf16 = cpu.bf16_products(dot_precision, pages.int4, mats[0].dtype)
     with cpu.triton_on_cpu() if not native and qg.device.type == "cpu" else contextlib.nullcontext():
         m, l, o = puzzle_attention(qg.float().contiguous(), *mats, cos, sin, pages.sink_k, pages.sink_v, pages.tail_k,
                                    pages.tail_v, P, pages.rank_k, pages.rank_v, float(scaling), pages.int4, pre_rope,
-                                   first, pps, tokens_per_split)
+                                   first, pps, tokens_per_split, bf16)
     return PartialAttention(m=m, l=l, o=o)

@@ -28,10 +28,11 @@ def _triton_puzzle_ragged_attention(
     cos: torch.Tensor, sin: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor,
     tail_k: torch.Tensor, tail_v: torch.Tensor,
     page_size: int, max_rank: int, scaling: float, int4: bool, pre_rope: bool, first_position: int,
-    pages_per_split: int, tokens_per_split: int,
+    pages_per_split: int, tokens_per_split: int, bf16_products: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax state ``(m [H, M], l [H, M], o [H, M, D])`` fp32 of ``q [H, M, D]`` over the ragged
-    pages (``k_rank [N, H]`` etc.; layouts in ``puzzle_ragged_decode``) and the dense sink and tail."""
+    pages (``k_rank [N, H]`` etc.; layouts in ``puzzle_ragged_decode``) and the dense sink and tail.
+    ``bf16_products``: as for ``puzzle_attention`` (native CPU kernel only)."""
     from .puzzle_ragged_decode import puzzle_ragged_split_kernel
     from .split_merge import merge_splits
 
@@ -65,7 +66,7 @@ cpu.register_cpu_kernel(puzzle_ragged_attention, _triton_puzzle_ragged_attention
 @puzzle_ragged_attention.register_fake
 def _(q, lk, rk, lv, rv, lks, rks, lvs, rvs, k_rank, k_offset, v_rank, v_offset, cos, sin, sink_k, sink_v,
       tail_k, tail_v, page_size, max_rank, scaling, int4, pre_rope, first_position, pages_per_split,
-      tokens_per_split):
+      tokens_per_split, bf16_products):
     H, M, D = q.shape
     return q.new_empty(H, M, dtype=torch.float32), q.new_empty(H, M, dtype=torch.float32), \
         q.new_empty(H, M, D, dtype=torch.float32)
@@ -73,7 +74,7 @@ def _(q, lk, rk, lv, rv, lks, rks, lvs, rvs, k_rank, k_offset, v_rank, v_offset,
 
 def ragged_puzzle_partial(pages: RaggedPuzzlePages, qg: torch.Tensor, scaling: float,
                           pages_per_split: int | None = None, tokens_per_split: int = 256,
-                          native: bool = False) -> PartialAttention:
+                          native: bool = False, dot_precision: str = "float32") -> PartialAttention:
     """Merged state of ``qg [kv_heads, rows, d]`` over everything a ``puzzle_plus`` store holds.
 
     Args:
@@ -81,6 +82,8 @@ def ragged_puzzle_partial(pages: RaggedPuzzlePages, qg: torch.Tensor, scaling: f
         tokens_per_split: dense tokens per program.
         native: run the op's native CPU kernel (CPU tensors); otherwise the Triton kernel (on CPU
             tensors: the interpreter, through the same op, inside ``cpu.triton_on_cpu``).
+        dot_precision: how the native kernel rebuilds pre-RoPE keys (``cpu.bf16_products``; the store's
+            config passes its own, ``auto`` by default; ``float32`` here, the reference numerics).
     """
     d = pages.head_dim
     pre_rope = pages.rope is not None
@@ -98,10 +101,11 @@ def ragged_puzzle_partial(pages: RaggedPuzzlePages, qg: torch.Tensor, scaling: f
         cos, sin = pages.rope.table(first + N * P, qg.device)
     max_rank = max(b.rank for side in (keys, values) for b in side.buckets)
     pps = pages_per_split or max(1, math.ceil(N / 32))
+    bf16 = cpu.bf16_products(dot_precision, pages.int4, keys.left.dtype)
     with cpu.triton_on_cpu() if not native and qg.device.type == "cpu" else contextlib.nullcontext():
         m, l, o = puzzle_ragged_attention(
             qg.float().contiguous(), keys.left, keys.right, values.left, values.right, *scales,
             keys.rank, keys.offset, values.rank, values.offset, cos, sin,
             pages.sink_k, pages.sink_v, pages.tail_k, pages.tail_v,
-            P, max_rank, float(scaling), pages.int4, pre_rope, first, pps, tokens_per_split)
+            P, max_rank, float(scaling), pages.int4, pre_rope, first, pps, tokens_per_split, bf16)
     return PartialAttention(m=m, l=l, o=o)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...attention.cpu import DOT_PRECISIONS
 from ...attention.triton import KERNEL_CHOICES
 from ...config import MethodConfig, boolean, choice, integer, number, option
 
@@ -35,6 +36,9 @@ class PuzzlePlusConfig(MethodConfig):
             attention that falls on the page (``N`` pages; mean weight 1). 0 = energy only.
         observation_window: last prefill queries whose attention weighs the pages (with ``a > 0``).
         attention_backend: ``auto`` / ``triton`` / ``native`` / ``torch`` (as for ``puzzle``).
+        dot_precision: ``auto`` / ``float32`` / ``bfloat16``: the native CPU kernel's rebuild of
+            pre-RoPE keys (as for ``puzzle``; ``auto``: bf16 products for the default INT4 factors
+            where the CPU has AVX-512 BF16).
     """
 
     budget: float | None = option(0.5, number(0.0, 1.0, low_open=True), "whole-cache bytes / dense bf16 bytes")
@@ -49,6 +53,7 @@ class PuzzlePlusConfig(MethodConfig):
     attention_weight: float = option(0.0, number(0.0, 1.0), "weight of the observation window's attention")
     observation_window: int = option(32, integer(minimum=1), "prefill queries that weigh the pages")
     attention_backend: str = option("auto", choice(*KERNEL_CHOICES), "attention path for stored tokens")
+    dot_precision: str = option("auto", choice(*DOT_PRECISIONS), "native pre-RoPE key rebuild: bf16 products or fp32")
 
     def check(self) -> None:
         if self.rank_cap is not None and self.rank_cap > self.page_size:

@@ -258,7 +258,8 @@ class PuzzlePlusStore(SegmentedStore):
         if self.n_pages and use_triton(backend, qg.device):
             return [ragged_puzzle_partial(self.pages_view(), qg, scaling)]
         if self.n_pages and use_native(backend, qg.device):
-            return [ragged_puzzle_partial(self.pages_view(), qg, scaling, native=True)]
+            return [ragged_puzzle_partial(self.pages_view(), qg, scaling, native=True,
+                                          dot_precision=self.config.dot_precision)]
         return super().stored_partials(qg, scaling)
 
     def history_partials(self, qg, scaling):

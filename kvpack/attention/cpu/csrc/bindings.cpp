@@ -21,7 +21,7 @@ State puzzle_attention(const at::Tensor& q, const at::Tensor& lk, const at::Tens
                        const at::Tensor& rvs2, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& sink_k,
                        const at::Tensor& sink_v, const at::Tensor& tail_k, const at::Tensor& tail_v, int64_t page_size,
                        int64_t rank_k, int64_t rank_v, double scaling, bool int4, bool pre_rope, int64_t first_position,
-                       int64_t pages_per_split, int64_t tokens_per_split);
+                       int64_t pages_per_split, int64_t tokens_per_split, bool bf16_products);
 State puzzle_ragged_attention(const at::Tensor& q, const at::Tensor& lk, const at::Tensor& rk, const at::Tensor& lv,
                               const at::Tensor& rv, const at::Tensor& lks, const at::Tensor& rks,
                               const at::Tensor& lvs, const at::Tensor& rvs, const at::Tensor& k_rank,
@@ -29,7 +29,7 @@ State puzzle_ragged_attention(const at::Tensor& q, const at::Tensor& lk, const a
                               const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& sink_k,
                               const at::Tensor& sink_v, const at::Tensor& tail_k, const at::Tensor& tail_v,
                               int64_t page_size, int64_t max_rank, double scaling, bool int4, bool pre_rope,
-                              int64_t first_position, int64_t pages_per_split, int64_t tokens_per_split);
+                              int64_t first_position, int64_t pages_per_split, int64_t tokens_per_split, bool bf16_products);
 State anchor_segment_attention(
     const at::Tensor& q, const at::Tensor& anchor_k, const at::Tensor& anchor_v, const at::Tensor& hmat,
     const at::Tensor& signs, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& index_k,
@@ -48,6 +48,7 @@ void kvtc_dequantize(const at::Tensor& stream, int64_t width, const at::Tensor& 
                      at::Tensor out);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kvtc_quantize(const at::Tensor& x, int64_t start, int64_t size,
                                                              int64_t width);
+bool bf16_products_available();
 void kvtc_layer_out(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin,
                     at::Tensor out);
 }  // namespace kvpack
@@ -61,6 +62,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "softmax state over one AnchorKV segment (anchors, coefficients, residual tiers)");
   m.def("chunk_attend", &kvpack::chunk_attend, "stored states merged with the tail and the chunk, normalised");
   m.def("kivi_attention", &kvpack::kivi_attention, "softmax state over KIVI's quantized blocks and residual");
+  m.def("bf16_products_available", &kvpack::bf16_products_available,
+        "whether this CPU and build run the pre-RoPE page rebuild with bf16 products (AVX-512 BF16)");
   m.def("kvtc_dequantize", &kvpack::kvtc_dequantize,
         "kvtc: one coded group's bit stream unpacked and dequantized into its coefficient columns");
   m.def("kvtc_quantize", &kvpack::kvtc_quantize,

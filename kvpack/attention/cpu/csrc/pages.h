@@ -17,8 +17,15 @@ namespace kvpack {
 
 // One page's factors as fp32, as stored (row-major, at the page's own ranks rk <= RK, rv <= RV):
 // lk [P, rk], rk [rk, D], lv [P, rv], rv [rv, D].
+//
+// Where pre-RoPE keys are rebuilt with bf16 products (pre_rope_scores_bf16), the key side is held as
+// that product's operands instead: lk16 [P, 2 RP] bf16 rows, rk16 [RP, D, 2] bf16 rank pairs (RP =
+// ceil(rank / 2)), and for INT4 keys R_K's column scales rk_scale [D] kept apart (keys_bf16 set).
 struct Page {
   std::vector<float> lk, rk, lv, rv;
+  std::vector<uint16_t> lk16, rk16;
+  std::vector<float> rk_scale;
+  bool keys_bf16 = false;
   Page(int64_t P, int64_t RK, int64_t RV, int64_t D) : lk(P * RK), rk(RK * D), lv(P * RV), rv(RV * D) {}
 };
 
@@ -116,6 +123,7 @@ struct Geometry {
   const float* cos;  // [positions, W]
   const float* sin;
   int64_t W;
+  bool bf16_products = false;  // pre-RoPE rebuild with bf16 products where the CPU has them (see below)
 };
 
 // Per-job buffers of fold_page: qr [M, RK] (queries in rank space), s [M, P] (logits, then
@@ -129,26 +137,12 @@ struct PageScratch {
 };
 
 #if defined(__AVX512F__)
-// Logits of M query rows against TT consecutive pre-RoPE keys of a page, rebuilt in registers:
-// key t = sum_r lk[t, r] R[r] (lk rows of `rank` coefficients, R [rank, 16 NV]), rotated at position
-// pos + t, then s[i * stride + t] = q_i . key_t. TT x NV accumulators (<= 16 at the instantiations).
+// The tile's rebuilt keys acc [TT][NV] (token t at the tables' row t) rotated in registers, then
+// s[i * stride + t] = q_i . key_t for the M query rows.
 template <int NV, int TT>
-inline void rope_scores_tile(const float* __restrict q, int64_t M, const float* __restrict lk, int64_t rank,
-                             const float* __restrict R, const float* cos, const float* sin, int64_t W, float* s,
-                             int64_t stride) {
+inline void rotate_and_score(__m512 (&acc)[TT][NV], const float* __restrict q, int64_t M, const float* cos,
+                             const float* sin, int64_t W, float* s, int64_t stride) {
   constexpr int D = 16 * NV, HV = NV / 2;
-  __m512 acc[TT][NV];
-  for (int t = 0; t < TT; ++t)
-    for (int v = 0; v < NV; ++v) acc[t][v] = _mm512_setzero_ps();
-  for (int64_t r = 0; r < rank; ++r) {
-    const float* row = R + r * D;
-    __m512 rv[NV];
-    for (int v = 0; v < NV; ++v) rv[v] = _mm512_loadu_ps(row + 16 * v);
-    for (int t = 0; t < TT; ++t) {
-      const __m512 a = _mm512_set1_ps(lk[t * rank + r]);
-      for (int v = 0; v < NV; ++v) acc[t][v] = _mm512_fmadd_ps(a, rv[v], acc[t][v]);
-    }
-  }
   for (int t = 0; t < TT; ++t) {
     const float* c = cos + t * W;
     const float* sn = sin + t * W;
@@ -169,6 +163,29 @@ inline void rope_scores_tile(const float* __restrict q, int64_t M, const float* 
   }
 }
 
+// Logits of M query rows against TT consecutive pre-RoPE keys of a page, rebuilt in registers:
+// key t = sum_r lk[t, r] R[r] (lk rows of `rank` coefficients, R [rank, 16 NV]), rotated at position
+// pos + t, then s[i * stride + t] = q_i . key_t. TT x NV accumulators (<= 16 at the instantiations).
+template <int NV, int TT>
+inline void rope_scores_tile(const float* __restrict q, int64_t M, const float* __restrict lk, int64_t rank,
+                             const float* __restrict R, const float* cos, const float* sin, int64_t W, float* s,
+                             int64_t stride) {
+  constexpr int D = 16 * NV;
+  __m512 acc[TT][NV];
+  for (int t = 0; t < TT; ++t)
+    for (int v = 0; v < NV; ++v) acc[t][v] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < rank; ++r) {
+    const float* row = R + r * D;
+    __m512 rv[NV];
+    for (int v = 0; v < NV; ++v) rv[v] = _mm512_loadu_ps(row + 16 * v);
+    for (int t = 0; t < TT; ++t) {
+      const __m512 a = _mm512_set1_ps(lk[t * rank + r]);
+      for (int v = 0; v < NV; ++v) acc[t][v] = _mm512_fmadd_ps(a, rv[v], acc[t][v]);
+    }
+  }
+  rotate_and_score<NV, TT>(acc, q, M, cos, sin, W, s, stride);
+}
+
 // The page's P tokens through rope_scores_tile, TT at a time (then one at a time).
 template <int NV, int TT>
 inline void rope_scores(const float* q, int64_t M, const float* lk, int64_t rank, const float* R, int64_t P,
@@ -180,6 +197,188 @@ inline void rope_scores(const float* q, int64_t M, const float* lk, int64_t rank
   for (; p < P; ++p)
     rope_scores_tile<NV, 1>(q, M, lk + p * rank, rank, R, g.cos + (pos + p) * g.W, g.sin + (pos + p) * g.W, g.W,
                             s + p, P);
+}
+
+// ---- The same rebuild with bf16 products (AVX-512 BF16: vdpbf16ps, two ranks per 16-lane instruction) ----
+//
+// Numerics: the factors are rounded to bf16 (round to nearest even) and their products accumulated in
+// fp32, two ranks per step. Factors a store keeps in bf16 round to themselves (every product exact, as the
+// fp32 path's); INT4 factors (a code times an fp16 scale) round by at most 2^-9 of each factor entry, far
+// below their INT4 step (the tests bound the logits against the fp64 reference). The rest of the page
+// (rotation, dot products with the queries, softmax, values) stays fp32.
+// Compiled for the AVX512-BF16 target by attribute and entered only where the CPU reports the feature,
+// so the avx512 build still runs on AVX-512 CPUs without it.
+#define KVPACK_BF16_TARGET __attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f,avx2,fma")))
+
+inline bool cpu_has_bf16_products() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+// rows x cols fp32 (row-major) -> bf16 rows of cols2 = cols rounded up to even (pad zero), row-major.
+KVPACK_BF16_TARGET inline void to_bf16_rows(const float* __restrict src, int64_t rows, int64_t cols,
+                                            uint16_t* __restrict dst, int64_t cols2) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = src + r * cols;
+    uint16_t* y = dst + r * cols2;
+    for (int64_t c = 0; c < cols2; c += 32) {
+      const int64_t n = std::min<int64_t>(32, cols - c);  // source floats in this step (may be < 0 past cols)
+      const __mmask16 m0 = n >= 16 ? __mmask16(0xFFFF) : tail_mask(std::max<int64_t>(n, 0));
+      const __mmask16 m1 = n >= 32 ? __mmask16(0xFFFF) : tail_mask(std::clamp<int64_t>(n - 16, 0, 16));
+      const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, x + c + 16), _mm512_maskz_loadu_ps(m0, x + c));
+      const int64_t out = std::min<int64_t>(32, cols2 - c);
+      _mm512_mask_storeu_epi16(y + c, out == 32 ? __mmask32(~0u) : __mmask32((1u << out) - 1), b);
+    }
+  }
+}
+
+// R [rank, D] fp32 -> bf16 rank pairs interleaved by channel, [ceil(rank / 2), D, 2] (an odd rank's
+// partner row zero): the operand layout of vdpbf16ps, one 32-element load per pair and 16 channels.
+KVPACK_BF16_TARGET inline void to_bf16_pairs(const float* __restrict R, int64_t rank, int64_t D,
+                                             uint16_t* __restrict dst) {
+  // [first row's 16, second row's 16] -> (first c, second c) for c = 0..15
+  alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_load_si512(order);
+  for (int64_t j = 0; 2 * j < rank; ++j) {
+    const float* r0 = R + 2 * j * D;
+    const bool pair = 2 * j + 1 < rank;
+    for (int64_t c = 0; c < D; c += 16) {
+      const __m512 a = _mm512_loadu_ps(r0 + c);
+      const __m512 b = pair ? _mm512_loadu_ps(r0 + D + c) : _mm512_setzero_ps();
+      const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // [a's 16 | b's 16]
+      _mm512_storeu_si512(dst + (j * D + c) * 2, _mm512_permutexvar_epi16(idx, packed));
+    }
+  }
+}
+
+// rope_scores_tile with bf16 products: lk [TT, 2 RP] bf16 (row stride 2 RP), R [RP, D, 2] bf16.
+template <int NV, int TT>
+KVPACK_BF16_TARGET inline void rope_scores_tile_bf16(const float* __restrict q, int64_t M,
+                                                     const uint16_t* __restrict lk, int64_t RP,
+                                                     const uint16_t* __restrict R, const float* col_scale,
+                                                     const float* cos, const float* sin, int64_t W, float* s,
+                                                     int64_t stride) {
+  constexpr int D = 16 * NV;
+  __m512 acc[TT][NV];
+  for (int t = 0; t < TT; ++t)
+    for (int v = 0; v < NV; ++v) acc[t][v] = _mm512_setzero_ps();
+  const uint32_t* lk2 = reinterpret_cast<const uint32_t*>(lk);  // a token's rank pair as one 32-bit word
+  for (int64_t j = 0; j < RP; ++j) {
+    const uint16_t* row = R + j * 2 * D;
+    __m512bh rv[NV];
+    for (int v = 0; v < NV; ++v) rv[v] = (__m512bh)_mm512_loadu_si512(row + 32 * v);
+    for (int t = 0; t < TT; ++t) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(int(lk2[t * RP + j]));
+      for (int v = 0; v < NV; ++v) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], a, rv[v]);
+    }
+  }
+  if (col_scale)  // INT4 keys: R_K's column scales, applied to the rebuilt keys in fp32
+    for (int v = 0; v < NV; ++v) {
+      const __m512 sc = _mm512_loadu_ps(col_scale + 16 * v);
+      for (int t = 0; t < TT; ++t) acc[t][v] = _mm512_mul_ps(acc[t][v], sc);
+    }
+  rotate_and_score<NV, TT>(acc, q, M, cos, sin, W, s, stride);
+}
+
+template <int NV, int TT>
+KVPACK_BF16_TARGET inline void rope_scores_bf16(const float* q, int64_t M, const uint16_t* lk, int64_t RP,
+                                                const uint16_t* R, const float* col_scale, int64_t P, int64_t pos,
+                                                const Geometry& g, float* s) {
+  int64_t p = 0;
+  for (; p + TT <= P; p += TT)
+    rope_scores_tile_bf16<NV, TT>(q, M, lk + p * 2 * RP, RP, R, col_scale, g.cos + (pos + p) * g.W,
+                                  g.sin + (pos + p) * g.W, g.W, s + p, P);
+  for (; p < P; ++p)
+    rope_scores_tile_bf16<NV, 1>(q, M, lk + p * 2 * RP, RP, R, col_scale, g.cos + (pos + p) * g.W,
+                                 g.sin + (pos + p) * g.W, g.W, s + p, P);
+}
+
+// Whether fold_page rebuilds this geometry's pre-RoPE keys with bf16 products (the tiled head sizes).
+inline bool bf16_rebuild(const Geometry& g) {
+  return g.bf16_products && g.pre_rope && (g.D == 32 || g.D == 64 || g.D == 128 || g.D == 256) &&
+         cpu_has_bf16_products();
+}
+
+// INT4 key factors straight into the bf16 operands (no fp32 copy): L_K's codes minus 8 times its column
+// scales (fp16, [rank]), rounded to bf16 rows [P, 2 RP]; R_K's codes minus 8, exact in bf16, as rank pairs
+// [RP, D, 2]; R_K's column scales (fp16, [D]) widened into pg.rk_scale. Packed rows of ceil(cols / 2)
+// bytes, low nibble first, as widen_int4 reads them.
+KVPACK_BF16_TARGET inline void load_int4_keys_bf16(const uint8_t* L, const c10::Half* l_scale, const uint8_t* R,
+                                                   const c10::Half* r_scale, int64_t P, int64_t rank, int64_t D,
+                                                   Page& pg, std::vector<float>& scale_buf) {
+  const int64_t RP = (rank + 1) / 2, lstride = (rank + 1) / 2, rstride = (D + 1) / 2;
+  pg.lk16.resize(P * 2 * RP);
+  pg.rk16.resize(RP * 2 * D);
+  pg.rk_scale.resize(D);
+  widen_row(r_scale, pg.rk_scale.data(), D);
+  scale_buf.assign(2 * RP + 32, 0.f);  // L's scales, zero past the rank (padding lanes)
+  widen_row(l_scale, scale_buf.data(), rank);
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m512 eight = _mm512_set1_ps(8.f);
+  for (int64_t p = 0; p < P; ++p) {  // 32 codes of a row a step: 16 bytes -> 32 fp32 -> 32 bf16
+    const uint8_t* row = L + p * lstride;
+    uint16_t* out = pg.lk16.data() + p * 2 * RP;
+    for (int64_t c = 0; c < 2 * RP; c += 32) {
+      const int64_t nbytes = std::min<int64_t>(16, lstride - c / 2);
+      const __m128i b = _mm_maskz_loadu_epi8(__mmask16((1u << nbytes) - 1), row + c / 2);
+      const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+      const __m512 x0 = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi))),
+                                                    eight), _mm512_loadu_ps(scale_buf.data() + c));
+      const __m512 x1 = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi))),
+                                                    eight), _mm512_loadu_ps(scale_buf.data() + c + 16));
+      const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+      const int64_t n = std::min<int64_t>(32, 2 * RP - c);
+      _mm512_mask_storeu_epi16(out + c, n == 32 ? __mmask32(~0u) : __mmask32((1u << n) - 1), v);
+    }
+  }
+  // bf16 of k - 8 for the codes k = 0..15 (the upper 16 entries unused)
+  alignas(64) uint16_t levels[32] = {};
+  for (int k = 0; k < 16; ++k) {
+    const float f = float(k - 8);
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    levels[k] = uint16_t(bits >> 16);  // exact: small integers have no bits below bf16's
+  }
+  const __m512i table = _mm512_load_si512(levels);
+  for (int64_t j = 0; j < RP; ++j) {
+    const uint8_t* r0 = R + 2 * j * rstride;
+    const bool pair = 2 * j + 1 < rank;
+    for (int64_t c = 0; c < D; c += 16) {  // 16 channels of both rows: 8 bytes each
+      auto codes16 = [&](const uint8_t* row) {  // the 16 codes of channels c.. as bytes, in order
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c / 2));
+        return _mm_unpacklo_epi8(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4));
+      };
+      const __m128i a = codes16(r0);
+      const __m128i b = pair ? codes16(r0 + rstride) : _mm_set1_epi8(8);  // an odd rank's partner: code 8 = 0
+      const __m256i inter = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+      const __m512i words = _mm512_cvtepu8_epi16(inter);
+      _mm512_storeu_si512(pg.rk16.data() + (j * D + c) * 2, _mm512_permutexvar_epi16(words, table));
+    }
+  }
+  pg.keys_bf16 = true;
+}
+
+// Pre-RoPE logits through the bf16 tiles (the head sizes of the fp32 tiles); false for other heads.
+KVPACK_BF16_TARGET inline bool pre_rope_scores_bf16(const float* q, Page& pg, int64_t rank, int64_t pos,
+                                                    const Geometry& g, PageScratch& w) {
+  const int64_t M = g.M, D = g.D, P = g.P, RP = (rank + 1) / 2;
+  if (D != 32 && D != 64 && D != 128 && D != 256) return false;
+  if (!pg.keys_bf16) {  // keys loaded as fp32 (float factors): their bf16 operands made here
+    pg.lk16.resize(P * 2 * RP);
+    pg.rk16.resize(RP * 2 * D);
+    to_bf16_rows(pg.lk.data(), P, rank, pg.lk16.data(), 2 * RP);
+    to_bf16_pairs(pg.rk.data(), rank, D, pg.rk16.data());
+  }
+  const uint16_t *L = pg.lk16.data(), *R = pg.rk16.data();
+  const float* sc = pg.keys_bf16 ? pg.rk_scale.data() : nullptr;
+  switch (D) {
+    case 32: rope_scores_bf16<2, 8>(q, M, L, RP, R, sc, P, pos, g, w.s.data()); break;
+    case 64: rope_scores_bf16<4, 4>(q, M, L, RP, R, sc, P, pos, g, w.s.data()); break;
+    case 128: rope_scores_bf16<8, 2>(q, M, L, RP, R, sc, P, pos, g, w.s.data()); break;
+    default: rope_scores_bf16<16, 1>(q, M, L, RP, R, sc, P, pos, g, w.s.data()); break;
+  }
+  return true;
 }
 #elif defined(KVPACK_AVX2)
 // AVX2's 16 registers hold a tile of TT tokens x one group of 16 rotation pairs (channels c0 + [0, 16)
@@ -244,10 +443,11 @@ inline void rope_scores8(const float* q, int64_t M, const float* lk, int64_t ran
 #endif
 
 // Pre-RoPE logits s [M, P] of one page (keys L_K R_K at ranks `rank`, first token at `pos`), unscaled.
-inline void pre_rope_scores(const float* q, const Page& pg, int64_t rank, int64_t pos, const Geometry& g,
+inline void pre_rope_scores(const float* q, Page& pg, int64_t rank, int64_t pos, const Geometry& g,
                             PageScratch& w) {
   const int64_t M = g.M, D = g.D, P = g.P;
 #if defined(__AVX512F__)
+  if (bf16_rebuild(g) && pre_rope_scores_bf16(q, pg, rank, pos, g, w)) return;
   // Register tiles for the head sizes models use (the halves must be whole vectors).
   switch (D) {
     case 32: return rope_scores<2, 8>(q, M, pg.lk.data(), rank, pg.rk.data(), P, pos, g, w.s.data());
@@ -270,7 +470,7 @@ inline void pre_rope_scores(const float* q, const Page& pg, int64_t rank, int64_
 }
 
 // Fold one loaded page (ranks rk <= g.RK, rv <= g.RV; its first token at position `pos`) into the state.
-inline void fold_page(const float* q, const Page& pg, int64_t rk, int64_t rv, int64_t pos, const Geometry& g,
+inline void fold_page(const float* q, Page& pg, int64_t rk, int64_t rv, int64_t pos, const Geometry& g,
                       PageScratch& w, RowsState& st) {
   const int64_t M = g.M, D = g.D, P = g.P;
   if (g.pre_rope) {

@@ -16,15 +16,28 @@ struct FactorSet {
   int64_t n;                                  // pages per head
 };
 
+// One page's factors into `out`: fp32, or (bf16_keys: INT4 keys whose pre-RoPE rebuild uses bf16 products)
+// the key side straight into the bf16 operands.
 template <typename E>
-void load_page(const FactorSet& f, bool int4, int64_t page, int64_t P, int64_t RK, int64_t RV, int64_t D, Page& out,
-               std::vector<float>& scale_buf) {
+void load_page(const FactorSet& f, bool int4, bool bf16_keys, int64_t page, int64_t P, int64_t RK, int64_t RV,
+               int64_t D, Page& out, std::vector<float>& scale_buf) {
+  out.keys_bf16 = false;
   if (int4) {
     const int64_t rkc = (RK + 1) / 2, rvc = (RV + 1) / 2, dc = (D + 1) / 2;
-    widen_int4(static_cast<const uint8_t*>(f.lk) + page * P * rkc, f.lks + page * RK, nullptr, P, RK, out.lk.data(),
-               scale_buf);
-    widen_int4(static_cast<const uint8_t*>(f.rk) + page * RK * dc, f.rks + page * D, nullptr, RK, D, out.rk.data(),
-               scale_buf);
+#if defined(__AVX512F__)
+    if (bf16_keys) {
+      load_int4_keys_bf16(static_cast<const uint8_t*>(f.lk) + page * P * rkc, f.lks + page * RK,
+                          static_cast<const uint8_t*>(f.rk) + page * RK * dc, f.rks + page * D, P, RK, D, out,
+                          scale_buf);
+    } else
+#endif
+    {
+      (void)bf16_keys;
+      widen_int4(static_cast<const uint8_t*>(f.lk) + page * P * rkc, f.lks + page * RK, nullptr, P, RK,
+                 out.lk.data(), scale_buf);
+      widen_int4(static_cast<const uint8_t*>(f.rk) + page * RK * dc, f.rks + page * D, nullptr, RK, D,
+                 out.rk.data(), scale_buf);
+    }
     widen_int4(static_cast<const uint8_t*>(f.lv) + page * P * rvc, nullptr, f.lvs + page * P, P, RV, out.lv.data(),
                scale_buf);
     widen_int4(static_cast<const uint8_t*>(f.rv) + page * RV * dc, f.rvs + page * D, nullptr, RV, D, out.rv.data(),
@@ -44,8 +57,13 @@ void factor_pages(const float* q, const FactorSet& f, int64_t h, int64_t n0, int
   Page pg(g.P, g.RK, g.RV, g.D);
   PageScratch w(g);
   std::vector<float> scale_buf;
+#if defined(__AVX512F__)
+  const bool bf16_keys = bf16_rebuild(g);
+#else
+  const bool bf16_keys = false;
+#endif
   for (int64_t n = n0; n < n1; ++n) {
-    load_page<E>(f, g.int4, h * f.n + n, g.P, g.RK, g.RV, g.D, pg, scale_buf);
+    load_page<E>(f, g.int4, bf16_keys, h * f.n + n, g.P, g.RK, g.RV, g.D, pg, scale_buf);
     fold_page(q, pg, g.RK, g.RV, pos0 + n * g.P, g, w, st);
   }
 }
@@ -93,6 +111,14 @@ FactorSet factor_set(const at::Tensor& lk, const at::Tensor& rk, const at::Tenso
 
 }  // namespace
 
+bool bf16_products_available() {
+#if defined(__AVX512F__)
+  return cpu_has_bf16_products();
+#else
+  return false;
+#endif
+}
+
 State puzzle_attention(const at::Tensor& q, const at::Tensor& lk, const at::Tensor& rk, const at::Tensor& lv,
                        const at::Tensor& rv, const at::Tensor& lks, const at::Tensor& rks, const at::Tensor& lvs,
                        const at::Tensor& rvs, const at::Tensor& lk2, const at::Tensor& rk2, const at::Tensor& lv2,
@@ -100,7 +126,7 @@ State puzzle_attention(const at::Tensor& q, const at::Tensor& lk, const at::Tens
                        const at::Tensor& rvs2, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& sink_k,
                        const at::Tensor& sink_v, const at::Tensor& tail_k, const at::Tensor& tail_v, int64_t page_size,
                        int64_t rank_k, int64_t rank_v, double scaling, bool int4, bool pre_rope, int64_t first_position,
-                       int64_t pages_per_split, int64_t tokens_per_split) {
+                       int64_t pages_per_split, int64_t tokens_per_split, bool bf16_products) {
   check_queries(q);
   for (const auto* t : {&sink_k, &sink_v, &tail_k, &tail_v}) check_dense(*t, q, "puzzle_attention: dense tokens");
   TORCH_CHECK(sink_k.scalar_type() == tail_k.scalar_type() && sink_v.scalar_type() == tail_v.scalar_type() &&
@@ -123,6 +149,7 @@ State puzzle_attention(const at::Tensor& q, const at::Tensor& lk, const at::Tens
     g.cos = cos.data_ptr<float>();
     g.sin = sin.data_ptr<float>();
     g.W = cos.size(1);
+    g.bf16_products = bf16_products;
   }
   const int64_t TS = sink_k.size(1), TT = tail_k.size(1), T = TS + TT;
   const int64_t pps = std::max<int64_t>(1, pages_per_split), tps = std::max<int64_t>(1, tokens_per_split);

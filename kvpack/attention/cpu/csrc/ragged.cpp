@@ -77,7 +77,7 @@ State puzzle_ragged_attention(const at::Tensor& q, const at::Tensor& lk, const a
                               const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& sink_k,
                               const at::Tensor& sink_v, const at::Tensor& tail_k, const at::Tensor& tail_v,
                               int64_t page_size, int64_t max_rank, double scaling, bool int4, bool pre_rope,
-                              int64_t first_position, int64_t pages_per_split, int64_t tokens_per_split) {
+                              int64_t first_position, int64_t pages_per_split, int64_t tokens_per_split, bool bf16_products) {
   check_queries(q);
   for (const auto* t : {&sink_k, &sink_v, &tail_k, &tail_v})
     check_dense(*t, q, "puzzle_ragged_attention: dense tokens");
@@ -106,11 +106,15 @@ State puzzle_ragged_attention(const at::Tensor& q, const at::Tensor& lk, const a
     g.cos = cos.data_ptr<float>();
     g.sin = sin.data_ptr<float>();
     g.W = cos.size(1);
+    g.bf16_products = bf16_products;
   }
   const int64_t TS = sink_k.size(1), TT = tail_k.size(1), T = TS + TT;
   const int64_t pps = std::max<int64_t>(1, pages_per_split), tps = std::max<int64_t>(1, tokens_per_split);
   const int64_t np = n_chunks(N, pps), n_splits = np + n_chunks(T, tps);
   const float* qp = q.data_ptr<float>();
+#if defined(__AVX512F__)
+  const bool bf16_keys = bf16_rebuild(g);
+#endif
   State out;
   with_dtype(sink_k, "puzzle_ragged_attention: dense tokens", [&](auto* dense_tag) {
     using DE = std::remove_pointer_t<decltype(dense_tag)>;
@@ -125,7 +129,17 @@ State puzzle_ragged_attention(const at::Tensor& q, const at::Tensor& lk, const a
           for (int64_t n = s * pps; n < std::min(N, (s + 1) * pps); ++n) {
             const int64_t e = n * H + h;
             const int64_t rk_e = ks.rank[e], rv_e = vs.rank[e];
-            load_side<FE>(ks, int4, e, rk_e, ks.offset[e], P, D, pg.lk.data(), pg.rk.data(), scale_buf);
+#if defined(__AVX512F__)
+            if (int4 && bf16_keys) {  // INT4 keys straight into the bf16 rebuild's operands
+              load_int4_keys_bf16(static_cast<const uint8_t*>(ks.left) + ks.offset[e] * P / 2, ks.left_scale + ks.offset[e],
+                                  static_cast<const uint8_t*>(ks.right) + ks.offset[e] * D / 2, ks.right_scale + e * D,
+                                  P, rk_e, D, pg, scale_buf);
+            } else
+#endif
+            {
+              pg.keys_bf16 = false;
+              load_side<FE>(ks, int4, e, rk_e, ks.offset[e], P, D, pg.lk.data(), pg.rk.data(), scale_buf);
+            }
             load_side<FE>(vs, int4, e, rv_e, vs.offset[e], P, D, pg.lv.data(), pg.rv.data(), scale_buf);
             fold_page(qh, pg, rk_e, rv_e, first_position + n * P, g, w, st);
           }
