@@ -262,7 +262,7 @@ def test_corrupted_truncated_or_bomb_deflated_objects_are_refused(calibrated, re
 
     flipped = buffer.clone()
     flipped[size // 2] ^= 0x10
-    load(flipped, "does not inflate|corrupted|checksum")
+    load(flipped, "does not inflate|inflates past|corrupted|checksum")  # a flipped bit may surface as any of them
     load(buffer[:size - 100], "states .* bytes")
     bomb = zlib.compress(bytes(10 * codec.serialized_size(codec.shape_of(chunk.shape), chunk.dtype)))
     head = DEFLATED_MAGIC + len(bomb).to_bytes(4, "little")
