@@ -219,7 +219,6 @@ def ragged_store(H: int, d: int, T: int, seed: int = 0, **cfg):
     (96, 200, 3, {"page_size": 18, "int4": False, "key_rope": "pre", "budget": 0.8}),
 ])
 def test_puzzle_plus_kernel_matches_fp64_reference(d, T, rows, cfg):
-    from kvpack.attention.ragged_pages import ragged_pages_partials
     from kvpack.attention.triton.puzzle_ragged_op import ragged_puzzle_partial
 
     store = ragged_store(2, d, T, **cfg)
@@ -227,11 +226,7 @@ def test_puzzle_plus_kernel_matches_fp64_reference(d, T, rows, cfg):
     assert ranks.unique().numel() > 1  # mixed ranks, or the test would not test them
     pages = store.pages_view()
     q = queries(2, rows, d, seed=5)
-    states = ragged_pages_partials(pages, q.double(), d ** -0.5)
-    for k, v in ((pages.sink_k, pages.sink_v), (pages.tail_k, pages.tail_v)):
-        if k.shape[1]:
-            states.append(dense_partial(q.double(), k.double(), v.double(), d ** -0.5))
-    ref = merge_partials(states)
+    ref = ragged_reference(pages, q, d ** -0.5)
     for pps, tps in ((None, 256), (1, 5)):
         close(ragged_puzzle_partial(pages, q, d ** -0.5, pages_per_split=pps, tokens_per_split=tps, native=True), ref)
 

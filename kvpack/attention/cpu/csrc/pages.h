@@ -18,14 +18,14 @@ namespace kvpack {
 // One page's factors as fp32, as stored (row-major, at the page's own ranks rk <= RK, rv <= RV):
 // lk [P, rk], rk [rk, D], lv [P, rv], rv [rv, D].
 //
-// Where pre-RoPE keys are rebuilt with bf16 products (pre_rope_scores_bf16), the key side is held as
-// that product's operands instead: lk16 [P, 2 RP] bf16 rows, rk16 [RP, D, 2] bf16 rank pairs (RP =
-// ceil(rank / 2)), and for INT4 keys R_K's column scales rk_scale [D] kept apart (keys_bf16 set).
+// Where pre-RoPE keys are rebuilt with bf16 products (Geometry::bf16_products), the key side is held as
+// that product's operands: lk16 [P, 2 RP] bf16 rows, rk16 [RP, D, 2] bf16 rank pairs (RP = ceil(rank / 2)).
+// INT4 keys are loaded straight into them (load_int4_keys), with R_K's column scales rk_scale [D] kept
+// apart; float keys are loaded as fp32 and converted (pre_rope_scores_bf16).
 struct Page {
   std::vector<float> lk, rk, lv, rv;
   std::vector<uint16_t> lk16, rk16;
   std::vector<float> rk_scale;
-  bool keys_bf16 = false;
   Page(int64_t P, int64_t RK, int64_t RV, int64_t D) : lk(P * RK), rk(RK * D), lv(P * RV), rv(RV * D) {}
 };
 
@@ -123,7 +123,7 @@ struct Geometry {
   const float* cos;  // [positions, W]
   const float* sin;
   int64_t W;
-  bool bf16_products = false;  // pre-RoPE rebuild with bf16 products where the CPU has them (see below)
+  bool bf16_products = false;  // pre-RoPE keys rebuilt with bf16 products (resolved by bf16_rebuild)
 };
 
 // Per-job buffers of fold_page: qr [M, RK] (queries in rank space), s [M, P] (logits, then
@@ -222,8 +222,8 @@ KVPACK_BF16_TARGET inline void to_bf16_rows(const float* __restrict src, int64_t
     const float* x = src + r * cols;
     uint16_t* y = dst + r * cols2;
     for (int64_t c = 0; c < cols2; c += 32) {
-      const int64_t n = std::min<int64_t>(32, cols - c);  // source floats in this step (may be < 0 past cols)
-      const __mmask16 m0 = n >= 16 ? __mmask16(0xFFFF) : tail_mask(std::max<int64_t>(n, 0));
+      const int64_t n = std::min<int64_t>(32, cols - c);  // source floats in this step, 1..32 (c < cols2 <= cols + 1)
+      const __mmask16 m0 = n >= 16 ? __mmask16(0xFFFF) : tail_mask(n);
       const __mmask16 m1 = n >= 32 ? __mmask16(0xFFFF) : tail_mask(std::clamp<int64_t>(n - 16, 0, 16));
       const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, x + c + 16), _mm512_maskz_loadu_ps(m0, x + c));
       const int64_t out = std::min<int64_t>(32, cols2 - c);
@@ -294,12 +294,6 @@ KVPACK_BF16_TARGET inline void rope_scores_bf16(const float* q, int64_t M, const
                                  g.sin + (pos + p) * g.W, g.W, s + p, P);
 }
 
-// Whether fold_page rebuilds this geometry's pre-RoPE keys with bf16 products (the tiled head sizes).
-inline bool bf16_rebuild(const Geometry& g) {
-  return g.bf16_products && g.pre_rope && (g.D == 32 || g.D == 64 || g.D == 128 || g.D == 256) &&
-         cpu_has_bf16_products();
-}
-
 // INT4 key factors straight into the bf16 operands (no fp32 copy): L_K's codes minus 8 times its column
 // scales (fp16, [rank]), rounded to bf16 rows [P, 2 RP]; R_K's codes minus 8, exact in bf16, as rank pairs
 // [RP, D, 2]; R_K's column scales (fp16, [D]) widened into pg.rk_scale. Packed rows of ceil(cols / 2)
@@ -307,7 +301,7 @@ inline bool bf16_rebuild(const Geometry& g) {
 KVPACK_BF16_TARGET inline void load_int4_keys_bf16(const uint8_t* L, const c10::Half* l_scale, const uint8_t* R,
                                                    const c10::Half* r_scale, int64_t P, int64_t rank, int64_t D,
                                                    Page& pg, std::vector<float>& scale_buf) {
-  const int64_t RP = (rank + 1) / 2, lstride = (rank + 1) / 2, rstride = (D + 1) / 2;
+  const int64_t RP = (rank + 1) / 2, lstride = RP, rstride = (D + 1) / 2;  // packed row bytes of L, R
   pg.lk16.resize(P * 2 * RP);
   pg.rk16.resize(RP * 2 * D);
   pg.rk_scale.resize(D);
@@ -332,15 +326,20 @@ KVPACK_BF16_TARGET inline void load_int4_keys_bf16(const uint8_t* L, const c10::
       _mm512_mask_storeu_epi16(out + c, n == 32 ? __mmask32(~0u) : __mmask32((1u << n) - 1), v);
     }
   }
-  // bf16 of k - 8 for the codes k = 0..15 (the upper 16 entries unused)
-  alignas(64) uint16_t levels[32] = {};
-  for (int k = 0; k < 16; ++k) {
-    const float f = float(k - 8);
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    levels[k] = uint16_t(bits >> 16);  // exact: small integers have no bits below bf16's
-  }
-  const __m512i table = _mm512_load_si512(levels);
+  // bf16 of k - 8 for the codes k = 0..15 (the upper 16 entries unused), made once
+  struct Levels {
+    alignas(64) uint16_t v[32] = {};
+    Levels() {
+      for (int k = 0; k < 16; ++k) {
+        const float f = float(k - 8);
+        uint32_t bits;
+        std::memcpy(&bits, &f, 4);
+        v[k] = uint16_t(bits >> 16);  // exact: small integers have no bits below bf16's
+      }
+    }
+  };
+  static const Levels levels;
+  const __m512i table = _mm512_load_si512(levels.v);
   for (int64_t j = 0; j < RP; ++j) {
     const uint8_t* r0 = R + 2 * j * rstride;
     const bool pair = 2 * j + 1 < rank;
@@ -356,29 +355,27 @@ KVPACK_BF16_TARGET inline void load_int4_keys_bf16(const uint8_t* L, const c10::
       _mm512_storeu_si512(pg.rk16.data() + (j * D + c) * 2, _mm512_permutexvar_epi16(words, table));
     }
   }
-  pg.keys_bf16 = true;
 }
 
-// Pre-RoPE logits through the bf16 tiles (the head sizes of the fp32 tiles); false for other heads.
-KVPACK_BF16_TARGET inline bool pre_rope_scores_bf16(const float* q, Page& pg, int64_t rank, int64_t pos,
+// Pre-RoPE logits through the bf16 tiles (g.bf16_products: a tiled head size). INT4 keys arrive as the
+// operands (load_int4_keys); float keys as fp32, converted here.
+KVPACK_BF16_TARGET inline void pre_rope_scores_bf16(const float* q, Page& pg, int64_t rank, int64_t pos,
                                                     const Geometry& g, PageScratch& w) {
   const int64_t M = g.M, D = g.D, P = g.P, RP = (rank + 1) / 2;
-  if (D != 32 && D != 64 && D != 128 && D != 256) return false;
-  if (!pg.keys_bf16) {  // keys loaded as fp32 (float factors): their bf16 operands made here
+  if (!g.int4) {
     pg.lk16.resize(P * 2 * RP);
     pg.rk16.resize(RP * 2 * D);
     to_bf16_rows(pg.lk.data(), P, rank, pg.lk16.data(), 2 * RP);
     to_bf16_pairs(pg.rk.data(), rank, D, pg.rk16.data());
   }
   const uint16_t *L = pg.lk16.data(), *R = pg.rk16.data();
-  const float* sc = pg.keys_bf16 ? pg.rk_scale.data() : nullptr;
+  const float* sc = g.int4 ? pg.rk_scale.data() : nullptr;
   switch (D) {
     case 32: rope_scores_bf16<2, 8>(q, M, L, RP, R, sc, P, pos, g, w.s.data()); break;
     case 64: rope_scores_bf16<4, 4>(q, M, L, RP, R, sc, P, pos, g, w.s.data()); break;
     case 128: rope_scores_bf16<8, 2>(q, M, L, RP, R, sc, P, pos, g, w.s.data()); break;
     default: rope_scores_bf16<16, 1>(q, M, L, RP, R, sc, P, pos, g, w.s.data()); break;
   }
-  return true;
 }
 #elif defined(KVPACK_AVX2)
 // AVX2's 16 registers hold a tile of TT tokens x one group of 16 rotation pairs (channels c0 + [0, 16)
@@ -442,12 +439,37 @@ inline void rope_scores8(const float* q, int64_t M, const float* lk, int64_t ran
 }
 #endif
 
+// Whether pre-RoPE pages of head size D are rebuilt with bf16 products when `requested`: the AVX-512
+// build's tiled head sizes, on a CPU with AVX-512 BF16. The ops resolve it once into Geometry::bf16_products.
+inline bool bf16_rebuild(bool requested, int64_t D) {
+#if defined(__AVX512F__)
+  return requested && (D == 32 || D == 64 || D == 128 || D == 256) && cpu_has_bf16_products();
+#else
+  (void)requested, (void)D;
+  return false;
+#endif
+}
+
+// One page's INT4 key factors (L [P, rank] with fp16 column scales [rank], R [rank, D] with fp16 column
+// scales [D]; packed rows of ceil(cols / 2) bytes): straight into the bf16 rebuild's operands where
+// g.bf16_products, else widened to fp32 pg.lk, pg.rk.
+inline void load_int4_keys(const uint8_t* L, const c10::Half* l_scale, const uint8_t* R, const c10::Half* r_scale,
+                           int64_t P, int64_t rank, int64_t D, const Geometry& g, Page& pg,
+                           std::vector<float>& scale_buf) {
+#if defined(__AVX512F__)
+  if (g.bf16_products) return load_int4_keys_bf16(L, l_scale, R, r_scale, P, rank, D, pg, scale_buf);
+#endif
+  (void)g;
+  widen_int4(L, l_scale, nullptr, P, rank, pg.lk.data(), scale_buf);
+  widen_int4(R, r_scale, nullptr, rank, D, pg.rk.data(), scale_buf);
+}
+
 // Pre-RoPE logits s [M, P] of one page (keys L_K R_K at ranks `rank`, first token at `pos`), unscaled.
 inline void pre_rope_scores(const float* q, Page& pg, int64_t rank, int64_t pos, const Geometry& g,
                             PageScratch& w) {
   const int64_t M = g.M, D = g.D, P = g.P;
 #if defined(__AVX512F__)
-  if (bf16_rebuild(g) && pre_rope_scores_bf16(q, pg, rank, pos, g, w)) return;
+  if (g.bf16_products) return pre_rope_scores_bf16(q, pg, rank, pos, g, w);
   // Register tiles for the head sizes models use (the halves must be whole vectors).
   switch (D) {
     case 32: return rope_scores<2, 8>(q, M, pg.lk.data(), rank, pg.rk.data(), P, pos, g, w.s.data());

@@ -16,28 +16,14 @@ struct FactorSet {
   int64_t n;                                  // pages per head
 };
 
-// One page's factors into `out`: fp32, or (bf16_keys: INT4 keys whose pre-RoPE rebuild uses bf16 products)
-// the key side straight into the bf16 operands.
+// One page's factors into `out` as fp32 (INT4 keys: as the bf16 rebuild's operands where g.bf16_products).
 template <typename E>
-void load_page(const FactorSet& f, bool int4, bool bf16_keys, int64_t page, int64_t P, int64_t RK, int64_t RV,
-               int64_t D, Page& out, std::vector<float>& scale_buf) {
-  out.keys_bf16 = false;
-  if (int4) {
+void load_page(const FactorSet& f, const Geometry& g, int64_t page, Page& out, std::vector<float>& scale_buf) {
+  const int64_t P = g.P, RK = g.RK, RV = g.RV, D = g.D;
+  if (g.int4) {
     const int64_t rkc = (RK + 1) / 2, rvc = (RV + 1) / 2, dc = (D + 1) / 2;
-#if defined(__AVX512F__)
-    if (bf16_keys) {
-      load_int4_keys_bf16(static_cast<const uint8_t*>(f.lk) + page * P * rkc, f.lks + page * RK,
-                          static_cast<const uint8_t*>(f.rk) + page * RK * dc, f.rks + page * D, P, RK, D, out,
-                          scale_buf);
-    } else
-#endif
-    {
-      (void)bf16_keys;
-      widen_int4(static_cast<const uint8_t*>(f.lk) + page * P * rkc, f.lks + page * RK, nullptr, P, RK,
-                 out.lk.data(), scale_buf);
-      widen_int4(static_cast<const uint8_t*>(f.rk) + page * RK * dc, f.rks + page * D, nullptr, RK, D,
-                 out.rk.data(), scale_buf);
-    }
+    load_int4_keys(static_cast<const uint8_t*>(f.lk) + page * P * rkc, f.lks + page * RK,
+                   static_cast<const uint8_t*>(f.rk) + page * RK * dc, f.rks + page * D, P, RK, D, g, out, scale_buf);
     widen_int4(static_cast<const uint8_t*>(f.lv) + page * P * rvc, nullptr, f.lvs + page * P, P, RV, out.lv.data(),
                scale_buf);
     widen_int4(static_cast<const uint8_t*>(f.rv) + page * RV * dc, f.rvs + page * D, nullptr, RV, D, out.rv.data(),
@@ -57,13 +43,8 @@ void factor_pages(const float* q, const FactorSet& f, int64_t h, int64_t n0, int
   Page pg(g.P, g.RK, g.RV, g.D);
   PageScratch w(g);
   std::vector<float> scale_buf;
-#if defined(__AVX512F__)
-  const bool bf16_keys = bf16_rebuild(g);
-#else
-  const bool bf16_keys = false;
-#endif
   for (int64_t n = n0; n < n1; ++n) {
-    load_page<E>(f, g.int4, bf16_keys, h * f.n + n, g.P, g.RK, g.RV, g.D, pg, scale_buf);
+    load_page<E>(f, g, h * f.n + n, pg, scale_buf);
     fold_page(q, pg, g.RK, g.RV, pos0 + n * g.P, g, w, st);
   }
 }
@@ -149,7 +130,7 @@ State puzzle_attention(const at::Tensor& q, const at::Tensor& lk, const at::Tens
     g.cos = cos.data_ptr<float>();
     g.sin = sin.data_ptr<float>();
     g.W = cos.size(1);
-    g.bf16_products = bf16_products;
+    g.bf16_products = bf16_rebuild(bf16_products, D);
   }
   const int64_t TS = sink_k.size(1), TT = tail_k.size(1), T = TS + TT;
   const int64_t pps = std::max<int64_t>(1, pages_per_split), tps = std::max<int64_t>(1, tokens_per_split);

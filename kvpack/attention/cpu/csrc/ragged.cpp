@@ -106,15 +106,12 @@ State puzzle_ragged_attention(const at::Tensor& q, const at::Tensor& lk, const a
     g.cos = cos.data_ptr<float>();
     g.sin = sin.data_ptr<float>();
     g.W = cos.size(1);
-    g.bf16_products = bf16_products;
+    g.bf16_products = bf16_rebuild(bf16_products, D);
   }
   const int64_t TS = sink_k.size(1), TT = tail_k.size(1), T = TS + TT;
   const int64_t pps = std::max<int64_t>(1, pages_per_split), tps = std::max<int64_t>(1, tokens_per_split);
   const int64_t np = n_chunks(N, pps), n_splits = np + n_chunks(T, tps);
   const float* qp = q.data_ptr<float>();
-#if defined(__AVX512F__)
-  const bool bf16_keys = bf16_rebuild(g);
-#endif
   State out;
   with_dtype(sink_k, "puzzle_ragged_attention: dense tokens", [&](auto* dense_tag) {
     using DE = std::remove_pointer_t<decltype(dense_tag)>;
@@ -129,15 +126,11 @@ State puzzle_ragged_attention(const at::Tensor& q, const at::Tensor& lk, const a
           for (int64_t n = s * pps; n < std::min(N, (s + 1) * pps); ++n) {
             const int64_t e = n * H + h;
             const int64_t rk_e = ks.rank[e], rv_e = vs.rank[e];
-#if defined(__AVX512F__)
-            if (int4 && bf16_keys) {  // INT4 keys straight into the bf16 rebuild's operands
-              load_int4_keys_bf16(static_cast<const uint8_t*>(ks.left) + ks.offset[e] * P / 2, ks.left_scale + ks.offset[e],
-                                  static_cast<const uint8_t*>(ks.right) + ks.offset[e] * D / 2, ks.right_scale + e * D,
-                                  P, rk_e, D, pg, scale_buf);
-            } else
-#endif
-            {
-              pg.keys_bf16 = false;
+            if (int4) {  // INT4 keys: the bf16 rebuild's operands where g.bf16_products, else fp32
+              load_int4_keys(static_cast<const uint8_t*>(ks.left) + ks.offset[e] * P / 2, ks.left_scale + ks.offset[e],
+                             static_cast<const uint8_t*>(ks.right) + ks.offset[e] * D / 2, ks.right_scale + e * D, P,
+                             rk_e, D, g, pg, scale_buf);
+            } else {
               load_side<FE>(ks, int4, e, rk_e, ks.offset[e], P, D, pg.lk.data(), pg.rk.data(), scale_buf);
             }
             load_side<FE>(vs, int4, e, rv_e, vs.offset[e], P, D, pg.lv.data(), pg.rv.data(), scale_buf);
