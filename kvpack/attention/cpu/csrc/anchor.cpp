@@ -15,6 +15,13 @@
 // D log2(D) / 16 vector operations; any other 0/+-1 matrix as a D x D product (`combine`: the output row
 // held in registers).
 // Profiled at D = 128, the D x D product was 70% of the kernel's time.
+//
+// With AVX-512 and D = 32 / 64 / 128 / 256 (identity or Sylvester rotation) each key lives in registers
+// from its anchor row to its dot products (block_key_scores_regs); the value residuals of a block are
+// decoded into a small buffer and summed per query row with the accumulator in registers (`combine`),
+// as are the anchor bins at the end of a split. Profiled at SmolLM2's shape (D = 64, anchor_plus@0.25,
+// 8K tokens) before: the row passes through memory between scale, residual, RoPE and dot (store then
+// load, each step) and the value axpys were most of the time; 2.06 -> 1.01 ms per layer call.
 #include "common.h"
 
 namespace kvpack {
@@ -66,9 +73,7 @@ inline __m512 lane_butterfly(__m512 x) {
 
 // out = H y for the unnormalised Sylvester-Hadamard H of order 16 NCH (H is symmetric: y H = H y).
 template <int NCH>
-inline void fwht_regs(const float* y, float* out) {
-  __m512 v[NCH];
-  for (int j = 0; j < NCH; ++j) v[j] = _mm512_loadu_ps(y + 16 * j);
+inline void fwht_inplace(__m512* v) {
   for (int span = 1; span < NCH; span *= 2)  // butterflies 16 span apart: between vectors
     for (int j = 0; j < NCH; ++j)
       if (!(j & span)) {
@@ -78,6 +83,13 @@ inline void fwht_regs(const float* y, float* out) {
       }
   for (int j = 0; j < NCH; ++j)
     v[j] = lane_butterfly<8>(lane_butterfly<4>(lane_butterfly<2>(lane_butterfly<1>(v[j]))));
+}
+
+template <int NCH>
+inline void fwht_regs(const float* y, float* out) {
+  __m512 v[NCH];
+  for (int j = 0; j < NCH; ++j) v[j] = _mm512_loadu_ps(y + 16 * j);
+  fwht_inplace<NCH>(v);
   for (int j = 0; j < NCH; ++j) _mm512_storeu_ps(out + 16 * j, v[j]);
 }
 #elif defined(KVPACK_AVX2)
@@ -118,6 +130,7 @@ struct Codec {
   Rotation rotation;
   std::vector<float> matrix;  // [D, D] 0/±1
   std::vector<float> signs;   // [D]
+  std::vector<float> factor_signs;  // [D] factor * signs: the fused path's one FMA per vector
   float factor;
   float levels2[16] = {};  // 4 used (16: one vector load for the lane lookup)
   float levels4[16] = {};
@@ -218,6 +231,40 @@ inline void decode_codes(const uint8_t* r, int64_t D, __m512 levels, float* y) {
     }
   }
 }
+
+// The same into registers: y[m] = the residual's codes 16 m .. 16 m + 15 (D = 16 NCH, all compile-time).
+template <int BITS, int NCH>
+inline void decode_regs(const uint8_t* r, __m512 levels, __m512* y) {
+  constexpr int PER_BYTE = 8 / BITS, BYTES = 16 * NCH / PER_BYTE;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i byte_of_lane = _mm512_srli_epi32(lane, BITS == 2 ? 2 : 1);
+  const __m512i shift = _mm512_slli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(PER_BYTE - 1)),
+                                          BITS == 2 ? 1 : 2);
+  const __m512i code_mask = _mm512_set1_epi32((1 << BITS) - 1);
+#pragma GCC unroll 16
+  for (int b0 = 0; b0 < BYTES; b0 += 16) {
+    const int nb = BYTES - b0 < 16 ? BYTES - b0 : 16;
+    const __m512i wide = _mm512_cvtepu8_epi32(
+        nb == 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + b0))
+                 : _mm_maskz_loadu_epi8(__mmask16((1u << nb) - 1), r + b0));
+#pragma GCC unroll 4
+    for (int m = 0; m < nb * PER_BYTE / 16; ++m) {
+      const __m512i idx = _mm512_add_epi32(byte_of_lane, _mm512_set1_epi32(m * 16 / PER_BYTE));
+      const __m512i code = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(idx, wide), shift), code_mask);
+      y[b0 * PER_BYTE / 16 + m] = _mm512_permutexvar_ps(code, levels);
+    }
+  }
+}
+
+// 16 consecutive elements widened to fp32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 #elif defined(KVPACK_AVX2)
 // The same on 8 lanes: 8 bytes zero-extended to 8 int32 lanes, each output vector's bytes broadcast
 // to its lanes by a lane permute, shifted, masked, and looked up; 16 levels (4-bit) are two 8-entry
@@ -311,34 +358,117 @@ inline void block_slots(const Side& side, int64_t h, int64_t n, int64_t blk, int
   }
 }
 
+// Scores s[i * 32 + (t - t0)] of the M query rows against the keys of block [t0, t1) of head h, each key
+// rebuilt as coef * anchor + residual (pre-RoPE) and rotated by RoPE at its position: one row at a time
+// through a buffer (any D, any rotation).
+template <typename E>
+void block_key_scores(const float* q, int64_t M, int64_t h, int64_t n, int64_t K, int64_t D, const E* anchor_k,
+                      const Side& ks, const BlockSlots& slots, const Codec& codec, const float* cos, const float* sin,
+                      int64_t W, int64_t first_position, float scaling, int64_t t0, int64_t t1, float* s) {
+  std::vector<float> keys((t1 - t0) * D), y(D), tmp;
+  for (int64_t t = t0; t < t1; ++t) {
+    float* x = keys.data() + (t - t0) * D;
+    const int64_t e = h * n + t;
+    widen_row(anchor_k + (h * K + ks.anchor_of(e)) * D, x, D);
+    const float g = widen(ks.coef[e]);
+#pragma omp simd
+    for (int64_t c = 0; c < D; ++c) x[c] *= g;
+    if (slots.tier[t - t0] >= 0) {
+      residual_codes(ks.tiers[slots.tier[t - t0]], codec, slots.slot[t - t0], y.data());
+      codec.unrotate_add(y.data(), x, tmp);
+    }
+    rotate_row(x, cos + (first_position + t) * W, sin + (first_position + t) * W, D, W);
+  }
+  scores_block(q, keys.data(), M, t1 - t0, D, scaling, s, 32);
+}
+
+#if defined(__AVX512F__)
+// The same with each key held in NCH registers (D = 16 NCH, NCH even: RoPE's halves are whole vectors)
+// from its anchor row to its dot products: widened, scaled, its residual decoded, Hadamard-transformed
+// (or not: the identity) and added, rotated, dotted with the query rows, never stored. The buffered
+// version spent most of its time on the store-then-load between those steps (perf: the scale, RoPE and
+// dot loops, each a pass over the row in memory).
+template <int NCH, typename E>
+void block_key_scores_regs(const float* q, int64_t M, int64_t h, int64_t n, int64_t K, const E* anchor_k,
+                           const Side& ks, const BlockSlots& slots, const Codec& codec, const float* cos,
+                           const float* sin, int64_t W, int64_t first_position, float scaling, int64_t t0, int64_t t1,
+                           float* s) {
+  static_assert(NCH % 2 == 0, "RoPE's halves must be whole vectors");
+  constexpr int64_t D = 16 * NCH;
+  constexpr int HALF = NCH / 2;
+  __m512 fs[NCH];
+  for (int j = 0; j < NCH; ++j) fs[j] = _mm512_loadu_ps(codec.factor_signs.data() + 16 * j);
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t e = h * n + t;
+    const E* a = anchor_k + (h * K + ks.anchor_of(e)) * D;
+    const __m512 g = _mm512_set1_ps(widen(ks.coef[e]));
+    __m512 x[NCH];
+    for (int j = 0; j < NCH; ++j) x[j] = _mm512_mul_ps(g, load16(a + 16 * j));
+    if (slots.tier[t - t0] >= 0) {
+      const Tier& tier = ks.tiers[slots.tier[t - t0]];
+      const int64_t slot = slots.slot[t - t0];
+      TORCH_CHECK(slot >= 0 && slot < tier.slots, "anchor_segment_attention: residual slot ", slot, " outside [0, ",
+                  tier.slots, "): corrupted mask or prefix");
+      const __m512 sv = _mm512_set1_ps(tier.scale[slot]);
+      __m512 y[NCH];
+      if (tier.bits == 2) decode_regs<2, NCH>(tier.res + slot * (D / 4), _mm512_mul_ps(_mm512_loadu_ps(codec.levels2), sv), y);
+      else decode_regs<4, NCH>(tier.res + slot * (D / 2), _mm512_mul_ps(_mm512_loadu_ps(codec.levels4), sv), y);
+      if (codec.rotation == Rotation::Sylvester) fwht_inplace<NCH>(y);
+      for (int j = 0; j < NCH; ++j) x[j] = _mm512_fmadd_ps(fs[j], y[j], x[j]);
+    }
+    const float* c = cos + (first_position + t) * W;
+    const float* sn = sin + (first_position + t) * W;
+    const float* c2 = W == D ? c + D / 2 : c;
+    const float* s2 = W == D ? sn + D / 2 : sn;
+    for (int j = 0; j < HALF; ++j) {  // rotate_row's rotate_half convention
+      const __m512 k1 = x[j], k2 = x[j + HALF];
+      x[j] = _mm512_fmsub_ps(k1, _mm512_loadu_ps(c + 16 * j), _mm512_mul_ps(k2, _mm512_loadu_ps(sn + 16 * j)));
+      x[j + HALF] = _mm512_fmadd_ps(k1, _mm512_loadu_ps(s2 + 16 * j), _mm512_mul_ps(k2, _mm512_loadu_ps(c2 + 16 * j)));
+    }
+    for (int64_t i = 0; i < M; ++i) {
+      const float* qi = q + i * D;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qi), x[0]);
+      for (int j = 1; j < NCH; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * j), x[j], acc);
+      s[i * 32 + (t - t0)] = _mm512_reduce_add_ps(acc) * scaling;
+    }
+  }
+}
+#endif
+
 template <typename E>
 void segment_blocks(const float* q, int64_t h, int64_t b0, int64_t b1, int64_t n, int64_t K, int64_t D,
                     const E* anchor_k, const E* anchor_v, const Side& ks, const Side& vs, const Codec& codec,
                     const float* cos, const float* sin, int64_t W, int64_t first_position, float scaling,
                     RowsState& st) {
   const int64_t M = st.M;
-  std::vector<float> keys(32 * D), s(M * 32), y(D), tmp, bins(M * K, 0.f), acc_rot(M * D, 0.f), anchor_row(D),
-      m_old(M);
+  // s [M, 32] the block's logits then probabilities; yb [32, D] its value residuals (decoded, rotated
+  // domain) and cb [M, 32] their probabilities; bins [M, K] sum p coef per anchor; touched: anchors any
+  // value of the split points to.
+  std::vector<float> s(M * 32), yb(32 * D), cb(M * 32), bins(M * K, 0.f), acc_rot(M * D, 0.f), m_old(M), tmp;
+  std::vector<uint8_t> touched(K, 0);
   bool any_value_residual = false;
   BlockSlots slots{};
+  auto key_scores = [&](int64_t t0, int64_t t1) {
+#if defined(__AVX512F__)
+    if (codec.rotation != Rotation::Matrix) switch (D) {
+        case 32: return block_key_scores_regs<2>(q, M, h, n, K, anchor_k, ks, slots, codec, cos, sin, W, first_position,
+                                                 scaling, t0, t1, s.data());
+        case 64: return block_key_scores_regs<4>(q, M, h, n, K, anchor_k, ks, slots, codec, cos, sin, W, first_position,
+                                                 scaling, t0, t1, s.data());
+        case 128: return block_key_scores_regs<8>(q, M, h, n, K, anchor_k, ks, slots, codec, cos, sin, W,
+                                                  first_position, scaling, t0, t1, s.data());
+        case 256: return block_key_scores_regs<16>(q, M, h, n, K, anchor_k, ks, slots, codec, cos, sin, W,
+                                                   first_position, scaling, t0, t1, s.data());
+        default: break;
+      }
+#endif
+    block_key_scores(q, M, h, n, K, D, anchor_k, ks, slots, codec, cos, sin, W, first_position, scaling, t0, t1,
+                     s.data());
+  };
   for (int64_t blk = b0; blk < b1; ++blk) {
     const int64_t t0 = blk * 32, t1 = std::min(n, t0 + 32), B = t1 - t0;
-    // Keys of the block: coef * anchor + residual, rotated by RoPE at their positions.
     block_slots(ks, h, n, blk, t0, t1, slots);
-    for (int64_t t = t0; t < t1; ++t) {
-      float* x = keys.data() + (t - t0) * D;
-      const int64_t e = h * n + t;
-      widen_row(anchor_k + (h * K + ks.anchor_of(e)) * D, x, D);
-      const float g = widen(ks.coef[e]);
-#pragma omp simd
-      for (int64_t c = 0; c < D; ++c) x[c] *= g;
-      if (slots.tier[t - t0] >= 0) {
-        residual_codes(ks.tiers[slots.tier[t - t0]], codec, slots.slot[t - t0], y.data());
-        codec.unrotate_add(y.data(), x, tmp);
-      }
-      rotate_row(x, cos + (first_position + t) * W, sin + (first_position + t) * W, D, W);
-    }
-    scores_block(q, keys.data(), M, B, D, scaling, s.data(), 32);
+    key_scores(t0, t1);
     std::copy(st.m.begin(), st.m.end(), m_old.begin());
     st.absorb(s.data(), B, 32);
     for (int64_t i = 0; i < M; ++i) {  // the value sums kept outside st.o follow its rescaling
@@ -347,24 +477,39 @@ void segment_blocks(const float* q, int64_t h, int64_t b0, int64_t b1, int64_t n
       for (int64_t j = 0; j < K; ++j) bins[i * K + j] *= alpha;
       for (int64_t c = 0; c < D; ++c) acc_rot[i * D + c] *= alpha;
     }
-    // Values: p coef into the anchor bins; p y summed in the rotated domain.
+    // Values: p coef into the anchor bins; p y summed in the rotated domain (the block's residuals
+    // decoded into yb, then one register-held accumulation per query row).
     block_slots(vs, h, n, blk, t0, t1, slots);
+    int64_t n_res = 0;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t e = h * n + t, a = vs.anchor_of(e);
       const float g = widen(vs.coef[e]);
+      touched[a] = 1;
       for (int64_t i = 0; i < M; ++i) bins[i * K + a] += s[i * 32 + (t - t0)] * g;
       if (slots.tier[t - t0] >= 0) {
-        residual_codes(vs.tiers[slots.tier[t - t0]], codec, slots.slot[t - t0], y.data());
-        for (int64_t i = 0; i < M; ++i) axpy(s[i * 32 + (t - t0)], y.data(), acc_rot.data() + i * D, D);
-        any_value_residual = true;
+        residual_codes(vs.tiers[slots.tier[t - t0]], codec, slots.slot[t - t0], yb.data() + n_res * D);
+        for (int64_t i = 0; i < M; ++i) cb[i * 32 + n_res] = s[i * 32 + (t - t0)];
+        ++n_res;
       }
     }
+    if (n_res) {
+      for (int64_t i = 0; i < M; ++i) combine(cb.data() + i * 32, yb.data(), n_res, D, acc_rot.data() + i * D);
+      any_value_residual = true;
+    }
   }
-  // o += bins @ anchor_v + unrotate(acc_rot), once per split.
-  for (int64_t j = 0; j < K; ++j) {
-    widen_row(anchor_v + (h * K + j) * D, anchor_row.data(), D);
-    for (int64_t i = 0; i < M; ++i)
-      if (bins[i * K + j] != 0.f) axpy(bins[i * K + j], anchor_row.data(), st.o.data() + i * D, D);
+  // o += bins @ anchor_v over the anchors the split's values point to (32 rows widened at a time, one
+  // register-held accumulation per query row), then + unrotate(acc_rot), once per split.
+  std::vector<int64_t> used;
+  for (int64_t j = 0; j < K; ++j)
+    if (touched[j]) used.push_back(j);
+  std::vector<float> rows(32 * D), w(32);
+  for (size_t c0 = 0; c0 < used.size(); c0 += 32) {
+    const int64_t cnt = int64_t(std::min<size_t>(32, used.size() - c0));
+    for (int64_t r = 0; r < cnt; ++r) widen_row(anchor_v + (h * K + used[c0 + r]) * D, rows.data() + r * D, D);
+    for (int64_t i = 0; i < M; ++i) {
+      for (int64_t r = 0; r < cnt; ++r) w[r] = bins[i * K + used[c0 + r]];
+      combine(w.data(), rows.data(), cnt, D, st.o.data() + i * D);
+    }
   }
   if (any_value_residual)
     for (int64_t i = 0; i < M; ++i) codec.unrotate_add(acc_rot.data() + i * D, st.o.data() + i * D, tmp);
@@ -419,6 +564,8 @@ State anchor_segment_attention(
   codec.signs.resize(D);
   widen_row(signs.contiguous().data_ptr<float>(), codec.signs.data(), D);
   codec.factor = float(hfactor);
+  codec.factor_signs.resize(D);
+  for (int64_t c = 0; c < D; ++c) codec.factor_signs[c] = codec.factor * codec.signs[c];
   for (int i = 0; i < 4; ++i) codec.levels2[i] = float(levels[i]);
   const bool fine = fine_mask_k.numel() > 0;
   if (fine) {
