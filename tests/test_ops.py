@@ -137,3 +137,19 @@ def test_residual_codec_keeps_its_tensors_per_device():
     assert all(a is b for a, b in zip(first, codec.on("cpu")))  # copied once, then reused
     m16, factor = codec.kernel_matrix
     assert torch.equal(first[2], m16) and torch.equal(m16.float() * factor, codec.matrix)
+
+
+@pytest.mark.parametrize("name,bits", [("hadamard_lloyd_max", 2), ("hadamard_lloyd_max", 4), ("naive", 2)])
+def test_residual_codes_are_the_levels_bucketize_gives(name, bits):
+    """encode's codes (one compare per threshold) equal torch.bucketize's over the same unit values."""
+    from kvpack.ops.bitpack import unpack_bits
+    from kvpack.ops.residual_codec import make_residual_codec
+
+    codec = make_residual_codec(name, 64, seed=3, bits=bits)
+    r = torch.randn(257, 64, generator=torch.Generator().manual_seed(1))
+    y = codec.rotate(r)
+    unit = y / codec._scale(y).clamp_min(1e-30)[:, None]
+    packed, _ = codec.encode(r)
+    want = torch.bucketize(unit.contiguous(), torch.tensor(codec.thresholds))
+    assert want.unique().numel() == 2 ** bits  # every level is used
+    assert torch.equal(unpack_bits(packed, bits, 64).long(), want)

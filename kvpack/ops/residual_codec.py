@@ -105,7 +105,12 @@ class ResidualCodec:
         y = self.rotate(r)
         scale = self._scale(y)
         unit = y / scale.clamp_min(1e-30)[:, None]
-        codes = torch.bucketize(unit.contiguous(), torch.tensor(self.thresholds, device=r.device)).to(torch.uint8)
+        # The code of a value is the number of thresholds below it (torch.bucketize's answer, right=False):
+        # one vectorised compare per threshold, 2-5x faster than bucketize's per-element binary search
+        # here (3 or 15 thresholds; measured on 6,000 x 64 residuals).
+        codes = torch.zeros(unit.shape, dtype=torch.uint8, device=r.device)
+        for threshold in self.thresholds:
+            codes += unit > threshold
         return pack_bits(codes, self.bits), scale
 
     def rotated(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
