@@ -361,3 +361,4 @@ def test_a_prepared_cache_copy_runs_like_a_fresh_build():
     again = teacher_forced_logprobs(model, copied, chunk, 240)
     fresh = teacher_forced_logprobs(model, method.from_prefill(model, prefill), chunk, 240)
     assert torch.equal(first, again) and torch.equal(first, fresh)
+    assert not first.requires_grad  # the fidelity pass keeps no autograd graph

@@ -138,6 +138,7 @@ def load_rows(path: Path) -> list[dict]:
     return rows
 
 
+@torch.no_grad()  # the fidelity pass ran with autograd on: every layer's activations kept for a backward
 def teacher_forced_logprobs(model, prepared: PreparedCache, chunk: list[int], total: int) -> torch.Tensor:
     """Log-probabilities ``[len(chunk), vocab]`` (fp32) of a chunk appended to a prepared cache."""
     ids = torch.tensor([chunk], device=model.device)
