@@ -136,6 +136,68 @@ def test_utility_matches_direct_first_order_output_change():
             assert u[0, t].item() == pytest.approx(direct[0].item(), rel=1e-4, abs=1e-12), (side, t)
 
 
+def _plain_weights(q_obs, k_post, scaling, obs_pos, key_pos, lse=None):
+    """Eq. 6's α written out: logits, the whole causal mask, softmax (or exp against a given lse)."""
+    s = torch.einsum("hmd,hsd->hms", q_obs, k_post) * scaling
+    s = s.masked_fill(key_pos[None, None, :] > obs_pos[None, :, None], float("-inf"))
+    return torch.softmax(s, dim=-1) if lse is None else torch.exp(s - lse[..., None])
+
+
+@pytest.mark.parametrize("segment", [False, True])
+def test_observation_weights_and_blocked_utilities_equal_the_plain_formulas(monkeypatch, segment):
+    """The fast forms (causal mask on the suffix only, Eq. 6 in token blocks updated in place, γ from
+    the nearest-anchor score) against the formulas written out, on a prompt and on a re-compressed
+    segment whose observation rows come after it (normalised by a given lse)."""
+    import kvpack.resident.anchor.selection as sel
+
+    g = torch.Generator().manual_seed(3)
+    H, m, S, d = 2, 6, 37, 8
+    q, y = (torch.randn(H, m, d, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v, r_k, r_v = (torch.randn(H, S, d, generator=g, dtype=torch.float64) for _ in range(4))
+    if segment:
+        key_pos = torch.arange(100, 100 + S)
+        obs_pos = torch.tensor([140, 141, 142, 140, 141, 142])
+        lse = torch.logsumexp(torch.einsum("hmd,hsd->hms", q, k) * 0.3, dim=-1) + 0.5  # the rows saw more keys
+    else:
+        key_pos, obs_pos, lse = torch.arange(S), torch.tensor([34, 35, 36, 34, 35, 36]), None
+    alpha = _plain_weights(q, k, 0.3, obs_pos, key_pos, lse)
+    torch.testing.assert_close(sel.observation_weights(q, k, 0.3, obs_pos, key_pos, lse), alpha, rtol=1e-12, atol=0)
+    dist = (v[:, None] - y[:, :, None]).square().sum(-1)  # [H, m, S]
+    ds = torch.einsum("hmd,hsd->hms", q, r_k) * 0.3
+    want_k = (alpha.square() * ds.square() * dist).mean(1)
+    want_v = alpha.square().mean(1) * r_v.square().sum(-1)
+    monkeypatch.setattr(sel, "UTILITY_BLOCK", 5)  # 37 tokens: 7 full blocks and a short one
+    u_k, u_v = sel.utilities(q, y, k, v, r_k, r_v, 0.3, obs_pos, key_pos, lse)
+    torch.testing.assert_close(u_k, want_k, rtol=1e-9, atol=1e-15)
+    torch.testing.assert_close(u_v, want_v, rtol=1e-9, atol=1e-15)
+    anchors = k[:, [0, 9, 20]]
+    index, gamma, residual = sel.project_onto_anchors(k, anchors)
+    a = torch.gather(anchors, 1, index[..., None].expand(-1, -1, d))
+    torch.testing.assert_close(gamma, (k * a).sum(-1) / (a * a).sum(-1), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(residual, k - gamma[..., None] * a, rtol=1e-12, atol=1e-14)
+
+
+def test_shared_observation_probabilities_give_snapkv_votes_and_eq6_weights():
+    """Compression computes the window's attention once: the votes from it equal SnapKV's written out,
+    and regrouped it is α of Eq. 6."""
+    from kvpack.attention.scores import observation_probabilities, observation_votes
+    from kvpack.resident.anchor.selection import observation_weights
+
+    g = torch.Generator().manual_seed(4)
+    H, group, S, d, W = 2, 3, 40, 8, 5
+    q, k = torch.randn(H * group, S, d, generator=g), torch.randn(H, S, d, generator=g)
+    probs = observation_probabilities(q, k, 0.25, W)
+    logits = torch.einsum("hgwd,hsd->hgws", q[:, -W:].reshape(H, group, W, d), k) * 0.25
+    hidden = torch.arange(S)[None, :] > torch.arange(S - W, S)[:, None]
+    plain = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1)
+    torch.testing.assert_close(probs, plain, rtol=1e-6, atol=1e-7)
+    votes = plain[..., :S - W].sum(dim=(1, 2))
+    pooled = torch.nn.functional.avg_pool1d(votes[:, None], 3, stride=1, padding=1)[:, 0]
+    torch.testing.assert_close(observation_votes(probs, 3), pooled, rtol=1e-6, atol=1e-7)
+    alpha = observation_weights(q[:, -W:].reshape(H, group * W, d), k, 0.25, torch.arange(S - W, S).repeat(group))
+    torch.testing.assert_close(probs.reshape(H, group * W, S), alpha, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_tile_attention_equals_attention_over_reconstruction(group):
     H, S, d = 2, 333, 64

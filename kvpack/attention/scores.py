@@ -39,6 +39,32 @@ def accumulated_attention(q: torch.Tensor, k: torch.Tensor, scaling: float, chun
     return scores
 
 
+def observation_probabilities(q: torch.Tensor, k: torch.Tensor, scaling: float, window: int) -> torch.Tensor:
+    """Attention probabilities ``[kv_heads, group, window, S]`` fp32 of the last ``window`` queries
+    (``q [q_heads, ≥window, d]``, the last rows taken) over all ``S`` keys ``k [kv_heads, S, d]``,
+    causal: the query at position ``p`` sees keys ``0..p``."""
+    S = k.shape[1]
+    s = _group_logits(q[:, -window:], k, scaling)  # [H, g, W, S]
+    # Only the last window - 1 keys are hidden from some observation query: mask that suffix alone.
+    first = S - window + 1
+    pos_q = torch.arange(S - window, S, device=k.device)[:, None]
+    s[..., first:].masked_fill_(torch.arange(first, S, device=k.device)[None, :] > pos_q, float("-inf"))
+    return torch.softmax(s, dim=-1)
+
+
+def observation_votes(probs: torch.Tensor, kernel: int) -> torch.Tensor:
+    """SnapKV votes ``[kv_heads, S - window]`` from :func:`observation_probabilities`' ``probs``: the
+    probabilities given the prefix keys, summed over the observation queries and the query heads of
+    each GQA group, average-pooled along the sequence with ``kernel`` (stride 1, same length)."""
+    S, window = probs.shape[-1], probs.shape[-2]
+    votes = probs[..., : S - window].sum(dim=(1, 2))  # [H, S - W]
+    if kernel > 1:
+        # As SnapKV's reference code: zero padding counted in the average at the ends.
+        votes = torch.nn.functional.avg_pool1d(votes[:, None], kernel, stride=1,
+                                               padding=kernel // 2)[:, 0, : S - window]
+    return votes
+
+
 def observation_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, window: int, kernel: int) -> torch.Tensor:
     """SnapKV scores of the prefix keys from the last ``window`` queries.
 
@@ -51,13 +77,4 @@ def observation_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, window:
     Returns:
         ``[kv_heads, S - window]`` fp32.
     """
-    S = k.shape[1]
-    s = _group_logits(q[:, -window:], k, scaling)  # [H, g, W, S]
-    pos_q = torch.arange(S - window, S, device=k.device)[:, None]
-    s = s.masked_fill(torch.arange(S, device=k.device)[None, :] > pos_q, float("-inf"))
-    votes = torch.softmax(s, dim=-1)[..., : S - window].sum(dim=(1, 2))  # [H, S - W]
-    if kernel > 1:
-        # As SnapKV's reference code: zero padding counted in the average at the ends.
-        votes = torch.nn.functional.avg_pool1d(votes[:, None], kernel, stride=1,
-                                               padding=kernel // 2)[:, 0, : S - window]
-    return votes
+    return observation_votes(observation_probabilities(q, k, scaling, window), kernel)

@@ -30,30 +30,48 @@ def select_anchors(votes: torch.Tensor, seq_len: int, n_anchors: int, window: in
     return torch.cat([top, rand, window_pos], dim=1).sort(dim=1).values
 
 
+UTILITY_BLOCK = 1024  # tokens per block of Eq. 6's [H, m, block] products (1.2 MB at m = 96; 512-2048 measured alike)
 ASSIGN_BLOCK_ELEMENTS = 1 << 24  # bound on one [H, tokens, k] block of |cos| (64 MiB in fp32)
 
 
-def nearest_anchor(x: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-    """Eq. 1: index ``[H, n]`` of the anchor with the largest ``|cos|`` to each row of ``x [H, n, D]``.
+def _nearest_with_dot(x: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Eq. 1 for ``x [H, n, D]`` onto ``anchors [H, k, D]``: ``(index [H, n], dot [H, n], norm [H, k])``,
+    ``dot`` the chosen anchor's ``x · a / ‖a‖`` (what the argmax compared) and ``norm`` each anchor's
+    ``‖a‖`` (clamped away from 0).
 
     ``‖x‖`` is the same for every anchor of a token, so only the anchors are normalised. Tokens go in
     blocks so that the ``[H, block, k]`` scores stay bounded (unblocked, 128K tokens with k = 1024
     anchors would take 4 GiB per copy).
     """
     H, n, _ = x.shape
-    unit = anchors / anchors.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+    norm = anchors.norm(dim=-1).clamp_min(1e-30)
+    unit = anchors / norm[..., None]
     block = max(1, ASSIGN_BLOCK_ELEMENTS // (H * anchors.shape[1]))
-    return torch.cat([torch.einsum("hsd,hkd->hsk", x[:, i: i + block], unit).abs_().argmax(dim=-1)
-                      for i in range(0, n, block)], dim=1)
+    index, dot = [], []
+    for i in range(0, n, block):
+        scores = torch.bmm(x[:, i: i + block], unit.transpose(1, 2))  # [H, block, k]
+        best = scores.abs().argmax(dim=-1, keepdim=True)
+        index.append(best[..., 0])
+        dot.append(scores.gather(-1, best)[..., 0])
+    return torch.cat(index, dim=1), torch.cat(dot, dim=1), norm
+
+
+def nearest_anchor(x: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """Eq. 1: index ``[H, n]`` of the anchor with the largest ``|cos|`` to each row of ``x [H, n, D]``."""
+    return _nearest_with_dot(x, anchors)[0]
 
 
 def project_onto_anchors(x: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Eq. 1–2 for ``x [H, n, D]`` onto ``anchors [H, k, D]``: ``(index [H, n], gamma [H, n], residual)``."""
+    """Eq. 1–2 for ``x [H, n, D]`` onto ``anchors [H, k, D]``: ``(index [H, n], gamma [H, n], residual)``.
+
+    ``γ = ⟨x, a⟩ / ‖a‖²`` is the nearest-anchor score ``⟨x, a⟩ / ‖a‖`` (already computed for Eq. 1)
+    over ``‖a‖``; the residual ``x − γ a`` is one fused multiply-subtract.
+    """
     D = x.shape[-1]
-    index = nearest_anchor(x, anchors)
+    index, dot, norm = _nearest_with_dot(x, anchors)
     a = torch.gather(anchors, 1, index[..., None].expand(-1, -1, D))
-    gamma = (x * a).sum(-1) / (a * a).sum(-1).clamp_min(1e-30)
-    return index, gamma, x - gamma[..., None] * a
+    gamma = dot / torch.gather(norm, 1, index)
+    return index, gamma, torch.addcmul(x, gamma[..., None], a, value=-1.0)
 
 
 def assign_and_project(x: torch.Tensor, anchor_pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -80,16 +98,21 @@ def observation_weights(q_obs: torch.Tensor, k_post: torch.Tensor, scaling: floa
         q_obs: ``[H, m, D]`` observation queries grouped per KV head.
         k_post: ``[H, S, D]`` post-RoPE keys.
         obs_positions: ``[m]`` position of each observation row (causal visibility).
-        key_positions: ``[S]`` positions of the keys (default ``0..S-1``).
+        key_positions: ``[S]`` positions of the keys, ascending (default ``0..S-1``).
         lse: ``[H, m]`` log-sum-exp of each observation row's logits over *all* keys it attended;
             when the keys here are only part of them (a re-compressed segment), α is normalised
             with it. None: the keys here are all the row saw (the prompt).
     """
     S = k_post.shape[1]
     pos = torch.arange(S, device=k_post.device) if key_positions is None else key_positions
-    s = torch.einsum("hmd,hsd->hms", q_obs, k_post) * scaling
-    s = s.masked_fill(pos[None, None, :] > obs_positions[None, :, None], float("-inf"))
-    return torch.softmax(s, dim=-1) if lse is None else torch.exp(s - lse[..., None])
+    s = torch.bmm(q_obs, k_post.transpose(1, 2)).mul_(scaling)
+    # Keys are in ascending position (the prompt, or a re-compressed stretch): only those after the
+    # earliest observation row can be hidden from some row, so the causal mask touches that suffix only.
+    first_hidden = int(torch.searchsorted(pos, obs_positions.min(), right=True))
+    if first_hidden < S:
+        s[..., first_hidden:].masked_fill_(pos[None, None, first_hidden:] > obs_positions[None, :, None],
+                                           float("-inf"))
+    return torch.softmax(s, dim=-1) if lse is None else s.sub_(lse[..., None]).exp_()
 
 
 def utilities(q_obs: torch.Tensor, y_obs: torch.Tensor, k_post: torch.Tensor, v: torch.Tensor, key_residual_post,
@@ -107,12 +130,22 @@ def utilities(q_obs: torch.Tensor, y_obs: torch.Tensor, k_post: torch.Tensor, v:
     """
     if alpha is None:
         alpha = observation_weights(q_obs, k_post, scaling, obs_positions, key_positions, lse)
-    alpha2 = alpha.square()  # [H, m, S]
-    ds = torch.einsum("hmd,hsd->hms", q_obs, key_residual_post) * scaling
-    dist = (v.square().sum(-1)[:, None, :] - 2 * torch.einsum("hmd,hsd->hms", y_obs, v)
-            + y_obs.square().sum(-1)[..., None]).clamp_min(0)
-    u_k = (alpha2 * ds.square() * dist).mean(dim=1)
-    u_v = alpha2.mean(dim=1) * value_residual.square().sum(-1)
+    H, m, S = alpha.shape
+    u_k = torch.empty(H, S, dtype=alpha.dtype, device=alpha.device)
+    v_sq = v.square().sum(-1)  # [H, S]
+    y_sq = y_obs.square().sum(-1)[..., None]  # [H, m, 1]
+    y_twice = y_obs * -2.0  # exact: a power of two
+    # Token blocks small enough that the [H, m, block] products stay in a core's cache while each is
+    # formed once and updated in place (m = group · W rows; whole, they are the compression's largest
+    # tensors and every elementwise pass would go to memory).
+    for lo in range(0, S, UTILITY_BLOCK):
+        hi = min(lo + UTILITY_BLOCK, S)
+        a = alpha[..., lo:hi]
+        weighted = torch.bmm(q_obs, key_residual_post[:, lo:hi].transpose(1, 2)).mul_(scaling).mul_(a).square_()
+        # ‖V_t − y_w‖² = ‖V_t‖² − 2 y_w · V_t + ‖y_w‖², the cross term as one batched multiply-add.
+        dist = torch.baddbmm(v_sq[:, None, lo:hi], y_twice, v[:, lo:hi].transpose(1, 2)).add_(y_sq).clamp_min_(0)
+        torch.mean(weighted.mul_(dist), dim=1, out=u_k[:, lo:hi])  # (α ds)² ‖V − y‖², mean over rows
+    u_v = torch.linalg.vecdot(alpha, alpha, dim=1).div_(m).mul_(value_residual.square().sum(-1))
     return u_k, u_v
 
 

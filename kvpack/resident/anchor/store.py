@@ -58,7 +58,7 @@ from ...attention.anchor import (
     reconstruct_tile,
 )
 from ...attention.cpu import use_native
-from ...attention.scores import observation_scores
+from ...attention.scores import observation_probabilities, observation_votes
 from ...attention.softmax_merge import ungroup_output
 from ...attention.triton import use_triton
 from ...attention.triton.anchor_op import anchor_partials
@@ -167,12 +167,12 @@ class AnchorStore(LayerStore):
     # -- compression ------------------------------------------------------------------------
 
     def _ranking_scores(self, sides, k_pre, k_post, v, cos, sin, q_obs, y_obs, obs_pos, scaling,
-                        key_positions=None, lse=None) -> tuple[torch.Tensor, torch.Tensor]:
+                        key_positions=None, lse=None, alpha=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores ``[H, n]`` per side by which residual candidates are ranked (``config.ranking``).
 
         ``sides`` = ((index, gamma, residual) for keys, same for values); ``k_pre``/``k_post`` the
         keys before/after RoPE, ``v`` the values ``[H, n, D]``; the observation arguments as
-        :func:`utilities`.
+        :func:`utilities`; ``alpha`` their attention weights ``[H, m, n]`` where the caller has them.
         """
         ranking = self.config.ranking
         r_k, r_v = sides[0][2], sides[1][2]
@@ -184,7 +184,8 @@ class AnchorStore(LayerStore):
             gen = torch.Generator().manual_seed(self.config.seed * 104_729 + self.layout.layer_idx * 1_009
                                                 + len(self.segments))
             return tuple(torch.rand(r_k.shape[:2], generator=gen).to(r_k.device) for _ in range(2))
-        alpha = observation_weights(q_obs, k_post, scaling, obs_pos, key_positions, lse)
+        if alpha is None:
+            alpha = observation_weights(q_obs, k_post, scaling, obs_pos, key_positions, lse)
         if ranking == "attention":
             usage = alpha.mean(dim=1)
             return usage, usage.clone()
@@ -256,7 +257,10 @@ class AnchorStore(LayerStore):
         k, v, q, out = k.float(), v.float(), q[:, -W:].float(), out[:, -W:].float()
         cos, sin = lay.rope.cos_sin(torch.arange(S, device=k.device))
         k_pre = invert_rope(k, cos, sin)
-        votes = observation_scores(q, k, scaling, W, cfg.kernel)
+        # The observation window's attention, once: SnapKV votes for the anchors and, regrouped
+        # [H, group · W, S] (rows in (group, window) order), the weights α of Eq. 6.
+        probs = observation_probabilities(q, k, scaling, W)  # [H, group, W, S]
+        votes = observation_votes(probs, cfg.kernel)
         gen = torch.Generator().manual_seed(cfg.seed * 7919 + lay.layer_idx)
         anchor_pos = select_anchors(votes, S, n_anchors, W, cfg.rho if cfg.random_anchors else 1.0, gen)
         ak, idx_k, gamma_k, r_k = assign_and_project(k_pre, anchor_pos)
@@ -265,7 +269,8 @@ class AnchorStore(LayerStore):
         group = lay.group
         obs_pos = torch.arange(S - W, S, device=k.device).repeat(group)
         u_k, u_v = self._ranking_scores(sides, k_pre, k, v, cos, sin, q.reshape(H, group * W, D),
-                                        out.reshape(H, group * W, D), obs_pos, scaling)
+                                        out.reshape(H, group * W, D), obs_pos, scaling,
+                                        alpha=probs.reshape(H, group * W, S))
         is_anchor = torch.zeros(H, S, dtype=torch.bool, device=k.device)
         is_anchor.scatter_(1, anchor_pos, True)
         u_k = u_k.masked_fill(is_anchor, float("-inf"))
