@@ -349,3 +349,17 @@ def test_greedy_stops_once_asked(tiny_model, tokenizer):
     stopped = greedy_generate(tiny_model, tokenizer, new_dense_cache(tiny_model), ids, 10,
                               stop_when=lambda new: len(new) >= 3)
     assert len(free) == 10 and stopped == free[:3]
+
+
+def test_the_exact_cache_fidelity_shortcut_equals_running_the_pass(tiny_model, tokenizer):
+    """FullKV's fidelity figures are taken from the unit's reference log-probabilities instead of a
+    second teacher-forced pass: they equal that pass over a fresh FullKV copy."""
+    from kvpack.eval import runner
+    from kvpack.methods import get_method
+
+    plan = EvalPlan(tasks=["niah_single_1"], lengths=[256], samples=1, specs=method_specs(["full"], [0.5], {}))
+    unit = runner._prepare_unit(tiny_model, tokenizer, plan, "query-aware", "niah_single_1", 256, 0, None)
+    copy = get_method("full").from_prefill(tiny_model, unit.prefill).copy()
+    ran, shortcut = runner._fidelity(tiny_model, unit, copy), runner._fidelity(tiny_model, unit, None)
+    assert ran["kl_answer"] == pytest.approx(0.0, abs=1e-6) and shortcut["kl_answer"] == 0.0
+    assert shortcut["ppl_continuation"] == pytest.approx(ran["ppl_continuation"], rel=1e-5)

@@ -40,6 +40,7 @@ from .tasks import TASKS, make_sample
 
 SETTINGS = ("query-aware", "query-agnostic")
 CONTINUATION_TOKENS = 64
+REFERENCE_METHOD = "full"  # the exact cache every method's KL is measured against
 
 
 @dataclass
@@ -209,14 +210,19 @@ def _prepare_unit(model, tokenizer, plan: EvalPlan, setting: str, task: str, len
     if plan.fidelity:
         ans_ids, cont_ids = _scored_ids(tokenizer, sample)
         unit.tf_chunk, unit.ans_len = ids[n_pre:] + ans_ids + cont_ids, len(ans_ids)
-        ref = get_method("full").from_prefill(model, prefill)
+        ref = get_method(REFERENCE_METHOD).from_prefill(model, prefill)
         unit.ref_logprobs = teacher_forced_logprobs(model, ref, unit.tf_chunk, n_pre + len(unit.tf_chunk))
     return unit
 
 
-def _fidelity(model, unit: _Unit, prepared: PreparedCache) -> dict:
-    """KL of the answer tokens against the exact cache's, and the continuation's perplexity."""
-    logp = teacher_forced_logprobs(model, prepared, unit.tf_chunk, unit.n_pre + len(unit.tf_chunk))
+def _fidelity(model, unit: _Unit, prepared: PreparedCache | None) -> dict:
+    """KL of the answer tokens against the exact cache's, and the continuation's perplexity.
+
+    ``prepared`` None: the method's cache is the exact cache itself (FullKV with its defaults), whose
+    teacher-forced log-probabilities the unit already holds (the same cache, the same forward), so the
+    pass is not run twice."""
+    logp = (unit.ref_logprobs if prepared is None
+            else teacher_forced_logprobs(model, prepared, unit.tf_chunk, unit.n_pre + len(unit.tf_chunk)))
     a = len(unit.ids) - unit.n_pre  # logits at a-1+j predict answer token j
     sl = slice(a - 1, a - 1 + unit.ans_len)
     p_ref = unit.ref_logprobs[sl].exp()
@@ -237,8 +243,10 @@ def _evaluate(model, tokenizer, plan: EvalPlan, unit: _Unit, spec: MethodSpec) -
            "prefill_s": unit.prefill.seconds}
     try:
         built = get_method(spec.method, **spec.method_config()).from_prefill(model, unit.prefill)
-        # the fidelity pass runs on a copy of the same compressed cache (decoding mutates it)
-        again = built.copy() if plan.fidelity else None
+        # the fidelity pass runs on a copy of the same compressed cache (decoding mutates it); the
+        # exact cache's pass is the unit's reference, already computed
+        exact = spec.method == REFERENCE_METHOD and not spec.method_config()
+        again = built.copy() if plan.fidelity and not exact else None
         prediction, decode_s, steps_ms = _greedy(model, tokenizer, built, unit.ids, sample)
         row.update(config=built.config, kv_bytes=built.kv_bytes, dense_kv_bytes=built.dense_kv_bytes,
                    ratio=built.kv_bytes / built.dense_kv_bytes, compress_s=built.seconds, decode_s=decode_s,
