@@ -39,16 +39,26 @@ def accumulated_attention(q: torch.Tensor, k: torch.Tensor, scaling: float, chun
     return scores
 
 
+def mask_unseen_keys_(logits: torch.Tensor, key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+    """Causal mask, in place: ``logits [..., Q, S]`` to ``-inf`` where key position > query position.
+
+    ``key_positions [S]`` must be ascending (a prompt, or a stretch of it); ``query_positions [Q]`` any
+    order. Only keys after the earliest query can be hidden from some query, so only that suffix of
+    columns is touched (the last ``W − 1`` keys for an observation window at the end of a prompt).
+    """
+    first = int(torch.searchsorted(key_positions, query_positions.min(), right=True))
+    if first < logits.shape[-1]:
+        logits[..., first:].masked_fill_(key_positions[first:] > query_positions[:, None], float("-inf"))
+    return logits
+
+
 def observation_probabilities(q: torch.Tensor, k: torch.Tensor, scaling: float, window: int) -> torch.Tensor:
     """Attention probabilities ``[kv_heads, group, window, S]`` fp32 of the last ``window`` queries
     (``q [q_heads, ≥window, d]``, the last rows taken) over all ``S`` keys ``k [kv_heads, S, d]``,
     causal: the query at position ``p`` sees keys ``0..p``."""
     S = k.shape[1]
     s = _group_logits(q[:, -window:], k, scaling)  # [H, g, W, S]
-    # Only the last window - 1 keys are hidden from some observation query: mask that suffix alone.
-    first = S - window + 1
-    pos_q = torch.arange(S - window, S, device=k.device)[:, None]
-    s[..., first:].masked_fill_(torch.arange(first, S, device=k.device)[None, :] > pos_q, float("-inf"))
+    mask_unseen_keys_(s, torch.arange(S, device=k.device), torch.arange(S - window, S, device=k.device))
     return torch.softmax(s, dim=-1)
 
 

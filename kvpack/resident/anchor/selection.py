@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...attention.scores import mask_unseen_keys_
+
 
 def select_anchors(votes: torch.Tensor, seq_len: int, n_anchors: int, window: int, rho: float,
                    generator: torch.Generator) -> torch.Tensor:
@@ -105,13 +107,7 @@ def observation_weights(q_obs: torch.Tensor, k_post: torch.Tensor, scaling: floa
     """
     S = k_post.shape[1]
     pos = torch.arange(S, device=k_post.device) if key_positions is None else key_positions
-    s = torch.bmm(q_obs, k_post.transpose(1, 2)).mul_(scaling)
-    # Keys are in ascending position (the prompt, or a re-compressed stretch): only those after the
-    # earliest observation row can be hidden from some row, so the causal mask touches that suffix only.
-    first_hidden = int(torch.searchsorted(pos, obs_positions.min(), right=True))
-    if first_hidden < S:
-        s[..., first_hidden:].masked_fill_(pos[None, None, first_hidden:] > obs_positions[None, :, None],
-                                           float("-inf"))
+    s = mask_unseen_keys_(torch.bmm(q_obs, k_post.transpose(1, 2)).mul_(scaling), pos, obs_positions)
     return torch.softmax(s, dim=-1) if lse is None else s.sub_(lse[..., None]).exp_()
 
 
