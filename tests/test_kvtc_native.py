@@ -147,6 +147,14 @@ def test_decode_precision_is_checked():
         get_method("kvtc", decode_precision="half")
 
 
+@pytest.mark.parametrize("amx, avx512_bf16, expected", [(True, False, torch.bfloat16), (False, True, torch.bfloat16),
+                                                       (False, False, torch.float32)])
+def test_auto_decode_precision_is_bf16_where_the_cpu_multiplies_bf16(monkeypatch, amx, avx512_bf16, expected):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert inverse_dtype("auto") == expected
+
+
 @pytest.mark.parametrize("width", range(1, 9))
 @pytest.mark.parametrize("tokens,size", [(1, 1), (7, 1), (13, 3), (33, 16), (129, 64)])
 def test_quantize_and_pack_give_the_pytorch_paths_bytes(lib, width, tokens, size):

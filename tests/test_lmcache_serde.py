@@ -180,6 +180,22 @@ def test_require_mac_without_a_key_refuses_to_start(calibrated, monkeypatch):
     build_kvtc_serde({"calibration": directory, "ratio": RATIO, "require_mac": True}).close()
 
 
+def test_loads_first_is_the_default_and_can_be_turned_off(calibrated):
+    from lmcache.v1.distributed.serde.async_processor import AsyncSerdeProcessor
+
+    from kvpack.integrations.lmcache_serde import build_kvtc_serde
+    from kvpack.integrations.serde_processor import LoadsFirstSerdeProcessor
+
+    _, _, directory = calibrated
+    for options, kind in (({}, LoadsFirstSerdeProcessor), ({"loads_first": True}, LoadsFirstSerdeProcessor),
+                          ({"loads_first": False}, AsyncSerdeProcessor)):
+        proc = build_kvtc_serde({"calibration": directory, "ratio": RATIO, **options})
+        assert type(proc) is kind
+        proc.close()
+    with pytest.raises(ValueError, match="loads_first.*must be true or false"):
+        build_kvtc_serde({"calibration": directory, "ratio": RATIO, "loads_first": "yes"})
+
+
 @pytest.mark.slow
 def test_keyed_chunks_swapped_in_redis_are_misses(calibrated, real_chunks, redis_server, redis_url, monkeypatch):
     """Issue 17, item 9: with KVPACK_STORE_KEY, a writer to Redis who swaps two valid chunks (each

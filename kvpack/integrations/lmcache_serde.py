@@ -28,6 +28,8 @@ server``), which imports it first.
   LMCache's key for the chunk (model, rank, group, salt, chunk hash), header and payload, and only
   chunks whose MAC verifies are loaded — a chunk can be neither forged nor served under another
   chunk's key. ``"require_mac": true`` makes the key mandatory (the serde refuses to start without it).
+* Loads before stores (``"loads_first"``, default true): a request's prefetch does not queue behind
+  the chunks other requests are storing (:mod:`kvpack.integrations.serde_processor`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from lmcache.v1.memory_management import MemoryObj
 from ..storage.kvtc.chunk import ChunkCodec, ChunkError
 from ..storage.kvtc.codec import load_calibration
 from ..store.mac import KEY_ENV, store_key
+from .serde_processor import LoadsFirstSerdeProcessor
 
 SERDE_NAME = "kvtc"
 DEFAULT_ALIGN = 4096
@@ -151,9 +154,11 @@ def build_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     ``align`` (bytes, default 4096), ``max_workers`` (default 1), ``require_mac`` (default false:
     refuse to start unless ``KVPACK_STORE_KEY`` is set), ``precision`` (the inverse PCA's: ``auto``,
     default; ``float32``, ``bfloat16``), ``deflate_level`` (default none: fixed-size objects; 0-9:
-    DEFLATE'd variable-size objects, for adapters that keep the size the serializer reports)."""
+    DEFLATE'd variable-size objects, for adapters that keep the size the serializer reports),
+    ``loads_first`` (default true: loads and stores on separate pools, a store's chunk held while a load
+    is pending, :mod:`kvpack.integrations.serde_processor`; false: LMCache's one first-in-first-out pool)."""
     known = {"calibration", "ratio", "fused_order", "exact_tokens", "align", "max_workers", "require_mac", "precision",
-             "deflate_level"}
+             "deflate_level", "loads_first"}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise ValueError(f"kvtc serde: unknown option(s) {unknown}; known: {', '.join(sorted(known))}")
@@ -176,8 +181,14 @@ def build_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     level = kwargs.get("deflate_level")
     if level is not None and (isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= 9):
         raise ValueError(f"kvtc serde: deflate_level must be an integer 0-9 (or absent: fixed size), got {level!r}")
-    return AsyncSerdeProcessor(KvtcChunkSerializer(codec, align, level), KvtcChunkDeserializer(codec),
-                               max_workers=int(kwargs.get("max_workers", 1)))
+    loads_first = kwargs.get("loads_first", True)
+    if loads_first not in (True, False):
+        raise ValueError(f'kvtc serde: "loads_first" must be true or false, got {loads_first!r}')
+    halves = (KvtcChunkSerializer(codec, align, level), KvtcChunkDeserializer(codec))
+    workers = int(kwargs.get("max_workers", 1))
+    if loads_first:
+        return LoadsFirstSerdeProcessor(*halves, max_workers=workers)
+    return AsyncSerdeProcessor(*halves, max_workers=workers)
 
 
 _REGISTERED = threading.Lock()

@@ -40,8 +40,8 @@ class KvtcConfig(MethodConfig):
         backend: entropy coder: ``zlib`` (DEFLATE, default), ``zstd`` or ``none``.
         level: the entropy coder's level (zlib 0–9, zstd 0–22).
         decode_precision: the inverse PCA's arithmetic when a blob is decoded (not stored in it):
-            ``auto`` (default: bf16 operands with fp32 accumulation on CUDA and on CPUs with AMX,
-            fp32 elsewhere), ``float32`` (the reference) or ``bfloat16``
+            ``auto`` (default: bf16 operands with fp32 accumulation on CUDA and on CPUs that multiply
+            bf16 natively, AMX or AVX-512 BF16; fp32 elsewhere), ``float32`` (the reference) or ``bfloat16``
             (:func:`kvpack.storage.kvtc.coder.inverse_dtype`).
     """
 
@@ -51,7 +51,7 @@ class KvtcConfig(MethodConfig):
     backend: str = option("zlib", choice(*BACKENDS), "entropy coder")
     level: int = option(6, integer(minimum=0, maximum=ZSTD_MAX_LEVEL), "entropy coder level (zlib 0-9, zstd 0-22)")
     decode_precision: str = option("auto", choice(*DECODE_PRECISIONS),
-                                   "inverse PCA arithmetic: auto (bf16 where AMX / CUDA), float32, bfloat16")
+                                   "inverse PCA: auto (bf16 where AMX / AVX-512 BF16 / CUDA), float32, bfloat16")
 
     def check(self) -> None:
         if self.ratio is not None and self.budget is not None:
