@@ -4,11 +4,11 @@
 their baselines drift by 15-25% between runs, more than some targets' margins (``full`` within 5% of
 ``DynamicCache``). Here both caches are filled from the same prompt (the dense prefill once, each row
 decoding from its own copy of it) and then decode in turn, one step of each, the order swapped every
-step (ABBA), so a drift of the machine hits both alike. Each cache is fed its own greedy token (a lossy method's tokens may diverge; a
-step's cost does not depend on which token it is). The first ``--warmup`` steps of each are not
-timed. Printed per row: both medians and slowest steps, the ratio of the medians, the median of the
-per-step ratios (each kvpack step against the ``DynamicCache`` step next to it), and the KV bytes
-the kvpack cache's tensors hold ÷ the same tokens in bf16.
+step (ABBA), so a drift of the machine hits both alike. Each cache is fed its own greedy token (a
+lossy method's tokens may diverge; a step's cost does not depend on which token it is). The first
+``--warmup`` steps of each are not timed. Printed per row: both medians and slowest steps, the ratio
+of the medians, the median of the per-step ratios (each kvpack step against the ``DynamicCache``
+step next to it), and the KV bytes the kvpack cache's tensors hold ÷ the same tokens in bf16.
 
 A step here is one ``model(...)`` forward with ``use_cache=True`` (no ``generate`` loop around it:
 its per-step overhead is the same for both caches).
