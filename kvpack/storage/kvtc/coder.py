@@ -105,8 +105,8 @@ def has_amx() -> bool:
 
 def has_bf16_gemm() -> bool:
     """Whether oneDNN multiplies bf16 natively on this CPU: AMX tiles, or AVX-512 BF16 (``vdpbf16ps``,
-    two products per fp32 lane). Elsewhere (AVX2, AVX-512 without BF16) a bf16 GEMM converts to fp32
-    and is no faster than fp32's."""
+    two products per fp32 lane). Elsewhere (AVX2, AVX-512 without BF16) the CPU has no bf16 product
+    instruction, so ``auto`` keeps fp32."""
     if has_amx():
         return True
     try:
