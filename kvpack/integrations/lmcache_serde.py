@@ -148,6 +148,14 @@ def _inflate(raw: torch.Tensor, chunk_bytes: int) -> bytes:
     return data
 
 
+def _flag(kwargs: dict[str, object], name: str, default: bool) -> bool:
+    """The serde option ``name``, which must be true or false (JSON booleans) when given."""
+    value = kwargs.get(name, default)
+    if value not in (True, False):
+        raise ValueError(f'kvtc serde: "{name}" must be true or false, got {value!r}')
+    return bool(value)
+
+
 def build_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     """LMCache serde factory: ``calibration`` (directory, required), ``ratio`` (default 16),
     ``fused_order`` (``vllm_cpu``, default; or ``halves``), ``exact_tokens`` (default 4),
@@ -167,9 +175,7 @@ def build_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
                          "is required")
     fused_order = str(kwargs.get("fused_order", "vllm_cpu"))
     key = store_key()
-    if kwargs.get("require_mac", False) not in (True, False):
-        raise ValueError(f'kvtc serde: "require_mac" must be true or false, got {kwargs["require_mac"]!r}')
-    if kwargs.get("require_mac", False) and key is None:
+    if _flag(kwargs, "require_mac", False) and key is None:
         raise ValueError(f'kvtc serde: "require_mac" is set but {KEY_ENV} is not (the MAC key, 16+ bytes, the same '
                          "in every process sharing the store)")
     codec = ChunkCodec(load_calibration(kwargs["calibration"]), float(kwargs.get("ratio", 16)),
@@ -181,9 +187,7 @@ def build_kvtc_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     level = kwargs.get("deflate_level")
     if level is not None and (isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= 9):
         raise ValueError(f"kvtc serde: deflate_level must be an integer 0-9 (or absent: fixed size), got {level!r}")
-    loads_first = kwargs.get("loads_first", True)
-    if loads_first not in (True, False):
-        raise ValueError(f'kvtc serde: "loads_first" must be true or false, got {loads_first!r}')
+    loads_first = _flag(kwargs, "loads_first", True)
     halves = (KvtcChunkSerializer(codec, align, level), KvtcChunkDeserializer(codec))
     workers = int(kwargs.get("max_workers", 1))
     if loads_first:
