@@ -22,6 +22,10 @@
 // as are the anchor bins at the end of a split. Profiled at SmolLM2's shape (D = 64, anchor_plus@0.25,
 // 8K tokens) before: the row passes through memory between scale, residual, RoPE and dot (store then
 // load, each step) and the value axpys were most of the time; 2.06 -> 1.01 ms per layer call.
+// With AVX2 and D = 32 / 64 the same register path on 8-lane vectors (block_key_scores_regs8; at
+// D = 128 a key's 16 vectors would fill all 16 registers, so larger heads keep the buffered path).
+// SmolLM2's shape on a Zen 1 EPYC (bench_decode_attention.py --shape smollm2, 8K): anchor_plus@0.25
+// 3.85 / 4.75 -> 3.02 / 3.76 ms per layer call (two alternating runs each).
 #include "common.h"
 
 namespace kvpack {
@@ -111,9 +115,7 @@ inline __m256 lane_butterfly8(__m256 x) {
 }
 
 template <int NCH>
-inline void fwht_regs(const float* y, float* out) {
-  __m256 v[NCH];
-  for (int j = 0; j < NCH; ++j) v[j] = _mm256_loadu_ps(y + 8 * j);
+inline void fwht_inplace(__m256* v) {
   for (int span = 1; span < NCH; span *= 2)
     for (int j = 0; j < NCH; ++j)
       if (!(j & span)) {
@@ -122,6 +124,13 @@ inline void fwht_regs(const float* y, float* out) {
         v[j + span] = _mm256_sub_ps(a, b);
       }
   for (int j = 0; j < NCH; ++j) v[j] = lane_butterfly8<4>(lane_butterfly8<2>(lane_butterfly8<1>(v[j])));
+}
+
+template <int NCH>
+inline void fwht_regs(const float* y, float* out) {
+  __m256 v[NCH];
+  for (int j = 0; j < NCH; ++j) v[j] = _mm256_loadu_ps(y + 8 * j);
+  fwht_inplace<NCH>(v);
   for (int j = 0; j < NCH; ++j) _mm256_storeu_ps(out + 8 * j, v[j]);
 }
 #endif
@@ -294,6 +303,42 @@ inline void decode_codes8(const uint8_t* r, int64_t D, __m256 levels_lo, __m256 
     }
   }
 }
+
+// The same into registers: y[m] = the residual's codes 8 m .. 8 m + 7 (D = 8 NCH, all compile-time).
+template <int BITS, int NCH>
+inline void decode_regs8(const uint8_t* r, __m256 levels_lo, __m256 levels_hi, __m256* y) {
+  constexpr int PER_BYTE = 8 / BITS, BYTES = 8 * NCH / PER_BYTE;
+  const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m256i byte_of_lane = _mm256_srli_epi32(lane, BITS == 2 ? 2 : 1);
+  const __m256i shift = _mm256_slli_epi32(_mm256_and_si256(lane, _mm256_set1_epi32(PER_BYTE - 1)), BITS == 2 ? 1 : 2);
+  const __m256i code_mask = _mm256_set1_epi32((1 << BITS) - 1);
+#pragma GCC unroll 16
+  for (int b0 = 0; b0 < BYTES; b0 += 8) {
+    const int nb = BYTES - b0 < 8 ? BYTES - b0 : 8;
+    uint64_t chunk = 0;
+    std::memcpy(&chunk, r + b0, size_t(nb));
+    const __m256i wide = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(chunk)));
+#pragma GCC unroll 4
+    for (int m = 0; m < nb * PER_BYTE / 8; ++m) {
+      const __m256i idx = _mm256_add_epi32(byte_of_lane, _mm256_set1_epi32(m * 8 / PER_BYTE));
+      const __m256i code =
+          _mm256_and_si256(_mm256_srlv_epi32(_mm256_permutevar8x32_epi32(wide, idx), shift), code_mask);
+      __m256 v = _mm256_permutevar8x32_ps(levels_lo, code);
+      if constexpr (BITS == 4)
+        v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(levels_hi, code),
+                             _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
+      y[b0 * PER_BYTE / 8 + m] = v;
+    }
+  }
+}
+
+// 8 consecutive elements widened to fp32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 #endif
 
 // y = scale * levels[codes] of residual `slot` of a tier.
@@ -433,6 +478,58 @@ void block_key_scores_regs(const float* q, int64_t M, int64_t h, int64_t n, int6
     }
   }
 }
+#elif defined(KVPACK_AVX2)
+// block_key_scores_regs on 8-lane vectors (D = 8 NCH, NCH even). AVX2 has 16 registers: the key's NCH
+// vectors are the only ones held across the steps (the residual is decoded into them, then the scaled
+// anchor and the factor signs, both loaded from L1, are added), so D = 32 and 64 stay in registers.
+template <int NCH, typename E>
+void block_key_scores_regs8(const float* q, int64_t M, int64_t h, int64_t n, int64_t K, const E* anchor_k,
+                            const Side& ks, const BlockSlots& slots, const Codec& codec, const float* cos,
+                            const float* sin, int64_t W, int64_t first_position, float scaling, int64_t t0,
+                            int64_t t1, float* s) {
+  static_assert(NCH % 2 == 0, "RoPE's halves must be whole vectors");
+  constexpr int64_t D = 8 * NCH;
+  constexpr int HALF = NCH / 2;
+  const float* fs = codec.factor_signs.data();
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t e = h * n + t;
+    const E* a = anchor_k + (h * K + ks.anchor_of(e)) * D;
+    const __m256 g = _mm256_set1_ps(widen(ks.coef[e]));
+    __m256 x[NCH];
+    if (slots.tier[t - t0] >= 0) {
+      const Tier& tier = ks.tiers[slots.tier[t - t0]];
+      const int64_t slot = slots.slot[t - t0];
+      TORCH_CHECK(slot >= 0 && slot < tier.slots, "anchor_segment_attention: residual slot ", slot, " outside [0, ",
+                  tier.slots, "): corrupted mask or prefix");
+      const __m256 sv = _mm256_set1_ps(tier.scale[slot]);
+      if (tier.bits == 2)
+        decode_regs8<2, NCH>(tier.res + slot * (D / 4), _mm256_mul_ps(_mm256_loadu_ps(codec.levels2), sv), sv, x);
+      else
+        decode_regs8<4, NCH>(tier.res + slot * (D / 2), _mm256_mul_ps(_mm256_loadu_ps(codec.levels4), sv),
+                             _mm256_mul_ps(_mm256_loadu_ps(codec.levels4 + 8), sv), x);
+      if (codec.rotation == Rotation::Sylvester) fwht_inplace<NCH>(x);
+      for (int j = 0; j < NCH; ++j)
+        x[j] = _mm256_fmadd_ps(_mm256_loadu_ps(fs + 8 * j), x[j], _mm256_mul_ps(g, load8(a + 8 * j)));
+    } else {
+      for (int j = 0; j < NCH; ++j) x[j] = _mm256_mul_ps(g, load8(a + 8 * j));
+    }
+    const float* c = cos + (first_position + t) * W;
+    const float* sn = sin + (first_position + t) * W;
+    const float* c2 = W == D ? c + D / 2 : c;
+    const float* s2 = W == D ? sn + D / 2 : sn;
+    for (int j = 0; j < HALF; ++j) {  // rotate_row's rotate_half convention
+      const __m256 k1 = x[j], k2 = x[j + HALF];
+      x[j] = _mm256_fmsub_ps(k1, _mm256_loadu_ps(c + 8 * j), _mm256_mul_ps(k2, _mm256_loadu_ps(sn + 8 * j)));
+      x[j + HALF] = _mm256_fmadd_ps(k1, _mm256_loadu_ps(s2 + 8 * j), _mm256_mul_ps(k2, _mm256_loadu_ps(c2 + 8 * j)));
+    }
+    for (int64_t i = 0; i < M; ++i) {
+      const float* qi = q + i * D;
+      __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qi), x[0]);
+      for (int j = 1; j < NCH; ++j) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + 8 * j), x[j], acc);
+      s[i * 32 + (t - t0)] = hsum8(acc) * scaling;
+    }
+  }
+}
 #endif
 
 template <typename E>
@@ -459,6 +556,14 @@ void segment_blocks(const float* q, int64_t h, int64_t b0, int64_t b1, int64_t n
                                                   first_position, scaling, t0, t1, s.data());
         case 256: return block_key_scores_regs<16>(q, M, h, n, K, anchor_k, ks, slots, codec, cos, sin, W,
                                                    first_position, scaling, t0, t1, s.data());
+        default: break;
+      }
+#elif defined(KVPACK_AVX2)
+    if (codec.rotation != Rotation::Matrix) switch (D) {
+        case 32: return block_key_scores_regs8<4>(q, M, h, n, K, anchor_k, ks, slots, codec, cos, sin, W,
+                                                  first_position, scaling, t0, t1, s.data());
+        case 64: return block_key_scores_regs8<8>(q, M, h, n, K, anchor_k, ks, slots, codec, cos, sin, W,
+                                                  first_position, scaling, t0, t1, s.data());
         default: break;
       }
 #endif
