@@ -278,29 +278,39 @@ inline __m512 load16(const c10::Half* p) {
 // The same on 8 lanes: 8 bytes zero-extended to 8 int32 lanes, each output vector's bytes broadcast
 // to its lanes by a lane permute, shifted, masked, and looked up; 16 levels (4-bit) are two 8-entry
 // permutes blended on the code's bit 3. Needs D % 8 == 0.
+// Output vector m of an 8-byte chunk's codes (`wide`: its bytes zero-extended to the 8 lanes): each
+// lane's byte permuted in, shifted to its code, masked, and looked up in the levels.
 template <int BITS>
-inline void decode_codes8(const uint8_t* r, int64_t D, __m256 levels_lo, __m256 levels_hi, float* y) {
+inline __m256 lookup_codes8(__m256i wide, int m, __m256 levels_lo, __m256 levels_hi) {
   constexpr int PER_BYTE = 8 / BITS;
   const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
   const __m256i byte_of_lane = _mm256_srli_epi32(lane, BITS == 2 ? 2 : 1);
   const __m256i shift = _mm256_slli_epi32(_mm256_and_si256(lane, _mm256_set1_epi32(PER_BYTE - 1)), BITS == 2 ? 1 : 2);
-  const __m256i code_mask = _mm256_set1_epi32((1 << BITS) - 1);
+  const __m256i idx = _mm256_add_epi32(byte_of_lane, _mm256_set1_epi32(m * 8 / PER_BYTE));
+  const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_permutevar8x32_epi32(wide, idx), shift),
+                                        _mm256_set1_epi32((1 << BITS) - 1));
+  __m256 v = _mm256_permutevar8x32_ps(levels_lo, code);
+  if constexpr (BITS == 4)
+    v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(levels_hi, code), _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
+  return v;
+}
+
+// Up to 8 bytes from r, zero-extended to the 8 int32 lanes (no read past the nb bytes).
+inline __m256i load_bytes8(const uint8_t* r, int64_t nb) {
+  uint64_t chunk = 0;
+  std::memcpy(&chunk, r, size_t(nb));
+  return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(chunk)));
+}
+
+template <int BITS>
+inline void decode_codes8(const uint8_t* r, int64_t D, __m256 levels_lo, __m256 levels_hi, float* y) {
+  constexpr int PER_BYTE = 8 / BITS;
   const int64_t bytes = D * BITS / 8;
   for (int64_t b0 = 0; b0 < bytes; b0 += 8) {  // 8 bytes: 8 PER_BYTE codes
     const int64_t nb = std::min<int64_t>(8, bytes - b0);
-    uint64_t chunk = 0;
-    std::memcpy(&chunk, r + b0, size_t(nb));
-    const __m256i wide = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(chunk)));
-    for (int64_t m = 0; m < nb * PER_BYTE / 8; ++m) {
-      const __m256i idx = _mm256_add_epi32(byte_of_lane, _mm256_set1_epi32(int(m * 8 / PER_BYTE)));
-      const __m256i code =
-          _mm256_and_si256(_mm256_srlv_epi32(_mm256_permutevar8x32_epi32(wide, idx), shift), code_mask);
-      __m256 v = _mm256_permutevar8x32_ps(levels_lo, code);
-      if constexpr (BITS == 4)
-        v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(levels_hi, code),
-                             _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
-      _mm256_storeu_ps(y + b0 * PER_BYTE + 8 * m, v);
-    }
+    const __m256i wide = load_bytes8(r + b0, nb);
+    for (int64_t m = 0; m < nb * PER_BYTE / 8; ++m)
+      _mm256_storeu_ps(y + b0 * PER_BYTE + 8 * m, lookup_codes8<BITS>(wide, int(m), levels_lo, levels_hi));
   }
 }
 
@@ -308,27 +318,13 @@ inline void decode_codes8(const uint8_t* r, int64_t D, __m256 levels_lo, __m256 
 template <int BITS, int NCH>
 inline void decode_regs8(const uint8_t* r, __m256 levels_lo, __m256 levels_hi, __m256* y) {
   constexpr int PER_BYTE = 8 / BITS, BYTES = 8 * NCH / PER_BYTE;
-  const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
-  const __m256i byte_of_lane = _mm256_srli_epi32(lane, BITS == 2 ? 2 : 1);
-  const __m256i shift = _mm256_slli_epi32(_mm256_and_si256(lane, _mm256_set1_epi32(PER_BYTE - 1)), BITS == 2 ? 1 : 2);
-  const __m256i code_mask = _mm256_set1_epi32((1 << BITS) - 1);
 #pragma GCC unroll 16
   for (int b0 = 0; b0 < BYTES; b0 += 8) {
     const int nb = BYTES - b0 < 8 ? BYTES - b0 : 8;
-    uint64_t chunk = 0;
-    std::memcpy(&chunk, r + b0, size_t(nb));
-    const __m256i wide = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(chunk)));
+    const __m256i wide = load_bytes8(r + b0, nb);
 #pragma GCC unroll 4
-    for (int m = 0; m < nb * PER_BYTE / 8; ++m) {
-      const __m256i idx = _mm256_add_epi32(byte_of_lane, _mm256_set1_epi32(m * 8 / PER_BYTE));
-      const __m256i code =
-          _mm256_and_si256(_mm256_srlv_epi32(_mm256_permutevar8x32_epi32(wide, idx), shift), code_mask);
-      __m256 v = _mm256_permutevar8x32_ps(levels_lo, code);
-      if constexpr (BITS == 4)
-        v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(levels_hi, code),
-                             _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
-      y[b0 * PER_BYTE / 8 + m] = v;
-    }
+    for (int m = 0; m < nb * PER_BYTE / 8; ++m)
+      y[b0 * PER_BYTE / 8 + m] = lookup_codes8<BITS>(wide, m, levels_lo, levels_hi);
   }
 }
 
