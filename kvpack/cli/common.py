@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..hf.half_linear import HALF_PRODUCTS
 from ..hf.models import load_model
 from ..methods import method_config_class
 
@@ -28,9 +29,10 @@ def method_config(method: str, budget: float | None, sets: list[str], calibratio
     return config
 
 
-def load(model: str, dtype: str):
-    """``(model, tokenizer)``: ``smollm2``, a model directory or a .gguf file, in ``dtype``."""
-    return load_model(model, dtype=getattr(torch, dtype))
+def load(args):
+    """``(model, tokenizer)`` from the model arguments (:func:`add_model_args`): ``smollm2``, a model
+    directory or a .gguf file, in ``--dtype``, with ``--half-products``."""
+    return load_model(args.model, dtype=getattr(torch, args.dtype), half_products=args.half_products)
 
 
 def read_prompt(args) -> str:
@@ -40,6 +42,10 @@ def read_prompt(args) -> str:
 def add_model_args(p, dtype_default: str = "float32") -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 (default), a model directory or a .gguf file")
     p.add_argument("--dtype", default=dtype_default, choices=DTYPES, help=f"model dtype (default {dtype_default})")
+    p.add_argument("--half-products", default="auto", choices=HALF_PRODUCTS,
+                   help="a bf16/fp16 model's linear layers on the CPU: auto (default) multiplies long inputs in fp32 "
+                        "and rounds back where the CPU has no bf16/fp16 arithmetic, float32 does so on any CPU, "
+                        "native keeps torch's kernels")
 
 
 def add_prompt_args(p, required: bool = True) -> None:

@@ -50,7 +50,7 @@ def cmd_eval(args) -> int:
                     samples=args.samples,
                     specs=method_specs(methods, budgets, _eval_overrides(args.set, args.calibration)),
                     settings=settings, seed=args.seed, fidelity=not args.no_fidelity)
-    model, tokenizer = load(args.model, args.dtype)
+    model, tokenizer = load(args)
     rows = rows_in_plan(run_eval(model, tokenizer, plan, args.out, progress=not args.quiet), plan)
     summary = write_report(rows, args.out)
     print(summary_markdown(summary))

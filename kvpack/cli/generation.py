@@ -20,7 +20,7 @@ def cmd_generate(args) -> int:
     prompt = read_prompt(args)
     if not prompt:
         raise ValueError("empty prompt: nothing to generate from")
-    model, tokenizer = load(args.model, args.dtype)
+    model, tokenizer = load(args)
     result = generate(model, tokenizer, prompt, method, chat=args.chat,
                       max_new_tokens=args.max_new_tokens, progress=not args.quiet)
     if args.json:

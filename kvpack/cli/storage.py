@@ -35,7 +35,7 @@ def cmd_calibrate(args) -> int:
     """kvtc calibration: PCA + DP allocations, written to --out."""
     settings = CalibrationSettings(tokens=args.tokens, chunk_tokens=args.chunk_tokens, pca_dim=args.pca_dim,
                                    ratios=_parse_ratios(args.ratios), seed=args.seed, key_rope=args.key_rope)
-    model, tokenizer = load(args.model, args.dtype)
+    model, tokenizer = load(args)
     calib = calibrate(model, tokenizer, settings, progress=not args.quiet)
     calib.save(args.out)
     t = calib.stats["timings"]
@@ -58,7 +58,7 @@ def _kvtc(args, **config):
 def _ready_with_model(args, method, compressing: bool = False):
     """``(model, tokenizer)``, the method's calibration loaded and checked before the model is."""
     method.check_ready(compressing=compressing)
-    model, tokenizer = load(args.model, args.dtype)
+    model, tokenizer = load(args)
     method.check_model(model)
     return model, tokenizer
 

@@ -54,10 +54,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ...ops.cpu_features import has_amx
 from ...store.format import BlobError
 from ...store.mac import KEY_ENV, mac
 from .calibration import Calibration, ratio_key
-from .coder import decode_coefficients, encode_coefficients, has_amx, inverse_dtype
+from .coder import decode_coefficients, encode_coefficients, inverse_dtype
 
 MAGIC = b"KVTCCHK\x00"
 VERSION, KEYED_VERSION = 1, 2  # the digest: SHA-256 | HMAC-SHA256 under a key

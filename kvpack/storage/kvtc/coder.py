@@ -26,6 +26,7 @@ from ...hf.generation import context_limit
 from ...ops.accounting import DENSE_REFERENCE_BYTES_PER_ELEMENT
 from ...ops.bitalloc import Allocation
 from ...ops.bitpack import pack_bitstream, unpack_bitstream
+from ...ops.cpu_features import has_bf16_gemm
 from ...ops.group_quant import FP16_MAX, dequantize_groups, quantize_groups
 from ...ops.rope import apply_rope
 from ...store.format import Blob, BlobError, pack_blob, tokens_digest
@@ -93,26 +94,6 @@ def encode_coefficients(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor
 
 
 DECODE_PRECISIONS = ("auto", "float32", "bfloat16")
-
-
-def has_amx() -> bool:
-    """Whether this CPU has AMX tiles (torch's probe; False where this torch has none)."""
-    try:
-        return bool(torch.cpu._is_amx_tile_supported())
-    except AttributeError:  # an older or newer torch without the probe: assume not
-        return False
-
-
-def has_bf16_gemm() -> bool:
-    """Whether oneDNN multiplies bf16 natively on this CPU: AMX tiles, or AVX-512 BF16 (``vdpbf16ps``,
-    two products per fp32 lane). Elsewhere (AVX2, AVX-512 without BF16) the CPU has no bf16 product
-    instruction, so ``auto`` keeps fp32."""
-    if has_amx():
-        return True
-    try:
-        return bool(torch.cpu._is_avx512_bf16_supported())
-    except AttributeError:  # a torch without the probe: assume not
-        return False
 
 
 def inverse_dtype(precision: str) -> torch.dtype:
