@@ -1,10 +1,10 @@
 """A half-precision model's linear layers with fp32 products, on CPUs with no bf16 / fp16 arithmetic.
 
 On a CPU without AVX-512 BF16 or AMX (every AVX2 CPU, AVX-512 before Cooper Lake / Zen 4) torch's bf16
-matmul converts element by element: on a Zen 1 AVX2 EPYC, ``[2048, 576] @ [576, 1536]`` ran at
-3.5 GFLOP/s in bf16 against 28 in fp32 (one core), and a 2,048-token prefill of SmolLM2 in bf16 took
-66 s, 94% of it in ``aten::mm`` (``torch.profiler``; SDPA 5%). :class:`Fp32ProductsLinear` computes the
-same product as an fp32 GEMM of the bf16 operands, then rounds to the input's dtype.
+matmul converts element by element: on a Zen 1 AVX2 EPYC (2 cores), ``[2048, 576] @ [576, 1536]`` ran at
+10.1 GFLOP/s in bf16 against 66.9 in fp32, and a 2,048-token prefill of SmolLM2 in bf16 took 47 s, 94% of
+it in ``aten::mm`` (``torch.profiler``; SDPA 5%); with :class:`Fp32ProductsLinear`, 11.7 s. It computes
+the same product as an fp32 GEMM of the bf16 operands, then rounds to the input's dtype.
 
 Numerics: bf16 (fp16) values are exact in fp32 and so is each product (8 + 8, resp. 11 + 11, significand
 bits within fp32's 24); the sum is accumulated in fp32 and the result rounded once to bf16 (fp16) —
@@ -14,11 +14,12 @@ unit in the last place of the rounded result against the fp64 product.
 
 Only inputs of at least :data:`MIN_ROWS` rows take the fp32 path: the weight is widened on every call
 (no fp32 copy is kept, so the model's memory stays what its dtype says), which costs more than it saves
-for a decode step's single row (measured on the Zen 1 EPYC, two threads: SmolLM2's output layer
-``[49152, 576]``, one row 6.3 ms in bf16 against 52 ms widened; 64 rows 351 ms against 146 ms; its
-``[1536, 576]`` layers, 4 rows 0.70 against 0.86 ms, 64 rows 11.0 against 2.7 ms). Prefills, the eval's
-teacher-forced passes and the question after a restored cache are long inputs; decode steps keep
-torch's bf16 kernel.
+for a decode step's single row. Measured on the same machine (two threads, bf16 kernel vs fp32 products):
+SmolLM2's ``[1536, 576]`` layers, 1 row 0.19 vs 0.65 ms, 4 rows 0.72 vs 1.12, 16 rows 2.95 vs 1.66, 64
+rows 11.0 vs 2.8 ms; its output layer ``[49152, 576]`` (whose fp32 copy does not fit the cache), 1 row
+5.9 vs 50 ms, 16 rows 88 vs 105, 64 rows 353 vs 142 ms. Prefills (their output layer sees one row),
+the eval's teacher-forced passes and the question after a restored cache are long inputs; decode steps
+keep torch's bf16 kernel.
 
 Attached per model by replacing each ``nn.Linear`` instance with one sharing its parameters (tied
 weights stay tied, ``state_dict`` keys are unchanged), and undone the same way: no class of torch or

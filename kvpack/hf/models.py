@@ -127,7 +127,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
         device: optional device to move the model to.
         half_products: ``auto`` (default): a bf16 / fp16 model on a CPU that does not multiply that
             dtype natively gets its linear layers' long inputs multiplied in fp32 and rounded back
-            (:mod:`kvpack.hf.half_linear`; 5-10x faster prefills there, the same rounding contract);
+            (:mod:`kvpack.hf.half_linear`: a 2K SmolLM2 prefill in bf16 47 -> 11.7 s on a Zen 1 EPYC; the
+            same rounding contract);
             ``float32``: so on any CPU; ``native``: torch's own kernels always.
 
     Returns:

@@ -25,7 +25,7 @@ def has_bf16_gemm() -> bool:
     """Whether oneDNN multiplies bf16 natively on this CPU: AMX tiles, or AVX-512 BF16 (``vdpbf16ps``,
     two products per fp32 lane). Elsewhere (AVX2, AVX-512 without BF16) the CPU has no bf16 product
     instruction and torch's bf16 matmul converts element by element (measured on a Zen 1 AVX2 EPYC:
-    3.5 GFLOP/s against fp32's 28 on one core, ``[2048, 576] @ [576, 1536]``)."""
+    5.2 GFLOP/s against fp32's 33.1 on one core, ``[2048, 576] @ [576, 1536]``)."""
     return has_amx() or _probe("_is_avx512_bf16_supported")
 
 
