@@ -211,12 +211,16 @@ def ragged_store(H: int, d: int, T: int, seed: int = 0, **cfg):
     (64, 1000, 3, {"int4": False, "key_rope": "post", "storage_dtype": "float32", "budget": 0.9}),
     (128, 301, 4, {"page_size": 16, "int4": False, "key_rope": "pre", "budget": 0.9}),
     (32, 400, 1, {"page_size": 24, "int4": True, "key_rope": "post", "budget": 0.6, "rank_step": 2}),
-    # pre-RoPE keys rebuilt in register tiles: a page length that leaves a partial tile (22 = 5 x 4 + 2),
-    # the widest head (256, one token a tile), the narrowest (32, eight), and a head with no tile (96)
+    # pre-RoPE keys rebuilt in register tiles: a page length that leaves a partial tile (22 = 5 x 4 + 2 on
+    # AVX-512, 3 x 6 + 2 x 2 on AVX2), the widest head (256, one token a tile), the narrowest (32, eight), a
+    # head with no AVX-512 tile (96; AVX2 tiles it: 23 = 3 x 6 + 2 x 2 + 1, INT4 rows of odd code counts) and
+    # one with no tile on either (72)
     (64, 300, 4, {"page_size": 22, "key_rope": "pre", "rank_step": 2}),
     (256, 150, 1, {"page_size": 8, "int4": False, "key_rope": "pre", "budget": 0.9}),
     (32, 250, 3, {"page_size": 20, "int4": True, "key_rope": "pre", "budget": 0.5, "rank_step": 2}),
     (96, 200, 3, {"page_size": 18, "int4": False, "key_rope": "pre", "budget": 0.8}),
+    (96, 300, 3, {"page_size": 23, "int4": True, "key_rope": "pre", "budget": 0.3, "rank_step": 2}),
+    (72, 200, 3, {"page_size": 18, "int4": False, "key_rope": "pre", "budget": 0.8}),
 ])
 def test_puzzle_plus_kernel_matches_fp64_reference(d, T, rows, cfg):
     from kvpack.attention.triton.puzzle_ragged_op import ragged_puzzle_partial

@@ -86,6 +86,46 @@ inline void widen_int4(const uint8_t* src, const c10::Half* col_scales, const c1
                 int64_t cols, float* dst, std::vector<float>& scale_buf) {
   static const NibbleTable table;
   const int64_t stride = (cols + 1) / 2;
+#if defined(KVPACK_AVX2)
+  if (col_scales && cols % 2 == 0) {
+    // One pass: each row's codes minus 8 times the column scales, 16 (then 8) codes a step, straight
+    // from the packed bytes (the two-pass form below spent about a fifth of puzzle_plus's INT4 decode
+    // on a Zen 1 core re-reading its output). The same fp32 values: (code - 8) exact, one product.
+    scale_buf.resize(cols);
+    widen_row(col_scales, scale_buf.data(), cols);
+    const float* sc = scale_buf.data();
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m256 eight = _mm256_set1_ps(8.f);
+    auto put8 = [&](float* d, __m128i codes, const float* scale) {  // the low 8 code bytes
+      const __m256 x = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), eight);
+      _mm256_storeu_ps(d, _mm256_mul_ps(x, _mm256_loadu_ps(scale)));
+    };
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint8_t* row = src + r * stride;
+      float* out = dst + r * cols;
+      int64_t c = 0;
+      for (; c + 16 <= cols; c += 16) {  // 8 bytes -> 16 codes in order
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c / 2));
+        const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4));
+        put8(out + c, codes, sc + c);
+        put8(out + c + 8, _mm_srli_si128(codes, 8), sc + c + 8);
+      }
+      if (c + 8 <= cols) {  // 4 bytes -> 8 codes
+        int32_t word;
+        std::memcpy(&word, row + c / 2, 4);
+        const __m128i b = _mm_cvtsi32_si128(word);
+        put8(out + c, _mm_unpacklo_epi8(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4)), sc + c);
+        c += 8;
+      }
+      for (; c < cols; c += 2) {
+        const float* v = table.v[row[c / 2]];
+        out[c] = v[0] * sc[c];
+        out[c + 1] = v[1] * sc[c + 1];
+      }
+    }
+    return;
+  }
+#endif
   if (cols % 2 == 0) {
     widen_nibbles(src, rows * cols, dst);  // even rows are back to back: one flat pass
   } else {
@@ -128,12 +168,13 @@ struct Geometry {
 
 // Per-job buffers of fold_page: qr [M, RK] (queries in rank space), s [M, P] (logits, then
 // probabilities), u [M, RV] (probabilities in rank space), keys [P, D] (the generic pre-RoPE path's
-// rebuilt keys), lkT [RK, P] (post-RoPE: L_K transposed, so that its inner loop runs over the tokens).
+// rebuilt keys), lkT [RK, P] (post-RoPE: L_K transposed, so that its inner loop runs over the tokens),
+// dots [6, M, 8] (pre-RoPE, AVX2: the register tiles' lane-wise dot products).
 struct PageScratch {
-  std::vector<float> qr, s, u, keys, lkT;
+  std::vector<float> qr, s, u, keys, lkT, dots;
   explicit PageScratch(const Geometry& g)
       : qr(g.M * g.RK), s(g.M * g.P), u(g.M * g.RV), keys(g.pre_rope ? g.P * g.D : 0),
-        lkT(g.pre_rope ? 0 : g.RK * g.P) {}
+        lkT(g.pre_rope ? 0 : g.RK * g.P), dots(g.pre_rope ? 6 * g.M * 8 : 0) {}
 };
 
 #if defined(__AVX512F__)
@@ -378,29 +419,36 @@ KVPACK_BF16_TARGET inline void pre_rope_scores_bf16(const float* q, Page& pg, in
   }
 }
 #elif defined(KVPACK_AVX2)
-// AVX2's 16 registers hold a tile of TT tokens x one group of 16 rotation pairs (channels c0 + [0, 16)
-// and their partners D / 2 + c0 + [0, 16)): 4 TT accumulators, the group's 4 R_K vectors and a
-// broadcast. Each group's keys are rotated in registers and their partial dot products with the
-// queries added into s (zeroed by the caller); needs D % 32 == 0.
+// AVX2's 16 registers hold a tile of TT tokens x one group of 8 rotation pairs (channels c0 + [0, 8) and
+// their partners D / 2 + c0 + [0, 8)): 2 TT accumulators, the group's 2 R_K vectors and a broadcast (15
+// at TT = 6). Per rank that is 2 TT multiply-adds against 2 loads and TT broadcasts, so the FMA units,
+// not the loads, set the pace (with 4 vectors a group and TT = 2, 8 FMAs came with 8 folded loads of R:
+// load-bound at about half the FMA rate on a Zen 1 core). Each group's keys are rotated in registers and
+// their products with the queries added, lane-wise, into dots [TT][M] vectors, summed across lanes once
+// at the end into s[i * stride + t] (dots: the caller's TT * M * 8 floats). Needs D % 16 == 0.
+
+// An empty asm that takes v in a register: keeps the compiler from folding the group's R_K loads into
+// every multiply-add (which it otherwise does, reloading them TT times a rank).
+inline void in_register(__m256& v) { asm("" : "+x"(v)); }
+
 template <int TT>
 inline void rope_scores_tile8(const float* __restrict q, int64_t M, int64_t D, const float* __restrict lk,
                               int64_t rank, const float* __restrict R, const float* cos, const float* sin, int64_t W,
-                              float* s, int64_t stride) {
+                              float* s, int64_t stride, float* __restrict dots) {
   const int64_t half = D / 2;
-  for (int64_t c0 = 0; c0 < half; c0 += 16) {
-    __m256 acc[TT][4];
-    for (int t = 0; t < TT; ++t)
-      for (int v = 0; v < 4; ++v) acc[t][v] = _mm256_setzero_ps();
-    for (int64_t r = 0; r < rank; ++r) {
-      const float* row = R + r * D + c0;
-      const __m256 r0 = _mm256_loadu_ps(row), r1 = _mm256_loadu_ps(row + 8), r2 = _mm256_loadu_ps(row + half),
-                   r3 = _mm256_loadu_ps(row + half + 8);
+  std::fill(dots, dots + TT * M * 8, 0.f);
+  for (int64_t c0 = 0; c0 < half; c0 += 8) {
+    __m256 acc[TT][2];
+    for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    const float* row = R + c0;
+    for (int64_t r = 0; r < rank; ++r, row += D) {
+      __m256 r0 = _mm256_loadu_ps(row), r1 = _mm256_loadu_ps(row + half);
+      in_register(r0);
+      in_register(r1);
       for (int t = 0; t < TT; ++t) {
         const __m256 a = _mm256_set1_ps(lk[t * rank + r]);
         acc[t][0] = _mm256_fmadd_ps(a, r0, acc[t][0]);
         acc[t][1] = _mm256_fmadd_ps(a, r1, acc[t][1]);
-        acc[t][2] = _mm256_fmadd_ps(a, r2, acc[t][2]);
-        acc[t][3] = _mm256_fmadd_ps(a, r3, acc[t][3]);
       }
     }
     for (int t = 0; t < TT; ++t) {
@@ -408,34 +456,37 @@ inline void rope_scores_tile8(const float* __restrict q, int64_t M, int64_t D, c
       const float* sn = sin + t * W + c0;
       const float* c2 = W == D ? c + half : c;
       const float* s2 = W == D ? sn + half : sn;
-      __m256 k[4];
-      for (int v = 0; v < 2; ++v) {  // k1' = k1 c - k2 s, k2' = k2 c2 + k1 s2
-        const __m256 k1 = acc[t][v], k2 = acc[t][v + 2];
-        k[v] = _mm256_fmsub_ps(k1, _mm256_loadu_ps(c + 8 * v), _mm256_mul_ps(k2, _mm256_loadu_ps(sn + 8 * v)));
-        k[v + 2] = _mm256_fmadd_ps(k2, _mm256_loadu_ps(c2 + 8 * v), _mm256_mul_ps(k1, _mm256_loadu_ps(s2 + 8 * v)));
-      }
+      const __m256 k1 = acc[t][0], k2 = acc[t][1];  // k1' = k1 c - k2 s, k2' = k2 c2 + k1 s2
+      const __m256 k1r = _mm256_fmsub_ps(k1, _mm256_loadu_ps(c), _mm256_mul_ps(k2, _mm256_loadu_ps(sn)));
+      const __m256 k2r = _mm256_fmadd_ps(k2, _mm256_loadu_ps(c2), _mm256_mul_ps(k1, _mm256_loadu_ps(s2)));
       for (int64_t i = 0; i < M; ++i) {
         const float* qi = q + i * D + c0;
-        __m256 d = _mm256_mul_ps(_mm256_loadu_ps(qi), k[0]);
-        d = _mm256_fmadd_ps(_mm256_loadu_ps(qi + 8), k[1], d);
-        d = _mm256_fmadd_ps(_mm256_loadu_ps(qi + half), k[2], d);
-        d = _mm256_fmadd_ps(_mm256_loadu_ps(qi + half + 8), k[3], d);
-        s[i * stride + t] += hsum8(d);
+        float* di = dots + (t * M + i) * 8;
+        __m256 d = _mm256_fmadd_ps(_mm256_loadu_ps(qi), k1r, _mm256_loadu_ps(di));
+        _mm256_storeu_ps(di, _mm256_fmadd_ps(_mm256_loadu_ps(qi + half), k2r, d));
       }
     }
   }
+  for (int t = 0; t < TT; ++t)
+    for (int64_t i = 0; i < M; ++i) s[i * stride + t] = hsum8(_mm256_loadu_ps(dots + (t * M + i) * 8));
 }
 
 inline void rope_scores8(const float* q, int64_t M, const float* lk, int64_t rank, const float* R, int64_t P,
-                         int64_t pos, const Geometry& g, float* s) {
-  std::fill(s, s + M * P, 0.f);
+                         int64_t pos, const Geometry& g, float* s, float* dots) {
   int64_t p = 0;
-  for (; p + 2 <= P; p += 2)
-    rope_scores_tile8<2>(q, M, g.D, lk + p * rank, rank, R, g.cos + (pos + p) * g.W, g.sin + (pos + p) * g.W, g.W,
-                         s + p, P);
-  for (; p < P; ++p)
-    rope_scores_tile8<1>(q, M, g.D, lk + p * rank, rank, R, g.cos + (pos + p) * g.W, g.sin + (pos + p) * g.W, g.W,
-                         s + p, P);
+  auto at = [&](int64_t p) { return std::make_pair(g.cos + (pos + p) * g.W, g.sin + (pos + p) * g.W); };
+  for (; p + 6 <= P; p += 6) {
+    const auto [c, sn] = at(p);
+    rope_scores_tile8<6>(q, M, g.D, lk + p * rank, rank, R, c, sn, g.W, s + p, P, dots);
+  }
+  for (; p + 2 <= P; p += 2) {
+    const auto [c, sn] = at(p);
+    rope_scores_tile8<2>(q, M, g.D, lk + p * rank, rank, R, c, sn, g.W, s + p, P, dots);
+  }
+  for (; p < P; ++p) {
+    const auto [c, sn] = at(p);
+    rope_scores_tile8<1>(q, M, g.D, lk + p * rank, rank, R, c, sn, g.W, s + p, P, dots);
+  }
 }
 #endif
 
@@ -479,7 +530,7 @@ inline void pre_rope_scores(const float* q, Page& pg, int64_t rank, int64_t pos,
     default: break;
   }
 #elif defined(KVPACK_AVX2)
-  if (D % 32 == 0) return rope_scores8(q, M, pg.lk.data(), rank, pg.rk.data(), P, pos, g, w.s.data());
+  if (D % 16 == 0) return rope_scores8(q, M, pg.lk.data(), rank, pg.rk.data(), P, pos, g, w.s.data(), w.dots.data());
 #endif
   // Any other D: each key row rebuilt in a buffer (combine), rotated, then dotted with the queries.
   std::fill(w.keys.begin(), w.keys.end(), 0.f);
