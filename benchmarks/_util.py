@@ -25,8 +25,13 @@ def median_seconds(fn, repeats: int = 5, warmup: int = 1) -> float:
 def machine() -> str:
     import platform
 
+    from kvpack.ops.cpu_features import has_bf16_gemm
+
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
-    return f"{platform.machine()} {dev}, torch {torch.__version__}"
+    # load_model's half_products "auto": without native bf16 products, a bf16 model's long inputs go through
+    # fp32 GEMMs (kvpack.hf.half_linear), which changes its prefill time, not its decode steps
+    bf16 = "native bf16 GEMM" if has_bf16_gemm() else "no bf16 GEMM: bf16 prefills through fp32 products"
+    return f"{platform.machine()} {dev}, {torch.backends.cpu.get_cpu_capability()}, {bf16}, torch {torch.__version__}"
 
 
 class Redis:
