@@ -40,7 +40,9 @@ def read_prompt(args) -> str:
 
 
 def add_model_args(p, dtype_default: str = "float32") -> None:
-    p.add_argument("--model", default="smollm2", help="smollm2 (default), a model directory or a .gguf file")
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2 (default), qwen2.5-0.5b (after scripts/install_models.sh), a model directory or "
+                   "a .gguf file")
     p.add_argument("--dtype", default=dtype_default, choices=DTYPES, help=f"model dtype (default {dtype_default})")
     p.add_argument("--half-products", default="auto", choices=HALF_PRODUCTS,
                    help="a bf16/fp16 model's linear layers on the CPU: auto (default) multiplies long inputs in fp32 "

