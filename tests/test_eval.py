@@ -181,7 +181,8 @@ def test_runner_end_to_end_and_resume(tiny_model, tokenizer, tiny_calibration, t
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
     assert len(lines) == len(rows)
     need = {"task", "length", "depth", "method", "config", "ratio", "prediction", "answers", "score", "compress_s",
-            "decode_s", "kv_bytes", "dense_kv_bytes", "kl_answer", "ppl_continuation"}
+            "decode_s", "kv_bytes", "dense_kv_bytes", "kl_answer", "kl_continuation", "kl", "top1",
+            "ppl_continuation"}
     ok = [r for r in rows if r.get("error") is None]
     assert all(need <= set(r) for r in ok)
     refused = [r for r in rows if r.get("error")]
@@ -193,8 +194,12 @@ def test_runner_end_to_end_and_resume(tiny_model, tokenizer, tiny_calibration, t
         if r["method"] == "full":
             # FullKV keeps the fp32 model's own cache: twice the bf16 reference.
             assert r["kl_answer"] == pytest.approx(0.0, abs=1e-6) and r["ratio"] == pytest.approx(2.0)
+            assert r["kl"] == pytest.approx(0.0, abs=1e-6) and r["top1"] == 1.0
         else:
-            assert r["ratio"] < 1.0 and r["kl_answer"] >= -1e-6
+            assert r["ratio"] < 1.0 and r["kl_answer"] >= -1e-6 and r["kl_continuation"] >= -1e-6
+            assert min(r["kl_answer"], r["kl_continuation"]) - 1e-6 <= r["kl"] <= max(r["kl_answer"],
+                                                                                    r["kl_continuation"]) + 1e-6
+            assert 0.0 <= r["top1"] <= 1.0
         assert r["ppl_continuation"] > 1.0
         assert r["config"]["version"] >= 1
         if r["method"] == "puzzle":
@@ -362,4 +367,29 @@ def test_the_exact_cache_fidelity_shortcut_equals_running_the_pass(tiny_model, t
     copy = get_method("full").from_prefill(tiny_model, unit.prefill).copy()
     ran, shortcut = runner._fidelity(tiny_model, unit, copy), runner._fidelity(tiny_model, unit, None)
     assert ran["kl_answer"] == pytest.approx(0.0, abs=1e-6) and shortcut["kl_answer"] == 0.0
+    assert ran["kl"] == pytest.approx(0.0, abs=1e-6) and ran["top1"] == shortcut["top1"] == 1.0
     assert shortcut["ppl_continuation"] == pytest.approx(ran["ppl_continuation"], rel=1e-5)
+
+
+def test_fidelity_counts_the_answer_and_continuation_positions(tiny_model, tokenizer):
+    """Over a lossy cache (StreamingLLM keeping a tenth), the KL over answer + continuation is the
+    token-weighted mean of its two parts, and top-1 agreement is a share of those positions."""
+    from kvpack.eval import runner
+    from kvpack.methods import get_method
+
+    plan = EvalPlan(tasks=["niah_single_1"], lengths=[256], samples=1, specs=method_specs(["full"], [0.5], {}))
+    unit = runner._prepare_unit(tiny_model, tokenizer, plan, "query-aware", "niah_single_1", 256, 0, None)
+    lossy = get_method("streaming", budget=0.1).from_prefill(tiny_model, unit.prefill)
+    f = runner._fidelity(tiny_model, unit, lossy)
+    n_cont = len(unit.tf_chunk) - (len(unit.ids) - unit.n_pre) - unit.ans_len
+    assert f["kl_answer"] > 0 and f["kl_continuation"] > 0
+    expected = (f["kl_answer"] * unit.ans_len + f["kl_continuation"] * n_cont) / (unit.ans_len + n_cont)
+    assert f["kl"] == pytest.approx(expected, rel=1e-4)
+    assert (f["top1"] * (unit.ans_len + n_cont)) == pytest.approx(round(f["top1"] * (unit.ans_len + n_cont)))
+
+
+def test_spec_name_labels_rows_without_changing_their_identity():
+    a = method_specs(["hf_quantized"], [0.5], {"hf_quantized": {"nbits": 2}})[0]
+    named = type(a)(a.method, a.budget, a.config, name="hf_quantized-2bit")
+    assert a.label == "hf_quantized" and named.label == "hf_quantized-2bit" and named.key == a.key
+    assert type(a)("kivi", 0.25, name="kivi-x").label == "kivi-x@0.25"

@@ -14,8 +14,10 @@ computed again, not taken from the earlier rows.
 
 Fidelity (``fidelity=True``), from a copy of each built cache taken before decoding (one build
 per method and sample): the rest of the prompt, the gold answer and a held-out continuation (more
-haystack) are teacher-forced in one pass; the mean next-token KL divergence KL(FullKV ‖ method)
-over the answer positions and the perplexity of the continuation are recorded.
+haystack) are teacher-forced in one pass; recorded are the mean next-token KL divergence
+KL(FullKV ‖ method) over the answer positions (``kl_answer``), over the continuation's
+(``kl_continuation``) and over both (``kl``), the share of those positions whose most likely next
+token is FullKV's (``top1``), and the perplexity of the continuation.
 """
 
 from __future__ import annotations
@@ -45,15 +47,21 @@ REFERENCE_METHOD = "full"  # the exact cache every method's KL is measured again
 
 @dataclass
 class MethodSpec:
-    """One method at one budget (``budget`` None: the method's own parameters, e.g. FullKV)."""
+    """One method at one budget (``budget`` None: the method's own parameters, e.g. FullKV).
+
+    ``name``: what reports call the method (default: the method's registry name), e.g. ``hf_quantized-2bit``
+    for one configuration of a method that runs in several; a display name only, not part of a row's
+    identity (:attr:`key`)."""
 
     method: str
     budget: float | None = None
     config: dict = field(default_factory=dict)
+    name: str | None = None
 
     @property
     def label(self) -> str:
-        return self.method if self.budget is None else f"{self.method}@{self.budget:g}"
+        name = self.name or self.method
+        return name if self.budget is None else f"{name}@{self.budget:g}"
 
     @property
     def key(self) -> tuple:
@@ -216,21 +224,24 @@ def _prepare_unit(model, tokenizer, plan: EvalPlan, setting: str, task: str, len
 
 
 def _fidelity(model, unit: _Unit, prepared: PreparedCache | None) -> dict:
-    """KL of the answer tokens against the exact cache's, and the continuation's perplexity.
+    """KL against the exact cache's next-token distributions over the answer positions, the
+    continuation's and both; top-1 agreement with the exact cache over both; the continuation's
+    perplexity.
 
     ``prepared`` None: the method's cache is the exact cache itself (FullKV with its defaults), whose
     teacher-forced log-probabilities the unit already holds (the same cache, the same forward), so the
     pass is not run twice."""
     logp = (unit.ref_logprobs if prepared is None
             else teacher_forced_logprobs(model, prepared, unit.tf_chunk, unit.n_pre + len(unit.tf_chunk)))
-    a = len(unit.ids) - unit.n_pre  # logits at a-1+j predict answer token j
-    sl = slice(a - 1, a - 1 + unit.ans_len)
-    p_ref = unit.ref_logprobs[sl].exp()
+    a = len(unit.ids) - unit.n_pre  # logits at a-1+j predict answer token j, then the continuation's
     targets = torch.tensor(unit.tf_chunk[a + unit.ans_len:], device=logp.device)
-    cont_lp = logp[a - 1 + unit.ans_len: a - 1 + unit.ans_len + len(targets)]
-    nll = -cont_lp.gather(1, targets[:, None]).mean()
-    return {"kl_answer": float((p_ref * (unit.ref_logprobs[sl] - logp[sl])).sum(-1).mean()),
-            "ppl_continuation": float(math.exp(float(nll)))}
+    scored = slice(a - 1, a - 1 + unit.ans_len + len(targets))  # answer positions, then continuation's
+    ref = unit.ref_logprobs[scored]
+    kl = (ref.exp() * (ref - logp[scored])).sum(-1)  # [answer + continuation tokens]
+    agree = (ref.argmax(-1) == logp[scored].argmax(-1)).float()
+    nll = -logp[scored][unit.ans_len:].gather(1, targets[:, None]).mean()
+    return {"kl_answer": float(kl[:unit.ans_len].mean()), "kl_continuation": float(kl[unit.ans_len:].mean()),
+            "kl": float(kl.mean()), "top1": float(agree.mean()), "ppl_continuation": float(math.exp(float(nll)))}
 
 
 def _evaluate(model, tokenizer, plan: EvalPlan, unit: _Unit, spec: MethodSpec) -> dict:
@@ -287,8 +298,11 @@ def check_plan_fits(model, tokenizer, plan: EvalPlan) -> None:
                                  f"{limit} tokens; use a length of at most {length - (need - limit)}")
 
 
-def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bool = True) -> list[dict]:
-    """Run (or resume) ``plan``; returns every row of ``out_dir/results.jsonl``.
+def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bool = True,
+             row_fields: dict | None = None) -> list[dict]:
+    """Run (or resume) ``plan``; returns every row of ``out_dir/results.jsonl``. ``row_fields`` are
+    written into each new row (e.g. the machine and commit that made it, when rows from several runs
+    share one file).
 
     Raises:
         ValueError: a length whose prompts do not fit the model's context (:func:`check_plan_fits`).
@@ -316,7 +330,7 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
                 last_prefill = unit.prefill
             for spec in pending:
                 row = {"setting": setting, "task": task, "length": length, "sample": index,
-                       **_evaluate(model, tokenizer, plan, unit, spec)}
+                       **_evaluate(model, tokenizer, plan, unit, spec), **(row_fields or {})}
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
                 rows.append(row)
