@@ -313,9 +313,10 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
     results = out_dir / "results.jsonl"
     rows = load_rows(results)
     done = {_row_key(r) for r in rows}
-    # Both settings of a sample run back to back, so a run cut short has comparable rows.
-    units = [(setting, task, length, index) for task in plan.tasks for length in plan.lengths
-             for index in range(plan.samples) for setting in plan.settings]
+    # Both settings of a sample run back to back, so a run cut short has comparable rows; sample index
+    # outermost, so a run cut short has every task and length at fewer samples rather than some not at all.
+    units = [(setting, task, length, index) for index in range(plan.samples) for task in plan.tasks
+             for length in plan.lengths for setting in plan.settings]
     bar = tqdm(total=len(units) * len(plan.specs), desc="[kvpack] eval", unit="run", disable=not progress)
     bar.update(sum(1 for u in units for s in plan.specs if (*u, *s.key) in done))
     last_prefill = None

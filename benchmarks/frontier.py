@@ -1,0 +1,198 @@
+"""The frontier: every kvpack method and the peers inside kvpack's harness, at five byte budgets, on
+RULER-style tasks at 4K and 8K tokens, both settings, ≥ 48 samples per (model, setting, method, budget)
+cell, on the same samples and token ids.
+
+Rows go to ``benchmarks/results/frontier/<model>/results.jsonl`` as they finish (the runner resumes
+from them: commit them as they come, and a later run on any machine goes on where this one stopped;
+each row names the CPU and kvpack commit that made it). The cells (:mod:`kvpack.eval.frontier`) go to
+``benchmarks/results/frontier-<model>.json`` with the command, kvpack commit, versions and CPUs, one
+plot per setting to ``benchmarks/results/frontier-<model>-<setting>.png``, and the short table at the
+top of ``docs/eval.md`` is rendered from every ``frontier-*.json`` (``--render`` alone does only that).
+
+Methods (:func:`frontier_specs`): FullKV; at every budget PuzzleKV, ``puzzle_plus``, AnchorKV,
+``anchor_plus``, KIVI, SnapKV, StreamingLLM; the faithful PuzzleKV with INT4 factors at the paper's
+page and ranks (P = 32, ranks 16 / 14: its 18.7%-of-bytes setting); kvtc at 4x / 8x / 16x when a
+calibration is given (``--calibration``, from ``kvpack calibrate --model M``); transformers'
+``QuantizedCache`` (quanto 4- and 2-bit, HQQ 4-bit), whose bytes follow its bits. The peers outside
+kvpack's environment (llama.cpp, kvpress) run from their own scripts on the same token ids.
+
+Usage:
+    python benchmarks/frontier.py --model smollm2 [--samples 3] [--budgets 0.5,0.28,0.15,0.1,0.0625]
+    python benchmarks/frontier.py --model qwen2.5-0.5b --budgets 0.28,0.15,0.0625   # after install_models.sh
+    python benchmarks/frontier.py --render      # the cells, plots and docs table from the committed rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = ROOT / "docs" / "eval.md"
+BEGIN, END = "<!-- frontier table: begin (benchmarks/frontier.py --render) -->", "<!-- frontier table: end -->"
+
+TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue", "niah_multiquery", "vt", "cwe",
+         "fwe")
+BUDGETS = (0.5, 0.28, 0.15, 0.1, 0.0625)
+# 4K and 8K; SmolLM2's context is 8,192 tokens, which must also hold the answer and the scored
+# continuation, so its long length is the longest that fits (the runner refuses a longer one by name).
+LENGTHS = {"smollm2": (4096, 7936), "qwen2.5-0.5b": (4096, 8192)}
+SAMPLES_PER_TASK_AND_LENGTH = 3  # 8 tasks x 2 lengths x 3 = 48 samples a cell
+BUDGETED = ("puzzle", "puzzle_plus", "anchor", "anchor_plus", "kivi", "snapkv", "streaming")
+KVTC_RATIOS = (4, 8, 16)
+
+
+def frontier_specs(budgets: list[float], calibration: str | None):
+    """The frontier's method specs (see the module doc)."""
+    from kvpack.eval.runner import MethodSpec
+
+    specs = [MethodSpec("full")]
+    specs += [MethodSpec(m, b) for b in budgets for m in BUDGETED]
+    specs.append(MethodSpec("puzzle", None, {"page_size": 32, "rank_k": 16, "rank_v": 14, "int4": True},
+                            name="puzzle-int4-paper"))
+    specs += [MethodSpec("hf_quantized", None, {"backend": "quanto", "nbits": 4}, name="hf_quantized-quanto4"),
+              MethodSpec("hf_quantized", None, {"backend": "quanto", "nbits": 2}, name="hf_quantized-quanto2"),
+              MethodSpec("hf_quantized", None, {"backend": "hqq", "nbits": 4}, name="hf_quantized-hqq4")]
+    if calibration:
+        specs += [MethodSpec("kvtc", None, {"ratio": float(r), "calibration": calibration}, name=f"kvtc-{r}x")
+                  for r in KVTC_RATIOS]
+    return specs
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "kvpack"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return out + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for dist in ("transformers", "optimum-quanto", "hqq"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def machine_fields(dtype: str) -> dict:
+    return {"cpu": f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads)",
+            "commit": commit(), "dtype": dtype}
+
+
+def rows_dir(model: str) -> Path:
+    return RESULTS / "frontier" / model
+
+
+def write_results(model: str, command: str | None = None) -> Path | None:
+    """The cells of ``model``'s committed rows to ``frontier-<model>.json`` and its plots."""
+    from kvpack.eval.frontier import frontier_cells, plot_frontier
+    from kvpack.eval.runner import load_rows
+
+    rows = load_rows(rows_dir(model) / "results.jsonl")
+    if not rows:
+        return None
+    plan = json.loads((rows_dir(model) / "frontier-plan.json").read_text())
+    cells = frontier_cells(rows, model)
+    path = RESULTS / f"frontier-{model}.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    commands = list(dict.fromkeys([*old.get("commands", []), *([command] if command else [])]))
+    data = {"model": model, "commands": commands, "plan": plan, "budgets": plan["budgets"],
+            "rows": len(rows), "machines": sorted({r.get("cpu", "unknown") for r in rows}),
+            "commits": sorted({r.get("commit", "unknown") for r in rows}), "versions": versions(),
+            "dtypes": sorted({r.get("dtype", "unknown") for r in rows}), "cells": cells}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    plot_frontier(cells, RESULTS / f"frontier-{model}")
+    return path
+
+
+def render_docs() -> None:
+    """The table between the markers at the top of docs/eval.md, from every frontier-*.json."""
+    from kvpack.eval.frontier import frontier_table_markdown
+
+    records = {json.loads(p.read_text())["model"]: json.loads(p.read_text())
+               for p in sorted(RESULTS.glob("frontier-*.json"))}
+    text = DOC.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{DOC} lacks the frontier table's markers ({BEGIN!r} ... {END!r})")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    machines = sorted({m for d in records.values() for m in d["machines"]})
+    table = frontier_table_markdown(records) if records else "(no frontier results yet)"
+    note = (f"\n\nGenerated from `benchmarks/results/frontier-*.json` (rows from: {'; '.join(machines)}); "
+            "per budget, the kvpack method with the highest score at that target and the best peer holding at "
+            "most its measured bytes. Scores pooled over the tasks and lengths with 95% intervals; KL is "
+            "KL(FullKV ‖ method) per token over the answer and a held-out continuation.\n")
+    DOC.write_text(head + BEGIN + "\n" + table + note + END + tail)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="smollm2", choices=sorted(LENGTHS))
+    p.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
+    p.add_argument("--samples", type=int, default=SAMPLES_PER_TASK_AND_LENGTH, help="per task and length")
+    p.add_argument("--lengths", default=None, help="override the model's two lengths (comma-separated)")
+    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--settings", default="query-aware,query-agnostic")
+    p.add_argument("--calibration", default=None, help="a kvtc calibration of this model: adds kvtc 4x/8x/16x")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--out", default=None, help="rows directory for a trial run (default: the committed one; "
+                   "a trial directory writes no results file, plot or docs table)")
+    p.add_argument("--render", action="store_true", help="only write the cells, plots and docs table")
+    args = p.parse_args()
+    command = "python benchmarks/frontier.py " + " ".join(sys.argv[1:])
+    if args.render:
+        for model in LENGTHS:
+            if (rows_dir(model) / "results.jsonl").is_file():
+                print(write_results(model))
+        render_docs()
+        return 0
+
+    from kvpack.eval.runner import EvalPlan, run_eval
+    from kvpack.hf.models import load_model
+
+    budgets = [float(b) for b in args.budgets.split(",")]
+    lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else list(LENGTHS[args.model])
+    plan = EvalPlan(tasks=args.tasks.split(","), lengths=lengths, samples=args.samples,
+                    specs=frontier_specs(budgets, args.calibration), settings=args.settings.split(","))
+    out = Path(args.out) if args.out else rows_dir(args.model)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "frontier-plan.json").write_text(json.dumps(
+        {"tasks": plan.tasks, "lengths": lengths, "samples_per_task_and_length": args.samples, "budgets": budgets,
+         "settings": plan.settings, "dtype": args.dtype, "specs": [s.label for s in plan.specs],
+         "written": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}, indent=1) + "\n")
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
+    run_eval(model, tokenizer, plan, out, row_fields=machine_fields(args.dtype))
+    if args.out:
+        return 0
+    print(write_results(args.model, command))
+    render_docs()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""The frontier's cells: an evaluation's rows pooled per (setting, method, budget), compared with FullKV
+and with the best peer at equal or fewer bytes, as records a results file holds and a plot draws.
+
+A *cell* pools every sample of one method at one budget in one setting, over all tasks and lengths
+(the samples are the same for every method: one prefill per sample is shared by all of them). Per cell:
+
+* ``score`` — the mean per-sample score with its 95% interval (Wilson when every score is 0 or 1,
+  else a bootstrap over the samples);
+* ``kl`` — the mean KL(FullKV ‖ method) per sample over the answer and a held-out continuation
+  (teacher-forced), with a bootstrap interval; ``kl_answer`` / ``kl_continuation`` its two parts;
+  ``top1`` the share of those positions where the method's most likely token is FullKV's;
+* ``bytes_ratio`` — the measured bytes held ÷ dense bf16 bytes, mean over the samples;
+* ``vs_full`` — the exact McNemar test on fully correct answers against FullKV on the same samples;
+* ``vs_best_peer`` — against the best *peer* (transformers' ``QuantizedCache``, llama.cpp, kvpress: the
+  methods users already run; :data:`PEER_FAMILIES`) whose cell holds at most as many bytes (within
+  :data:`BYTES_TOLERANCE`): the highest-scoring such cell, ties broken by the lower KL; McNemar on the
+  shared samples and the paired mean KL difference (method − peer) with a bootstrap interval;
+* ``decode_vs_full`` — the median over samples of the row's decode ms/token ÷ FullKV's on the same
+  sample in the same run, and the slowest sample's ratio.
+
+Settings are written ``query_aware`` / ``query_agnostic`` in the records (the runner's rows say
+``query-aware`` / ``query-agnostic``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+from .report import score_interval
+from .stats import bootstrap_interval, mcnemar_exact
+
+REFERENCE = "full"
+# Method families that are peers (what users run today), not kvpack's own methods or its baselines.
+PEER_FAMILIES = ("hf_quantized", "llamacpp", "kvpress")
+# A peer counts as "at equal or fewer bytes" up to this relative excess over the cell's measured bytes
+# (budgets are targets; measured ratios of two methods at one target differ in the third decimal).
+BYTES_TOLERANCE = 0.02
+SIGNIFICANCE = 0.05
+
+
+def setting_name(setting: str) -> str:
+    """``query-aware`` -> ``query_aware`` (the records' spelling)."""
+    return setting.replace("-", "_")
+
+
+def _sample(row: dict) -> tuple:
+    return row["task"], row["length"], row["sample"]
+
+
+def _name(row: dict) -> str:
+    """The method's display name: the row's label without its ``@budget``."""
+    label = row.get("label", row["method"])
+    return label.rsplit("@", 1)[0] if row.get("budget") is not None else label
+
+
+def _mean(values: Iterable) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.fmean(vals) if vals else None
+
+
+def _mean_interval(values: list[float]) -> tuple[float, float] | None:
+    return bootstrap_interval(values, statistics.fmean) if len(values) > 1 else None
+
+
+def is_peer(family: str) -> bool:
+    return family in PEER_FAMILIES
+
+
+def frontier_cells(rows: list[dict], model: str) -> list[dict]:
+    """One record per (setting, method name, budget) of ``rows`` (the runner's rows of one model),
+    with the comparisons of the module doc. Refused rows (an ``error``) are counted, not pooled."""
+    by_cell: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_cell[(r["setting"], _name(r), r.get("budget"))].append(r)
+    cells = []
+    for (setting, name, budget), crows in by_cell.items():
+        ok = [r for r in crows if r.get("error") is None and r.get("score") is not None]
+        scores = [r["score"] for r in ok]
+        kls = [r["kl"] for r in ok if r.get("kl") is not None]
+        top1 = [r["top1"] for r in ok if r.get("top1") is not None]
+        cells.append({
+            "model": model, "setting": setting_name(setting), "method": name, "family": crows[0]["method"],
+            "peer": is_peer(crows[0]["method"]), "budget": budget, "overrides": crows[0].get("overrides", {}),
+            "config": next((r["config"] for r in ok if r.get("config")), None),
+            "bytes_ratio": _mean(r.get("ratio") for r in ok),
+            "bytes_ratio_range": [min(r["ratio"] for r in ok), max(r["ratio"] for r in ok)] if ok else None,
+            "n": len(ok), "refused": len(crows) - len(ok),
+            "errors": sorted({r["error"] for r in crows if r.get("error")}),
+            "score": statistics.fmean(scores) if scores else None,
+            "score_ci": list(score_interval(scores)) if scores else None,
+            "kl": statistics.fmean(kls) if kls else None, "kl_ci": _ci(kls),
+            "kl_answer": _mean(r.get("kl_answer") for r in ok),
+            "kl_continuation": _mean(r.get("kl_continuation") for r in ok),
+            "top1": statistics.fmean(top1) if top1 else None, "top1_ci": _ci(top1),
+            "per_task": {t: statistics.fmean(v) for t, v in _by_task(ok).items()},
+            "lengths": sorted({r["length"] for r in ok}),
+            "_rows": {_sample(r): r for r in ok},
+        })
+    by_setting: dict[str, list[dict]] = defaultdict(list)
+    for c in cells:
+        by_setting[c["setting"]].append(c)
+    for scells in by_setting.values():
+        full = next((c for c in scells if c["family"] == REFERENCE and c["budget"] is None), None)
+        peers = [c for c in scells if c["peer"] and c["n"]]
+        for c in scells:
+            c["vs_full"] = _paired_test(c, full) if full is not None and c is not full else None
+            c["decode_vs_full"] = _decode_ratio(c, full) if full is not None else None
+            best = _best_peer(c, peers)
+            c["best_peer"] = best["method"] if best is not None else None
+            c["best_peer_bytes_ratio"] = best["bytes_ratio"] if best is not None else None
+            c["vs_best_peer"] = _paired_test(c, best) if best is not None else None
+    for c in cells:
+        del c["_rows"]
+    return sorted(cells, key=lambda c: (c["setting"], c["family"] != REFERENCE, c["peer"], c["method"],
+                                        -(c["budget"] or 1.0)))
+
+
+def _ci(values: list[float]) -> list[float] | None:
+    ci = _mean_interval(values)
+    return list(ci) if ci is not None else None
+
+
+def _by_task(rows: list[dict]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = defaultdict(list)
+    for r in rows:
+        out[r["task"]].append(r["score"])
+    return out
+
+
+def _best_peer(cell: dict, peers: list[dict]) -> dict | None:
+    """The highest-scoring peer cell (then the lower KL) holding at most the cell's bytes (+ tolerance)."""
+    if cell["bytes_ratio"] is None or cell["peer"]:
+        return None
+    limit = cell["bytes_ratio"] * (1 + BYTES_TOLERANCE)
+    fits = [p for p in peers if p["bytes_ratio"] is not None and p["bytes_ratio"] <= limit]
+    if not fits:
+        return None
+    return max(fits, key=lambda p: (p["score"], -(p["kl"] if p["kl"] is not None else float("inf"))))
+
+
+def _paired_test(cell: dict, other: dict) -> dict | None:
+    """McNemar on fully correct answers and the mean KL difference (cell − other), over the samples
+    both ran."""
+    shared = sorted(set(cell["_rows"]) & set(other["_rows"]))
+    if not shared:
+        return None
+    mine = [cell["_rows"][k] for k in shared]
+    theirs = [other["_rows"][k] for k in shared]
+    test = mcnemar_exact([r["score"] == 1.0 for r in theirs], [r["score"] == 1.0 for r in mine])
+    diffs = [a["kl"] - b["kl"] for a, b in zip(mine, theirs) if a.get("kl") is not None and b.get("kl") is not None]
+    return {"against": other["method"] if other["budget"] is None else f"{other['method']}@{other['budget']:g}",
+            "n": len(shared), "score_diff": statistics.fmean(a["score"] - b["score"] for a, b in zip(mine, theirs)),
+            "only_other": test["only_reference"], "only_method": test["only_method"], "p_value": test["p_value"],
+            "distinguishable": test["p_value"] < SIGNIFICANCE,
+            "kl_diff": statistics.fmean(diffs) if diffs else None, "kl_diff_ci": _ci(diffs)}
+
+
+def _decode_ratio(cell: dict, full: dict) -> dict | None:
+    ratios = [r["decode_ms"] / full["_rows"][k]["decode_ms"] for k, r in cell["_rows"].items()
+              if r.get("decode_ms") and k in full["_rows"] and full["_rows"][k].get("decode_ms")]
+    return {"median": statistics.median(ratios), "max": max(ratios), "n": len(ratios)} if ratios else None
+
+
+def plot_frontier(cells: list[dict], path_prefix: str | Path) -> list[Path]:
+    """One PNG per setting, ``<path_prefix>-<setting>.png``: score vs bytes and KL vs bytes (log axes),
+    one curve per method over its budgets, peers dashed; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for setting in sorted({c["setting"] for c in cells}):
+        scells = [c for c in cells if c["setting"] == setting and c["n"] and c["bytes_ratio"] is not None]
+        fig, (ax_s, ax_k) = plt.subplots(1, 2, figsize=(13, 5.2))
+        curves: dict[str, list[dict]] = defaultdict(list)
+        for c in scells:
+            curves[c["method"]].append(c)
+        for i, (name, pts) in enumerate(sorted(curves.items())):
+            pts.sort(key=lambda c: c["bytes_ratio"])
+            style = dict(linestyle="--" if pts[0]["peer"] else "-", marker="s" if pts[0]["peer"] else "o",
+                         color=plt.cm.tab20(i % 20), label=name)
+            x = [c["bytes_ratio"] for c in pts]
+            y = [c["score"] for c in pts]
+            err = [[c["score"] - c["score_ci"][0] for c in pts], [c["score_ci"][1] - c["score"] for c in pts]]
+            ax_s.errorbar(x, y, yerr=err, capsize=3, **style)
+            kl = [(c["bytes_ratio"], c["kl"]) for c in pts if c["kl"] is not None and c["kl"] > 0]
+            if kl:
+                ax_k.plot([p[0] for p in kl], [p[1] for p in kl], **style)
+        model = scells[0]["model"] if scells else ""
+        ax_s.set(xscale="log", xlabel="measured KV bytes / dense bf16 bytes", ylabel="score (95% interval)",
+                 title=f"{model}, {setting}: score", ylim=(-0.02, 1.02))
+        ax_k.set(xscale="log", yscale="log", xlabel="measured KV bytes / dense bf16 bytes",
+                 ylabel="mean KL(FullKV ‖ method), answer + continuation", title=f"{model}, {setting}: KL")
+        for ax in (ax_s, ax_k):
+            ax.grid(alpha=0.3, which="both")
+        ax_k.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        path = Path(f"{path_prefix}-{setting}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _fmt_ci(value, ci, spec=".2f") -> str:
+    if value is None:
+        return "–"
+    return f"{value:{spec}} ({ci[0]:{spec}}–{ci[1]:{spec}})" if ci else format(value, spec)
+
+
+def best_per_budget(cells: list[dict], setting: str, budget: float) -> tuple[dict | None, dict | None]:
+    """``(best kvpack cell, best peer cell)`` at a budget: the kvpack method (not FullKV, not a peer) at
+    that target with the highest score (then the lower KL), and the best peer holding at most its bytes."""
+    own = [c for c in cells if c["setting"] == setting and c["budget"] == budget and not c["peer"]
+           and c["family"] != REFERENCE and c["n"]]
+    if not own:
+        return None, None
+    best = max(own, key=lambda c: (c["score"], -(c["kl"] if c["kl"] is not None else float("inf"))))
+    peers = [c for c in cells if c["setting"] == setting and c["peer"] and c["n"]]
+    return best, _best_peer({**best, "peer": False}, peers)
+
+
+def frontier_table_markdown(records: dict[str, dict]) -> str:
+    """A short table from frontier results files (``{model: file contents}``): per model, setting and
+    budget, the best kvpack method and the best peer at equal or fewer bytes, each with its score
+    (95% interval), mean KL and measured bytes."""
+    lines = ["| model | setting | budget | best kvpack method: score, KL, bytes | best peer at ≤ bytes: score, KL, "
+             "bytes | FullKV score | samples |", "|---|---|---|---|---|---|---|"]
+    for model, data in records.items():
+        cells = data["cells"]
+        for setting in ("query_aware", "query_agnostic"):
+            full = next((c for c in cells if c["setting"] == setting and c["family"] == REFERENCE), None)
+            for budget in data["budgets"]:
+                best, peer = best_per_budget(cells, setting, budget)
+                if best is None:
+                    continue
+
+                def cell_text(c):
+                    if c is None:
+                        return "none at ≤ bytes"
+                    kl = "–" if c["kl"] is None else f"{c['kl']:.3g}"
+                    return f"`{c['method']}` {_fmt_ci(c['score'], c['score_ci'])}, {kl}, {c['bytes_ratio']:.3f}"
+
+                lines.append(f"| {model} | {setting.replace('_', '-')} | {budget:g} | {cell_text(best)} | "
+                             f"{cell_text(peer)} | {_fmt_ci(full['score'], full['score_ci']) if full else '–'} | "
+                             f"{best['n']} |")
+    return "\n".join(lines)
