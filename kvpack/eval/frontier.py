@@ -185,7 +185,9 @@ def plot_frontier(cells: list[dict], path_prefix: str | Path) -> list[Path]:
                          color=plt.cm.tab20(i % 20), label=name)
             x = [c["bytes_ratio"] for c in pts]
             y = [c["score"] for c in pts]
-            err = [[c["score"] - c["score_ci"][0] for c in pts], [c["score_ci"][1] - c["score"] for c in pts]]
+            # clamped: Wilson's bounds at a score of 0 or 1 can sit a rounding error inside it
+            err = [[max(0.0, c["score"] - c["score_ci"][0]) for c in pts],
+                   [max(0.0, c["score_ci"][1] - c["score"]) for c in pts]]
             ax_s.errorbar(x, y, yerr=err, capsize=3, **style)
             kl = [(c["bytes_ratio"], c["kl"]) for c in pts if c["kl"] is not None and c["kl"] > 0]
             if kl:
