@@ -8,12 +8,13 @@ import statistics
 from pathlib import Path
 
 
-def build_samples(tasks: list[str], lengths: list[int], samples: int, seed: int, path: Path) -> list[dict]:
-    """kvpack's eval samples as token ids (exactly the ids kvpack's eval feeds the model)."""
+def build_samples(tasks: list[str], lengths: list[int], samples: int, seed: int, path: Path,
+                  model: str = "smollm2") -> list[dict]:
+    """kvpack's eval samples as token ids (exactly the ids kvpack's eval feeds ``model``)."""
     from kvpack.eval.tasks import make_sample
     from kvpack.hf.models import load_tokenizer
 
-    tok = load_tokenizer()
+    tok = load_tokenizer(model)
     rows = []
     for task in tasks:
         for length in lengths:
@@ -75,3 +76,23 @@ def write_outputs(out: Path, rows: list[dict], report: list[str], kvpack_results
     text = "\n".join(report) + "\n"
     (out / "summary.md").write_text(text)
     print(text)
+
+
+def frontier_peer_rows(rows: list[dict], family: str, both_settings: bool, fields: dict) -> list[dict]:
+    """A peer's scored rows as frontier rows (``benchmarks/frontier.py`` pools them with kvpack's):
+    ``method`` the peer's family (``llamacpp``, ``kvpress``), ``label`` its configuration (``llamacpp-q4_0``,
+    ``kvpress-snapkv@0.28``), ``budget`` the kept share where the peer has one. A peer whose cache does not
+    depend on the question (llama.cpp's per-token quantization) gets one row per setting from one run
+    (``same_run_both_settings``). The peer's decode ms/token is its own runtime's, not comparable with
+    kvpack's FullKV step, so it is kept as ``decode_ms_own_runtime`` and the frontier's speed ratio skips it;
+    the peer has no KL (no teacher-forced pass in its environment)."""
+    out = []
+    for r in rows:
+        settings = ("query-aware", "query-agnostic") if both_settings else (r["setting"],)
+        name = r["label"].replace("llama.cpp ", "llamacpp-").replace("kvpress ", "kvpress-").replace(" (masks)", "")
+        for setting in settings:
+            row = {k: v for k, v in r.items() if k not in ("decode_ms", "label", "method", "setting")}
+            row.update(setting=setting, method=family, label=name, budget=r.get("budget"),
+                       decode_ms_own_runtime=r.get("decode_ms"), same_run_both_settings=both_settings, **fields)
+            out.append(row)
+    return out

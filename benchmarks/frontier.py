@@ -14,7 +14,11 @@ Methods (:func:`frontier_specs`): FullKV; at every budget PuzzleKV, ``puzzle_plu
 page and ranks (P = 32, ranks 16 / 14: its 18.7%-of-bytes setting); kvtc at 4x / 8x / 16x when a
 calibration is given (``--calibration``, from ``kvpack calibrate --model M``); transformers'
 ``QuantizedCache`` (quanto 4- and 2-bit, HQQ 4-bit), whose bytes follow its bits. The peers outside
-kvpack's environment (llama.cpp, kvpress) run from their own scripts on the same token ids.
+kvpack's environment run from their own scripts on the same token ids, in their own virtual
+environments, and their rows (``peer-<tool>.jsonl`` beside kvpack's) are pooled here too:
+``python benchmarks/peer_llamacpp.py --frontier --model M`` (f16 / q8_0 / q4_0 K/V) and
+``python benchmarks/peer_kvpress.py --frontier --model M`` (SnapKV, StreamingLLM, expected attention,
+KVzip at the kept shares of the budgets); they have scores, not KL.
 
 Usage:
     python benchmarks/frontier.py --model smollm2 [--samples 3] [--budgets 0.5,0.28,0.15,0.1,0.0625]
@@ -114,6 +118,8 @@ def write_results(model: str, command: str | None = None) -> Path | None:
     from kvpack.eval.runner import load_rows
 
     rows = load_rows(rows_dir(model) / "results.jsonl")
+    for peer in sorted(rows_dir(model).glob("peer-*.jsonl")):  # llama.cpp's and kvpress's rows (their scripts)
+        rows += load_rows(peer)
     if not rows:
         return None
     plan = json.loads((rows_dir(model) / "frontier-plan.json").read_text())

@@ -18,6 +18,7 @@ Usage: python benchmarks/peer_kvpress.py [--venv .kvpress-venv]
     [--presses snapkv,streaming_llm,expected_attention,kvzip] [--kept 0.25,0.5] [--lengths 2048]
     [--tasks niah_single_1,niah_single_2] [--samples 8]
     [--out results/peer-kvpress] [--kvpack-results kvpack-eval/]
+       python benchmarks/peer_kvpress.py --frontier --model smollm2   (the frontier's samples and rows)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 
 PRESSES = ("snapkv", "streaming_llm", "expected_attention", "kvzip")  # KVzip, the slowest (2-3 prefills), last
 SETTINGS = ("query-aware", "query-agnostic")
+KEPT_DEFAULT = "0.25,0.5"
 
 
 # -- the worker (runs in the kvpress environment) ---------------------------------------------------
@@ -85,11 +87,21 @@ def worker(samples_path: str, model_dir: str, presses: list[str], kept: list[flo
         for layer in model.model.layers:  # KVzip leaves its masked indices on the modules
             layer.self_attn.masked_key_indices = None
 
-    with open(out_path, "w") as out:
+    done = set()  # resumable: rows already in out_path are kept and not run again
+    if Path(out_path).is_file():
+        for line in Path(out_path).read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line of an interrupted run
+            done.add((tuple(r["key"]), r["setting"], r["press"], r["kept"]))
+    with open(out_path, "a") as out:
         for name in presses:
             for k in kept:
                 for s in samples:
                     for setting in SETTINGS:
+                        if (tuple(s["key"]), setting, name, k) in done:
+                            continue
                         ids = s["ids"]
                         n_pre = len(ids) - 1 if setting == "query-aware" else s["context_tokens"]
                         press, cache = make_press(name, k), DynamicCache()
@@ -114,12 +126,12 @@ def worker(samples_path: str, model_dir: str, presses: list[str], kept: list[flo
 # -- the driver (kvpack's environment) ---------------------------------------------------------------
 
 
-def kvpress_rows(samples: list[dict], raw: list[dict]) -> list[dict]:
+def kvpress_rows(samples: list[dict], raw: list[dict], model: str = "smollm2") -> list[dict]:
     """Scored rows in kvpack's result schema (method ``kvpress-<press>``, budget = the share kept)."""
     from kvpack.eval.scoring import score
     from kvpack.hf.models import load_tokenizer
 
-    tok = load_tokenizer()
+    tok = load_tokenizer(model)
     by_key = {tuple(s["key"]): s for s in samples}
     rows = []
     for r in raw:
@@ -141,15 +153,24 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--venv", default=".kvpress-venv", help="the kvpress virtual environment")
     parser.add_argument("--presses", default=",".join(PRESSES))
-    parser.add_argument("--kept", default="0.25,0.5", help="shares of the prefilled tokens kept")
+    parser.add_argument("--kept", default=KEPT_DEFAULT, help="shares of the prefilled tokens kept")
     parser.add_argument("--tasks", default="niah_single_1,niah_single_2")
     parser.add_argument("--lengths", default="2048")
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/peer-kvpress")
     parser.add_argument("--kvpack-results", help="a kvpack eval directory whose rows to print beside")
+    parser.add_argument("--model", default="smollm2", help="smollm2 or qwen2.5-0.5b (kvpack's converted copy)")
+    parser.add_argument("--frontier", action="store_true",
+                        help="the frontier's samples of --model (benchmarks/frontier.py: its tasks, lengths and "
+                        "samples; --kept defaults to its budgets); rows to "
+                        "benchmarks/results/frontier/<model>/peer-kvpress.jsonl, resumable")
     parser.add_argument("--worker", nargs=3, metavar=("SAMPLES", "MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.frontier and args.kept == KEPT_DEFAULT:
+        import frontier
+
+        args.kept = ",".join(map(str, frontier.BUDGETS))
     presses, kept = [p for p in args.presses.split(",") if p], [float(k) for k in args.kept.split(",")]
     if unknown := sorted(set(presses) - set(PRESSES)):
         parser.error(f"unknown presses {unknown}; known: {', '.join(PRESSES)}")
@@ -168,21 +189,39 @@ def main() -> int:
               file=sys.stderr)
         return 2
     out = Path(args.out)
+    tasks, lengths, per_task = args.tasks.split(","), [int(n) for n in args.lengths.split(",")], args.samples
+    if args.frontier:
+        import frontier
+
+        out = frontier.rows_dir(args.model) / "peer-kvpress"
+        tasks, lengths = list(frontier.TASKS), list(frontier.LENGTHS[args.model])
+        per_task = frontier.SAMPLES_PER_TASK_AND_LENGTH
     out.mkdir(parents=True, exist_ok=True)
-    lengths = [int(n) for n in args.lengths.split(",")]
-    samples = build_samples(args.tasks.split(","), lengths, args.samples, args.seed, out / "samples.jsonl")
+    samples = build_samples(tasks, lengths, per_task, args.seed, out / "samples.jsonl", model=args.model)
     raw_path = out / "kvpress_raw.jsonl"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     worker_run = subprocess.run([str(python), __file__, "--presses", args.presses, "--kept", args.kept, "--worker",
-                                 str(out / "samples.jsonl"), str(model_directory()), str(raw_path)], env=env)
-    raw = [json.loads(line) for line in raw_path.read_text().splitlines()] if raw_path.exists() else []
+                                 str(out / "samples.jsonl"), str(model_directory(args.model)), str(raw_path)],
+                                env=env)
+    from kvpack.eval.runner import load_rows
+
+    raw = load_rows(raw_path)  # a torn last line of an interrupted worker is skipped
     if worker_run.returncode != 0:  # rows finished before a failure (or an interrupt) are still reported
         print(f"the kvpress worker exited with {worker_run.returncode}: reporting its {len(raw)} finished rows",
               file=sys.stderr)
     if not raw:
         return 1
-    rows = kvpress_rows(samples, raw)
+    rows = kvpress_rows(samples, raw, args.model)
     v = raw[0]["versions"]
+    if args.frontier:
+        from _peers import frontier_peer_rows
+
+        fields = {**frontier.machine_fields("bfloat16"),
+                  "peer_version": f"kvpress {v['kvpress']}, transformers {v['transformers']}"}
+        peer_rows = frontier_peer_rows(rows, "kvpress", both_settings=False, fields=fields)
+        (out.parent / "peer-kvpress.jsonl").write_text("".join(json.dumps(r) + "\n" for r in peer_rows))
+        print(frontier.write_results(args.model, "python benchmarks/peer_kvpress.py " + " ".join(sys.argv[1:])))
+        return 0
     report = [f"# kvpress {v['kvpress']} (transformers {v['transformers']}, torch {v['torch']}, SmolLM2 bf16) on "
               f"kvpack's samples: {args.tasks}, {args.samples} per task and length"]
     for setting in SETTINGS:

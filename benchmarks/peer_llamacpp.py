@@ -17,6 +17,7 @@ ms/token ÷ llama.cpp's own f16 decode in the same run.
 Usage: python benchmarks/peer_llamacpp.py [--venv .llamacpp-venv] [--lengths 2048,4096]
     [--tasks niah_single_1,niah_single_2] [--samples 8] [--kv f16,q8_0,q4_0] [--out results/peer-llamacpp]
     [--kvpack-results kvpack-eval/]   (adds kvpack's rows from an eval directory beside llama.cpp's)
+       python benchmarks/peer_llamacpp.py --frontier --model smollm2   (the frontier's samples and rows)
 """
 
 from __future__ import annotations
@@ -44,8 +45,19 @@ def worker(samples_path: str, gguf: str, kv_types: list[str], threads: int, out_
 
     samples = [json.loads(line) for line in Path(samples_path).read_text().splitlines()]
     n_ctx = max(len(s["ids"]) + s["max_new_tokens"] for s in samples) + 8
-    with open(out_path, "w") as out:
+    done = set()  # resumable: rows already in out_path are kept and not run again
+    if Path(out_path).is_file():
+        for line in Path(out_path).read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line of an interrupted run
+            done.add((tuple(r["key"]), r["kv"]))
+    with open(out_path, "a") as out:
         for kv in kv_types:
+            todo = [s for s in samples if (tuple(s["key"]), kv) not in done]
+            if not todo:
+                continue
             type_id = GGML_TYPES[kv][0]
             llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                                   n_batch=512, flash_attn=True, type_k=type_id, type_v=type_id, verbose=False)
@@ -58,7 +70,7 @@ def worker(samples_path: str, gguf: str, kv_types: list[str], threads: int, out_
             base = int(llama_cpp.llama_state_seq_get_size(llm.ctx, 0))  # the state of one cached token
             llm.reset()
             llm.eval(samples[0]["ids"][:256])  # one-time setup, not timed
-            for s in samples:
+            for s in todo:
                 stamps, new = [], []
                 llm.reset()
                 start = time.perf_counter()
@@ -83,12 +95,12 @@ def worker(samples_path: str, gguf: str, kv_types: list[str], threads: int, out_
 # -- the driver (kvpack's environment) ---------------------------------------------------------------
 
 
-def llamacpp_rows(samples: list[dict], raw: list[dict], model_cfg) -> list[dict]:
+def llamacpp_rows(samples: list[dict], raw: list[dict], model_cfg, model: str = "smollm2") -> list[dict]:
     """Scored rows in kvpack's result schema (method ``llamacpp``, label ``llama.cpp <kv>``)."""
     from kvpack.eval.scoring import score
     from kvpack.hf.models import load_tokenizer
 
-    tok = load_tokenizer()
+    tok = load_tokenizer(model)
     by_key = {tuple(s["key"]): s for s in samples}
     values_per_token = 2 * model_cfg.num_hidden_layers * model_cfg.num_key_value_heads * (
         model_cfg.hidden_size // model_cfg.num_attention_heads)
@@ -119,6 +131,10 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", default="results/peer-llamacpp")
     parser.add_argument("--kvpack-results", help="a kvpack eval directory whose rows to print beside")
+    parser.add_argument("--model", default="smollm2", help="smollm2 or qwen2.5-0.5b (its GGUF)")
+    parser.add_argument("--frontier", action="store_true",
+                        help="the frontier's samples of --model (benchmarks/frontier.py: its tasks, lengths and "
+                        "samples); rows to benchmarks/results/frontier/<model>/peer-llamacpp.jsonl, resumable")
     parser.add_argument("--worker", nargs=3, metavar=("SAMPLES", "GGUF", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     kv_types = [k for k in args.kv.split(",") if k]
@@ -140,15 +156,35 @@ def main() -> int:
               f"(or pass --venv)", file=sys.stderr)
         return 2
     out = Path(args.out)
+    tasks, lengths, per_task = args.tasks.split(","), [int(n) for n in args.lengths.split(",")], args.samples
+    if args.frontier:
+        import frontier
+
+        out = frontier.rows_dir(args.model) / "peer-llamacpp"
+        tasks, lengths = list(frontier.TASKS), list(frontier.LENGTHS[args.model])
+        per_task = frontier.SAMPLES_PER_TASK_AND_LENGTH
     out.mkdir(parents=True, exist_ok=True)
-    lengths = [int(n) for n in args.lengths.split(",")]
-    samples = build_samples(args.tasks.split(","), lengths, args.samples, args.seed, out / "samples.jsonl")
-    _, gguf = resolve_model_source("smollm2")
+    samples = build_samples(tasks, lengths, per_task, args.seed, out / "samples.jsonl", model=args.model)
+    _, gguf = resolve_model_source(args.model)
     raw_path = out / "llamacpp_raw.jsonl"
     subprocess.run([str(python), __file__, "--kv", args.kv, "--threads", str(args.threads), "--worker",
                     str(out / "samples.jsonl"), str(gguf), str(raw_path)], check=True)
-    raw = [json.loads(line) for line in raw_path.read_text().splitlines()]
-    rows = llamacpp_rows(samples, raw, AutoConfig.from_pretrained(model_directory(), local_files_only=True))
+    from kvpack.eval.runner import load_rows
+
+    raw = load_rows(raw_path)  # a torn last line of an interrupted worker is skipped
+    rows = llamacpp_rows(samples, raw, AutoConfig.from_pretrained(model_directory(args.model), local_files_only=True),
+                         args.model)
+    if args.frontier:
+        from _peers import frontier_peer_rows
+
+        version = subprocess.run([str(python), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                                 capture_output=True, text=True).stdout.strip()
+        fields = {**frontier.machine_fields("the GGUF's quantized weights"),
+                  "peer_version": f"llama-cpp-python {version}"}
+        peer_rows = frontier_peer_rows(rows, "llamacpp", both_settings=True, fields=fields)
+        (out.parent / "peer-llamacpp.jsonl").write_text("".join(json.dumps(r) + "\n" for r in peer_rows))
+        print(frontier.write_results(args.model, "python benchmarks/peer_llamacpp.py " + " ".join(sys.argv[1:])))
+        return 0
     version = subprocess.run([str(python), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
                              capture_output=True, text=True).stdout.strip()
     report = [f"# llama.cpp {version} (flash attention, {args.threads} threads) on kvpack's samples: "

@@ -74,3 +74,35 @@ def test_plots_and_the_docs_table(rows, tmp_path):
     assert len(lines) == 2 + 2  # header, rule, one line per budget that has a kvpack cell
     assert "`anchor_plus` 0.67" in lines[2] and "`hf_quantized-quanto4` 1.00" in lines[2]
     assert "| 0.1 |" in lines[3] and "none at ≤ bytes" in lines[3]
+
+
+def test_peer_rows_from_their_scripts_join_the_frontier_as_peers(monkeypatch, rows):
+    """llama.cpp's rows (one run, a cache that does not depend on the question) count in both settings;
+    kvpress's keep their setting and budget; neither brings a speed ratio against kvpack's FullKV."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from _peers import frontier_peer_rows
+
+    llama = [{"task": t, "length": n, "sample": i, "method": "llamacpp", "label": "llama.cpp q4_0", "kv": "q4_0",
+              "score": 1.0, "ratio": 0.2813, "decode_ms": 3.0} for t, n, i in SAMPLES]
+    press = [{"setting": "query-agnostic", "task": t, "length": n, "sample": i, "method": "kvpress-snapkv",
+              "budget": 0.28, "label": "kvpress snapkv@0.28", "score": 0.0, "ratio": 0.28, "decode_ms": 9.0}
+             for t, n, i in SAMPLES]
+    fields = {"cpu": "test CPU", "commit": "abc"}
+    llama_rows = frontier_peer_rows(llama, "llamacpp", both_settings=True, fields=fields)
+    press_rows = frontier_peer_rows(press, "kvpress", both_settings=False, fields=fields)
+    assert len(llama_rows) == 2 * len(llama) and len(press_rows) == len(press)
+    assert {r["setting"] for r in llama_rows} == {"query-aware", "query-agnostic"}
+    assert all(r["label"] == "llamacpp-q4_0" and r["method"] == "llamacpp" and r["cpu"] == "test CPU"
+               and "decode_ms" not in r and r["decode_ms_own_runtime"] == 3.0 for r in llama_rows)
+    cells = frontier_cells(rows + llama_rows + press_rows, "tiny")
+    q4 = _cell(cells, "llamacpp-q4_0")
+    assert q4["peer"] and q4["n"] == 12 and q4["decode_vs_full"] is None and q4["kl"] is None
+    snap = _cell(cells, "kvpress-snapkv", 0.28)
+    assert snap["peer"] and snap["family"] == "kvpress" and snap["score"] == 0.0
+    # anchor_plus at 0.279: llama.cpp q4_0 (0.2813, inside the tolerance, scores 1.0) ties quanto4 on score;
+    # the tie goes to the lower KL, and llama.cpp has none, so quanto4 stays the best peer.
+    assert _cell(cells, "anchor_plus", 0.28)["best_peer"] == "hf_quantized-quanto4"
+    aware = _cell(cells, "llamacpp-q4_0", setting="query_aware")  # the same run counted in the other setting
+    assert aware["n"] == 12 and aware["vs_full"] is None  # the synthetic rows have no query-aware FullKV
