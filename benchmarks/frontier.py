@@ -112,6 +112,21 @@ def rows_dir(model: str) -> Path:
     return RESULTS / "frontier" / model
 
 
+def calibration_dir(model: str) -> Path:
+    return rows_dir(model) / "kvtc-calibration"
+
+
+def ensure_calibration(model, tokenizer, relative: str) -> None:
+    """kvtc's calibration of ``model`` at ``ROOT/relative``, made once with ``kvpack calibrate``'s defaults
+    but for the frontier's ratios (4x is not among the defaults)."""
+    from kvpack.storage.kvtc.calibration import TENSORS_FILE, CalibrationSettings, calibrate
+
+    target = ROOT / relative
+    if (target / TENSORS_FILE).is_file():
+        return
+    calibrate(model, tokenizer, CalibrationSettings(ratios=tuple(float(r) for r in KVTC_RATIOS))).save(target)
+
+
 def write_results(model: str, command: str | None = None) -> Path | None:
     """The cells of ``model``'s committed rows to ``frontier-<model>.json`` and its plots."""
     from kvpack.eval.frontier import frontier_cells, plot_frontier
@@ -165,6 +180,10 @@ def main() -> int:
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--settings", default="query-aware,query-agnostic")
     p.add_argument("--calibration", default=None, help="a kvtc calibration of this model: adds kvtc 4x/8x/16x")
+    p.add_argument("--kvtc", action="store_true",
+                   help="adds kvtc 4x/8x/16x with the frontier's own calibration of the model (made once, "
+                   "kvpack calibrate's defaults at those ratios, into "
+                   "benchmarks/results/frontier/<model>/kvtc-calibration, not committed)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--out", default=None, help="rows directory for a trial run (default: the committed one; "
                    "a trial directory writes no results file, plot or docs table)")
@@ -182,9 +201,13 @@ def main() -> int:
     from kvpack.hf.models import load_model
 
     budgets = [float(b) for b in args.budgets.split(",")]
+    if args.kvtc and args.calibration:
+        p.error("give --kvtc (the frontier's own calibration) or --calibration DIR, not both")
+    # relative to the repository root, so the rows' overrides (part of their identity) match on every machine
+    calibration = (str(calibration_dir(args.model).relative_to(ROOT)) if args.kvtc else args.calibration)
     lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else list(LENGTHS[args.model])
     plan = EvalPlan(tasks=args.tasks.split(","), lengths=lengths, samples=args.samples,
-                    specs=frontier_specs(budgets, args.calibration), settings=args.settings.split(","))
+                    specs=frontier_specs(budgets, calibration), settings=args.settings.split(","))
     out = Path(args.out) if args.out else rows_dir(args.model)
     out.mkdir(parents=True, exist_ok=True)
     (out / "frontier-plan.json").write_text(json.dumps(
@@ -192,6 +215,8 @@ def main() -> int:
          "settings": plan.settings, "dtype": args.dtype, "specs": [s.label for s in plan.specs],
          "written": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}, indent=1) + "\n")
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
+    if args.kvtc:
+        ensure_calibration(model, tokenizer, calibration)
     run_eval(model, tokenizer, plan, out, row_fields=machine_fields(args.dtype))
     if args.out:
         return 0
