@@ -11,6 +11,7 @@ from pathlib import Path
 def build_samples(tasks: list[str], lengths: list[int], samples: int, seed: int, path: Path,
                   model: str = "smollm2") -> list[dict]:
     """kvpack's eval samples as token ids (exactly the ids kvpack's eval feeds ``model``)."""
+    from kvpack.eval.runner import _scored_ids
     from kvpack.eval.tasks import make_sample
     from kvpack.hf.models import load_tokenizer
 
@@ -22,7 +23,9 @@ def build_samples(tasks: list[str], lengths: list[int], samples: int, seed: int,
                 s = make_sample(tok, task, length, index, samples, seed)
                 context = tok(s.context).input_ids
                 ids = context + tok(s.question, add_special_tokens=False).input_ids
+                answer_ids, continuation_ids = _scored_ids(tok, s)  # what kvpack's fidelity pass teacher-forces
                 rows.append({"key": [task, length, index], "ids": ids, "context_tokens": len(context),
+                             "answer_ids": answer_ids, "continuation_ids": continuation_ids,
                              "answers": s.answers, "metric": s.metric,
                              "max_new_tokens": s.max_new_tokens, "depth": s.depth})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -84,8 +87,9 @@ def frontier_peer_rows(rows: list[dict], family: str, both_settings: bool, field
     ``kvpress-snapkv@0.28``), ``budget`` the kept share where the peer has one. A peer whose cache does not
     depend on the question (llama.cpp's per-token quantization) gets one row per setting from one run
     (``same_run_both_settings``). The peer's decode ms/token is its own runtime's, not comparable with
-    kvpack's FullKV step, so it is kept as ``decode_ms_own_runtime`` and the frontier's speed ratio skips it;
-    the peer has no KL (no teacher-forced pass in its environment)."""
+    kvpack's FullKV step, so it is kept as ``decode_ms_own_runtime`` and the frontier's speed ratio skips it.
+    KL and top-1 come where the peer's script measures them (kvpress: against its own press-free pass over
+    the same answer and continuation, in its environment); llama.cpp's rows have scores only."""
     out = []
     for r in rows:
         settings = ("query-aware", "query-agnostic") if both_settings else (r["setting"],)

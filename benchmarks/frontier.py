@@ -18,7 +18,8 @@ kvpack's environment run from their own scripts on the same token ids, in their 
 environments, and their rows (``peer-<tool>.jsonl`` beside kvpack's) are pooled here too:
 ``python benchmarks/peer_llamacpp.py --frontier --model M`` (f16 / q8_0 / q4_0 K/V) and
 ``python benchmarks/peer_kvpress.py --frontier --model M`` (SnapKV, StreamingLLM, expected attention,
-KVzip at the kept shares of the budgets); they have scores, not KL.
+KVzip at the kept shares of the budgets, with KL against their own press-free pass); llama.cpp's have scores,
+not KL.
 
 Usage:
     python benchmarks/frontier.py --model smollm2 [--samples 3] [--budgets 0.5,0.28,0.15,0.1,0.0625]

@@ -9,6 +9,11 @@ question but the last token under the press, *query-agnostic* prefills the conte
 press and then reads the question through the compressed cache. ``compression_ratio`` in kvpress is
 the share removed: ``--kept 0.25,0.5`` runs 0.75 and 0.5.
 
+Fidelity as kvpack's eval measures it: for each sample and setting one press-free prefill in the same
+environment is the reference, and after each press the rest of the prompt, the gold answer and the
+held-out continuation are teacher-forced over a copy of the compressed cache (KVzip's masks in place):
+KL(exact ‖ press) per token over the answer and the continuation, and top-1 agreement.
+
 Bytes are measured from the cache's tensors after the prefill. SnapKV, StreamingLLM and expected
 attention gather the kept tokens into smaller tensors: they free memory. KVzip scores by context
 reconstruction and then *masks* the evicted keys at attention time (kvpress's attention patch): its
@@ -24,6 +29,7 @@ Usage: python benchmarks/peer_kvpress.py [--venv .kvpress-venv]
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.metadata
 import json
 import os
@@ -87,6 +93,26 @@ def worker(samples_path: str, model_dir: str, presses: list[str], kept: list[flo
         for layer in model.model.layers:  # KVzip leaves its masked indices on the modules
             layer.self_attn.masked_key_indices = None
 
+    def scored_logprobs(cache, s: dict, n_pre: int) -> torch.Tensor | None:
+        """Log-probabilities [answer + continuation tokens, vocab] (fp32) with the rest of the prompt, the gold
+        answer and the held-out continuation teacher-forced after ``cache`` (kvpack's fidelity pass)."""
+        if not s.get("answer_ids"):
+            return None
+        chunk = s["ids"][n_pre:] + s["answer_ids"] + s["continuation_ids"]
+        pos = torch.arange(n_pre, n_pre + len(chunk))[None]
+        logits = model(input_ids=torch.tensor([chunk]), past_key_values=cache, position_ids=pos,
+                       use_cache=True).logits[0].float()
+        a = len(s["ids"]) - n_pre  # logits at a-1+j predict answer token j, then the continuation's
+        return torch.log_softmax(logits[a - 1: a - 1 + len(s["answer_ids"]) + len(s["continuation_ids"])], dim=-1)
+
+    def fidelity(ref: torch.Tensor | None, logp: torch.Tensor | None, n_answer: int) -> dict:
+        if ref is None or logp is None:
+            return {}
+        kl = (ref.exp() * (ref - logp)).sum(-1)
+        return {"kl": float(kl.mean()), "kl_answer": float(kl[:n_answer].mean()),
+                "kl_continuation": float(kl[n_answer:].mean()),
+                "top1": float((ref.argmax(-1) == logp.argmax(-1)).float().mean())}
+
     done = set()  # resumable: rows already in out_path are kept and not run again
     if Path(out_path).is_file():
         for line in Path(out_path).read_text().splitlines():
@@ -95,32 +121,42 @@ def worker(samples_path: str, model_dir: str, presses: list[str], kept: list[flo
             except json.JSONDecodeError:
                 continue  # a torn last line of an interrupted run
             done.add((tuple(r["key"]), r["setting"], r["press"], r["kept"]))
+
+    # One exact (press-free) reference per sample and setting, shared by every press and kept share; the
+    # fidelity pass runs on a copy of each compressed cache taken before decoding (decoding mutates it),
+    # with KVzip's masks still in place.
     with open(out_path, "a") as out:
-        for name in presses:
-            for k in kept:
-                for s in samples:
-                    for setting in SETTINGS:
-                        if (tuple(s["key"]), setting, name, k) in done:
-                            continue
-                        ids = s["ids"]
-                        n_pre = len(ids) - 1 if setting == "query-aware" else s["context_tokens"]
-                        press, cache = make_press(name, k), DynamicCache()
-                        clear_masks()
-                        start = time.perf_counter()
-                        with press(model):
-                            model(input_ids=torch.tensor([ids[:n_pre]]), past_key_values=cache, use_cache=True)
-                        prefill_s = time.perf_counter() - start
-                        held = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)
-                        masked = any(getattr(layer.self_attn, "masked_key_indices", None) is not None
-                                     for layer in model.model.layers)
-                        new, steps = greedy(cache, ids[n_pre:], n_pre, s["max_new_tokens"])
-                        clear_masks()
-                        out.write(json.dumps({"key": s["key"], "setting": setting, "press": name, "kept": k,
-                                              "new_ids": new, "prefill_s": prefill_s, "steps_ms": steps,
-                                              "ratio": held / (n_pre * per_token), "masked": masked,
-                                              "versions": versions}) + "\n")
-                        out.flush()
-                print(f"[kvpress] {name} kept {k}: done", file=sys.stderr, flush=True)
+        for s in samples:
+            for setting in SETTINGS:
+                todo = [(name, k) for name in presses for k in kept if (tuple(s["key"]), setting, name, k) not in done]
+                if not todo:
+                    continue
+                ids = s["ids"]
+                n_pre = len(ids) - 1 if setting == "query-aware" else s["context_tokens"]
+                clear_masks()
+                exact = DynamicCache()
+                model(input_ids=torch.tensor([ids[:n_pre]]), past_key_values=exact, use_cache=True)
+                ref = scored_logprobs(exact, s, n_pre)
+                del exact
+                for name, k in todo:
+                    press, cache = make_press(name, k), DynamicCache()
+                    clear_masks()
+                    start = time.perf_counter()
+                    with press(model):
+                        model(input_ids=torch.tensor([ids[:n_pre]]), past_key_values=cache, use_cache=True)
+                    prefill_s = time.perf_counter() - start
+                    held = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)
+                    masked = any(getattr(layer.self_attn, "masked_key_indices", None) is not None
+                                 for layer in model.model.layers)
+                    fid = fidelity(ref, scored_logprobs(copy.deepcopy(cache), s, n_pre), len(s.get("answer_ids", [])))
+                    new, steps = greedy(cache, ids[n_pre:], n_pre, s["max_new_tokens"])
+                    clear_masks()
+                    out.write(json.dumps({"key": s["key"], "setting": setting, "press": name, "kept": k,
+                                          "new_ids": new, "prefill_s": prefill_s, "steps_ms": steps,
+                                          "ratio": held / (n_pre * per_token), "masked": masked,
+                                          "versions": versions, **fid}) + "\n")
+                    out.flush()
+            print(f"[kvpress] {s['key']}: done", file=sys.stderr, flush=True)
 
 
 # -- the driver (kvpack's environment) ---------------------------------------------------------------
@@ -143,6 +179,7 @@ def kvpress_rows(samples: list[dict], raw: list[dict], model: str = "smollm2") -
                      "label": f"kvpress {r['press']}@{r['kept']:g}" + (" (masks)" if r["masked"] else ""),
                      "prediction": prediction, "score": score(prediction, s["answers"], s["metric"]),
                      "ratio": r["ratio"], "masked": r["masked"], "prefill_s": r["prefill_s"],
+                     **{f: r[f] for f in ("kl", "kl_answer", "kl_continuation", "top1") if f in r},
                      "decode_ms": statistics.median(r["steps_ms"]) if r["steps_ms"] else None})
     return rows
 
