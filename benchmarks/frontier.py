@@ -105,8 +105,9 @@ def versions() -> dict:
 
 
 def machine_fields(dtype: str) -> dict:
+    """What each new row records of the run that made it (rows from several runs share one file)."""
     return {"cpu": f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads)",
-            "commit": commit(), "dtype": dtype}
+            "commit": commit(), "dtype": dtype, "versions": versions()}
 
 
 def rows_dir(model: str) -> Path:
@@ -145,7 +146,9 @@ def write_results(model: str, command: str | None = None) -> Path | None:
     commands = list(dict.fromkeys([*old.get("commands", []), *([command] if command else [])]))
     data = {"model": model, "commands": commands, "plan": plan, "budgets": plan["budgets"],
             "rows": len(rows), "machines": sorted({r.get("cpu", "unknown") for r in rows}),
-            "commits": sorted({r.get("commit", "unknown") for r in rows}), "versions": versions(),
+            "commits": sorted({r.get("commit", "unknown") for r in rows}),
+            "versions": [json.loads(v) for v in sorted({json.dumps(r["versions"], sort_keys=True)
+                                                        for r in rows if r.get("versions")})],
             "dtypes": sorted({r.get("dtype", "unknown") for r in rows}), "cells": cells}
     path.write_text(json.dumps(data, indent=1) + "\n")
     plot_frontier(cells, RESULTS / f"frontier-{model}")
@@ -154,22 +157,36 @@ def write_results(model: str, command: str | None = None) -> Path | None:
 
 def render_docs() -> None:
     """The table between the markers at the top of docs/eval.md, from every frontier-*.json."""
-    from kvpack.eval.frontier import frontier_table_markdown
-
-    records = {json.loads(p.read_text())["model"]: json.loads(p.read_text())
-               for p in sorted(RESULTS.glob("frontier-*.json"))}
+    records = committed_records()
     text = DOC.read_text()
     if BEGIN not in text or END not in text:
         raise SystemExit(f"{DOC} lacks the frontier table's markers ({BEGIN!r} ... {END!r})")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
+    DOC.write_text(head + BEGIN + "\n" + rendered_block(records) + END + tail)
+
+
+def committed_records() -> dict[str, dict]:
+    """``{model: contents}`` of every ``benchmarks/results/frontier-<model>.json``."""
+    records = {}
+    for path in sorted(RESULTS.glob("frontier-*.json")):
+        data = json.loads(path.read_text())
+        records[data["model"]] = data
+    return records
+
+
+def rendered_block(records: dict[str, dict]) -> str:
+    """What stands between the markers in docs/eval.md for these results files' contents."""
+    from kvpack.eval.frontier import frontier_table_markdown
+
+    if not records:
+        return "(no frontier results yet)\n"
     machines = sorted({m for d in records.values() for m in d["machines"]})
-    table = frontier_table_markdown(records) if records else "(no frontier results yet)"
-    note = (f"\n\nGenerated from `benchmarks/results/frontier-*.json` (rows from: {'; '.join(machines)}); "
+    return (frontier_table_markdown(records) +
+            f"\n\nGenerated from `benchmarks/results/frontier-*.json` (rows from: {'; '.join(machines)}); "
             "per budget, the kvpack method with the highest score at that target and the best peer holding at "
             "most its measured bytes. Scores pooled over the tasks and lengths with 95% intervals; KL is "
             "KL(FullKV ‖ method) per token over the answer and a held-out continuation.\n")
-    DOC.write_text(head + BEGIN + "\n" + table + note + END + tail)
 
 
 def main() -> int:
