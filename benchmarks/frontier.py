@@ -33,6 +33,7 @@ import argparse
 import datetime
 import importlib.metadata
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -208,6 +209,7 @@ def main() -> int:
     p.add_argument("--render", action="store_true", help="only write the cells, plots and docs table")
     args = p.parse_args()
     command = "python benchmarks/frontier.py " + " ".join(sys.argv[1:])
+    os.chdir(ROOT)  # the kvtc calibration is named relative to the repository root
     if args.render:
         for model in LENGTHS:
             if (rows_dir(model) / "results.jsonl").is_file():
