@@ -144,7 +144,9 @@ def write_results(model: str, command: str | None = None) -> Path | None:
     cells = frontier_cells(rows, model)
     path = RESULTS / f"frontier-{model}.json"
     old = json.loads(path.read_text()) if path.is_file() else {}
-    commands = list(dict.fromkeys([*old.get("commands", []), *([command] if command else [])]))
+    # the commands that wrote rows: the plan's (written when a run starts, so a run cut short is named too)
+    commands = list(dict.fromkeys([*old.get("commands", []), *([plan["command"]] if plan.get("command") else []),
+                                   *([command] if command else [])]))
     data = {"model": model, "commands": commands, "plan": plan, "budgets": plan["budgets"],
             "rows": len(rows), "machines": sorted({r.get("cpu", "unknown") for r in rows}),
             "commits": sorted({r.get("commit", "unknown") for r in rows}),
@@ -232,7 +234,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "frontier-plan.json").write_text(json.dumps(
         {"tasks": plan.tasks, "lengths": lengths, "samples_per_task_and_length": args.samples, "budgets": budgets,
-         "settings": plan.settings, "dtype": args.dtype, "specs": [s.label for s in plan.specs],
+         "settings": plan.settings, "dtype": args.dtype, "specs": [s.label for s in plan.specs], "command": command,
          "written": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}, indent=1) + "\n")
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     if args.kvtc:
