@@ -8,6 +8,20 @@ import statistics
 from pathlib import Path
 
 
+def finished_rows(path: str | Path) -> list[dict]:
+    """The rows a peer worker already wrote to ``path`` (a JSON line each; a torn last line of an
+    interrupted run is skipped), so a rerun resumes. Standard library only: the workers import it in
+    their own environments."""
+    rows = []
+    if Path(path).is_file():
+        for line in Path(path).read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
 def build_samples(tasks: list[str], lengths: list[int], samples: int, seed: int, path: Path,
                   model: str = "smollm2") -> list[dict]:
     """kvpack's eval samples as token ids (exactly the ids kvpack's eval feeds ``model``)."""

@@ -113,14 +113,10 @@ def worker(samples_path: str, model_dir: str, presses: list[str], kept: list[flo
                 "kl_continuation": float(kl[n_answer:].mean()),
                 "top1": float((ref.argmax(-1) == logp.argmax(-1)).float().mean())}
 
-    done = set()  # resumable: rows already in out_path are kept and not run again
-    if Path(out_path).is_file():
-        for line in Path(out_path).read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line of an interrupted run
-            done.add((tuple(r["key"]), r["setting"], r["press"], r["kept"]))
+    from _peers import finished_rows
+
+    # resumable: rows already in out_path are kept and not run again
+    done = {(tuple(r["key"]), r["setting"], r["press"], r["kept"]) for r in finished_rows(out_path)}
 
     # One exact (press-free) reference per sample and setting, shared by every press and kept share; the
     # fidelity pass runs on a copy of each compressed cache taken before decoding (decoding mutates it),

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from _peers import build_samples, table, write_outputs
+from _peers import build_samples, finished_rows, table, write_outputs
 
 # ggml's block sizes: (bytes per block, values per block) — the nominal bits per value.
 GGML_TYPES = {"f16": (1, 2, 1), "q8_0": (8, 34, 32), "q4_0": (2, 18, 32)}  # name: (ggml type id, bytes, values)
@@ -45,14 +45,7 @@ def worker(samples_path: str, gguf: str, kv_types: list[str], threads: int, out_
 
     samples = [json.loads(line) for line in Path(samples_path).read_text().splitlines()]
     n_ctx = max(len(s["ids"]) + s["max_new_tokens"] for s in samples) + 8
-    done = set()  # resumable: rows already in out_path are kept and not run again
-    if Path(out_path).is_file():
-        for line in Path(out_path).read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line of an interrupted run
-            done.add((tuple(r["key"]), r["kv"]))
+    done = {(tuple(r["key"]), r["kv"]) for r in finished_rows(out_path)}  # resumable: not run again
     with open(out_path, "a") as out:
         for kv in kv_types:
             todo = [s for s in samples if (tuple(s["key"]), kv) not in done]
