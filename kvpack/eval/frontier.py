@@ -223,7 +223,7 @@ def best_per_budget(cells: list[dict], setting: str, budget: float) -> tuple[dic
         return None, None
     best = max(own, key=lambda c: (c["score"], -(c["kl"] if c["kl"] is not None else float("inf"))))
     peers = [c for c in cells if c["setting"] == setting and c["peer"] and c["n"]]
-    return best, _best_peer({**best, "peer": False}, peers)
+    return best, _best_peer(best, peers)
 
 
 def frontier_table_markdown(records: dict[str, dict]) -> str:
