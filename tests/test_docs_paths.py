@@ -29,7 +29,7 @@ def _texts() -> list[tuple[str, str]]:
                         out.append((str(path.relative_to(ROOT)), doc))
             comments = [line.split("#", 1)[1] for line in source.splitlines() if "#" in line]
             out.append((str(path.relative_to(ROOT)), "\n".join(comments)))
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         out.append((str(path.relative_to(ROOT)), path.read_text()))
     return out
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpack.eval.frontier import frontier_cells, frontier_table_markdown, plot_frontier
+from kvpack.eval.frontier import frontier_cells, frontier_table_markdown, method_table_markdown, plot_frontier
 
 SAMPLES = [(task, length, i) for task in ("niah_single_1", "vt") for length in (4096, 8192) for i in range(3)]
 
@@ -64,16 +64,28 @@ def test_paired_tests_against_fullkv_and_the_best_peer_at_no_more_bytes(rows):
     assert _cell(cells, "kivi", 0.1)["best_peer"] is None  # no peer holds <= 0.1 of the bytes
 
 
-def test_plots_and_the_docs_table(rows, tmp_path):
-    cells = frontier_cells(rows, "tiny")
+def test_plots_and_the_docs_tables(rows, tmp_path):
+    # a second kvpack method at 0.28 that scores higher but keeps FullKV's distribution worse, and kvtc
+    louder = _rows("puzzle_plus@0.28", "puzzle_plus", 0.28, 0.276, [1.0] * 10 + [0.0] * 2, [0.4] * 12)
+    kvtc = _rows("kvtc-8x", "kvtc", None, 0.12, [1.0] * 12, [0.01] * 12)
+    cells = frontier_cells(rows + louder + kvtc, "tiny")
     written = plot_frontier(cells, tmp_path / "frontier-tiny")
     assert [p.name for p in written] == ["frontier-tiny-query_agnostic.png"]
     assert written[0].stat().st_size > 10_000
     table = frontier_table_markdown({"tiny": {"cells": cells, "budgets": [0.28, 0.1]}})
     lines = table.splitlines()
     assert len(lines) == 2 + 2  # header, rule, one line per budget that has a kvpack cell
-    assert "`anchor_plus` 0.67" in lines[2] and "`hf_quantized-quanto4` 1.00" in lines[2]
-    assert "| 0.1 |" in lines[3] and "none at ≤ bytes" in lines[3]
+    # the best resident method is the lower KL (anchor_plus 0.1), not the higher score (puzzle_plus 0.83);
+    # kvtc is the storage column, the peer the lowest-KL one holding <= 0.279 (+2%) of the bytes
+    best, storage, peer = lines[2].split(" | ")[3:6]
+    assert best.startswith("`anchor_plus` 0.1, 0.67") and storage.startswith("`kvtc-8x` 0.01, 1.00")
+    assert peer.startswith("`hf_quantized-quanto4` 0.02, 1.00")
+    assert "| 0.1 |" in lines[3] and lines[3].count("none at ≤ bytes") == 2  # kvtc at 0.12 > 0.1; no peer
+    rows_table = method_table_markdown({"tiny": {"cells": cells}}, ["anchor_plus", "kvtc"]).splitlines()
+    assert len(rows_table) == 2 + 2 and "`anchor_plus` | 0.28 | 0.279 | 0.1" in rows_table[2]
+    assert "no (p = 0.12)" in rows_table[2] and "| 1.20x | 12 |" in rows_table[2]
+    assert "`kvtc-8x` | – | 0.120" in rows_table[3]
+    assert method_table_markdown({"tiny": {"cells": cells}}, ["svd"]) == "(no frontier cells of this method yet)"
 
 
 def test_peer_rows_from_their_scripts_join_the_frontier_as_peers(monkeypatch, rows):

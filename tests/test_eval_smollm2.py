@@ -1,6 +1,6 @@
 """The harness on the packaged SmolLM2 at 4K tokens: FullKV must clear a recorded floor on NIAH tasks.
 
-Floor established on 2026-11-30 (docs/eval.md): FullKV on SmolLM2-135M-Instruct (fp32), 4096-token
+Floor: FullKV on SmolLM2-135M-Instruct (fp32), 4096-token
 prompts, 2 samples per task, seed 0, query-aware, scored niah_single_1 1.00, niah_single_2 0.50,
 niah_multikey_1 0.50. A broken pipeline (wrong cache, wrong positions, wrong prompt assembly)
 scores 0 on all of them; the floor below leaves room for numerical differences across machines.

@@ -1,7 +1,7 @@
 """kvtc on the packaged SmolLM2: calibration on the offline corpus, needle at 16x, multi-turn via the store.
 
 The calibration here is smaller than the CLI default (8K tokens, 1024 components) to keep the suite
-fast; docs/kvtc.md has the figures of the full-size calibration.
+fast; ``benchmarks/bench_kvtc.py`` measures the full-size calibration.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def test_calibration_on_offline_corpus(calibrated, smollm2):
     for summary in calib.stats["widths"].values():
         for kind in ("keys", "values"):
             assert summary[kind]["used_bits"] <= summary[kind]["budget_bits"]
-    # Widths fall with the component index where the budget binds (monotonicity itself is reported
-    # in docs/kvtc.md from the full-size calibration). At 4x all 1024 components fit at 8 bits and
+    # Widths fall with the component index where the budget binds (monotonicity itself is what
+    # ``benchmarks/bench_kvtc.py`` reports for the full-size calibration). At 4x all 1024 components fit at 8 bits and
     # the DP spends the surplus on 1-wide groups, which the fp16 shift makes lossless at any width.
     for key, pair in calib.allocations.items():
         if float(key) < 16:

@@ -47,7 +47,7 @@ def test_puzzle_at_0_6_retrieves_needle_with_64_token_pages(smollm2, depth, seed
     """PuzzleKV at a 0.6 budget retrieves a 7-digit needle from ~2K tokens of filler.
 
     With 64-token pages (ranks chosen for the budget, 18/17). The paper's 32-token pages at the
-    derived (13, 12) keep the ratio but lose digits on SmolLM2 (d = 64): see docs/puzzlekv.md and
+    derived (13, 12) keep the ratio but lose digits on SmolLM2 (d = 64): see docs/methods/puzzlekv.md and
     benchmarks/bench_needle.py for the measured retrieval of both.
     """
     model, tok = smollm2
@@ -91,9 +91,9 @@ def test_baselines_run_through_cli_on_a_2k_needle(smollm2, needle_2k, method, ca
 
 @pytest.mark.parametrize("theta", [
     pytest.param(0.1, marks=pytest.mark.xfail(strict=True, reason="measured: faithful AnchorKV loses the needle at "
-                                              "θ = 0.1 on SmolLM2 at 2K (0/10 needles); see docs/anchorkv.md")),
+                                              "θ = 0.1 on SmolLM2 at 2K (0/10 needles); see docs/methods/anchorkv.md")),
     pytest.param(0.05, marks=pytest.mark.xfail(strict=True, reason="measured: 0/10 needles at θ = 0.05 at 2K; "
-                                               "see docs/anchorkv.md")),
+                                               "see docs/methods/anchorkv.md")),
     0.25,
 ])
 def test_anchor_needle(smollm2, theta):
@@ -109,7 +109,7 @@ def test_anchor_needle(smollm2, theta):
 
 @pytest.mark.parametrize("theta", [0.1, 0.05])
 def test_anchor_needle_with_pooled_ranking_and_narrow_index(smollm2, theta):
-    """``anchor_plus``, AnchorKV with the two options beyond the paper (docs/anchorkv.md): ranking by
+    """``anchor_plus``, AnchorKV with the two options beyond the paper (docs/methods/anchorkv.md): ranking by
     the neighbourhood maximum of Eq. 6 and uint8 anchor indices retrieve the needle at the issue's θ,
     within the budget."""
     model, tok = smollm2

@@ -40,7 +40,7 @@ def cmd_demo(args) -> int:
     print(f"needle-in-filler prompt: {args.tokens} tokens, hidden number {answer}\n")
     rows = []
     # The paper's default (P = 32, ranks derived for d) and the 64-token-page option that holds the
-    # needle on this d = 64 model (docs/puzzlekv.md has the measured comparison).
+    # needle on this d = 64 model (``benchmarks/bench_needle.py`` measures the two side by side).
     for name, config in (("full", {}), ("puzzle", {}), ("puzzle", {"page_size": 64, "budget": 0.6})):
         r = generate(model, tokenizer, prompt, get_method(name, **config), max_new_tokens=args.max_new_tokens,
                      progress=True)

@@ -35,6 +35,8 @@ from .stats import bootstrap_interval, mcnemar_exact
 REFERENCE = "full"
 # Method families that are peers (what users run today), not kvpack's own methods or its baselines.
 PEER_FAMILIES = ("hf_quantized", "llamacpp", "kvpress")
+# Storage codecs: the cache is a blob between turns and is decoded before attention reads it.
+STORAGE_FAMILIES = ("kvtc",)
 # A peer counts as "at equal or fewer bytes" up to this relative excess over the cell's measured bytes
 # (budgets are targets; measured ratios of two methods at one target differ in the third decimal).
 BYTES_TOLERANCE = 0.02
@@ -214,40 +216,82 @@ def _fmt_ci(value, ci, spec=".2f") -> str:
     return f"{value:{spec}} ({ci[0]:{spec}}–{ci[1]:{spec}})" if ci else format(value, spec)
 
 
-def best_per_budget(cells: list[dict], setting: str, budget: float) -> tuple[dict | None, dict | None]:
-    """``(best kvpack cell, best peer cell)`` at a budget: the kvpack method (not FullKV, not a peer) at
-    that target with the highest score (then the lower KL), and the best peer holding at most its bytes."""
+def _kl_first(c: dict) -> tuple:
+    """Ranking key: the lower mean KL first (the finer measure: a cell's score interval is wide), then the
+    higher score; a cell without KL (llama.cpp's) ranks after every cell with one."""
+    return (c["kl"] is None, c["kl"] if c["kl"] is not None else 0.0, -(c["score"] or 0.0))
+
+
+def is_storage(cell: dict) -> bool:
+    """A storage codec's cell (the cache is a blob between turns, decoded before attention), not resident."""
+    return cell["family"] in STORAGE_FAMILIES
+
+
+def best_per_budget(cells: list[dict], setting: str, budget: float) -> tuple[dict | None, dict | None, dict | None]:
+    """``(best resident kvpack cell, best storage cell, best peer cell)`` at a budget: the resident kvpack
+    method (not FullKV, not a peer) at that target with the lowest mean KL (then the higher score); the
+    storage codec and the peer with the lowest KL holding at most that cell's measured bytes (+
+    :data:`BYTES_TOLERANCE`)."""
     own = [c for c in cells if c["setting"] == setting and c["budget"] == budget and not c["peer"]
-           and c["family"] != REFERENCE and c["n"]]
+           and c["family"] != REFERENCE and not is_storage(c) and c["n"]]
     if not own:
-        return None, None
-    best = max(own, key=lambda c: (c["score"], -(c["kl"] if c["kl"] is not None else float("inf"))))
-    peers = [c for c in cells if c["setting"] == setting and c["peer"] and c["n"]]
-    return best, _best_peer(best, peers)
+        return None, None, None
+    best = min(own, key=_kl_first)
+    limit = best["bytes_ratio"] * (1 + BYTES_TOLERANCE)
+
+    def fitting(pred):
+        fits = [c for c in cells if c["setting"] == setting and c["n"] and pred(c)
+                and c["bytes_ratio"] is not None and c["bytes_ratio"] <= limit]
+        return min(fits, key=_kl_first) if fits else None
+
+    return best, fitting(is_storage), fitting(lambda c: c["peer"])
+
+
+def _cell_text(c: dict | None, empty: str = "none at ≤ bytes") -> str:
+    if c is None:
+        return empty
+    kl = "–" if c["kl"] is None else f"{c['kl']:.3g}"
+    return f"`{c['method']}` {kl}, {_fmt_ci(c['score'], c['score_ci'])}, {c['bytes_ratio']:.3f}"
 
 
 def frontier_table_markdown(records: dict[str, dict]) -> str:
     """A short table from frontier results files (``{model: file contents}``): per model, setting and
-    budget, the best kvpack method and the best peer at equal or fewer bytes, each with its score
-    (95% interval), mean KL and measured bytes."""
-    lines = ["| model | setting | budget | best kvpack method: score, KL, bytes | best peer at ≤ bytes: score, KL, "
-             "bytes | FullKV score | samples |", "|---|---|---|---|---|---|---|"]
+    budget, the best resident kvpack method, the best storage codec and the best peer at equal or fewer
+    bytes (:func:`best_per_budget`), each with its mean KL, score (95% interval) and measured bytes."""
+    lines = ["| model | setting | budget | best resident kvpack method: KL, score, bytes | storage (kvtc) at ≤ "
+             "bytes | best peer at ≤ bytes | FullKV score | samples |", "|---|---|---|---|---|---|---|---|"]
     for model, data in records.items():
         cells = data["cells"]
         for setting in ("query_aware", "query_agnostic"):
             full = next((c for c in cells if c["setting"] == setting and c["family"] == REFERENCE), None)
             for budget in data["budgets"]:
-                best, peer = best_per_budget(cells, setting, budget)
+                best, storage, peer = best_per_budget(cells, setting, budget)
                 if best is None:
                     continue
-
-                def cell_text(c):
-                    if c is None:
-                        return "none at ≤ bytes"
-                    kl = "–" if c["kl"] is None else f"{c['kl']:.3g}"
-                    return f"`{c['method']}` {_fmt_ci(c['score'], c['score_ci'])}, {kl}, {c['bytes_ratio']:.3f}"
-
-                lines.append(f"| {model} | {setting.replace('_', '-')} | {budget:g} | {cell_text(best)} | "
-                             f"{cell_text(peer)} | {_fmt_ci(full['score'], full['score_ci']) if full else '–'} | "
-                             f"{best['n']} |")
+                lines.append(f"| {model} | {setting.replace('_', '-')} | {budget:g} | {_cell_text(best)} | "
+                             f"{_cell_text(storage)} | {_cell_text(peer)} | "
+                             f"{_fmt_ci(full['score'], full['score_ci']) if full else '–'} | {best['n']} |")
     return "\n".join(lines)
+
+
+def method_table_markdown(records: dict[str, dict], families: Iterable[str]) -> str:
+    """Every cell of the given method families (registry names, e.g. ``("anchor", "anchor_plus")``) in
+    frontier results files, with FullKV's score beside: one line per (model, setting, method, budget)."""
+    families = set(families)
+    lines = ["| model | setting | method | budget | bytes | KL (95% interval) | top-1 | score (95% interval) | "
+             "differs from FullKV | decode ÷ FullKV | samples |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for model, data in records.items():
+        for c in data["cells"]:
+            if c["family"] not in families or not c["n"]:
+                continue
+            vs = c.get("vs_full")
+            differs = "–" if vs is None else (f"{'**yes**' if vs['distinguishable'] else 'no'} "
+                                              f"(p = {vs['p_value']:.2g})")
+            dec = c.get("decode_vs_full")
+            speed = "–" if dec is None else f"{dec['median']:.2f}x"
+            budget = "–" if c["budget"] is None else f"{c['budget']:g}"
+            lines.append(f"| {model} | {c['setting'].replace('_', '-')} | `{c['method']}` | {budget} | "
+                         f"{c['bytes_ratio']:.3f} | {_fmt_ci(c['kl'], c['kl_ci'], '.3g')} | "
+                         f"{'–' if c['top1'] is None else format(c['top1'], '.3f')} | "
+                         f"{_fmt_ci(c['score'], c['score_ci'])} | {differs} | {speed} | {c['n']} |")
+    return "\n".join(lines) if len(lines) > 2 else "(no frontier cells of this method yet)"

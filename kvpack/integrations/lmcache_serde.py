@@ -16,7 +16,7 @@ server``), which imports it first.
   refused when the serde is built.
 * Attention sinks: a chunk does not know whether it starts the sequence, so each keeps its
   ``exact_tokens`` worst-coded tokens exactly (default 4, the paper's sink count); in a first chunk
-  that is the attention sink, without which retrieval fails (docs/kvtc.md).
+  that is the attention sink, without which retrieval fails (docs/methods/kvtc.md).
 * Fixed size: LMCache's multiprocess path wants the serialized size to equal the estimate; kvtc's
   chunk size depends only on the token count and the allocation, so the estimate is exact. It is
   rounded up to ``align`` bytes (default 4096, which the native Redis ``resp`` adapter needs) and

@@ -4,7 +4,7 @@ LMCache's ``AsyncSerdeProcessor`` runs serialize and deserialize tasks on one th
 first out. With a codec that costs CPU (kvtc: a chunk's encode is a PCA projection and a quantizer,
 its decode the inverse PCA's multiply-adds), a request's prefetch then waits behind every chunk
 the store path queued before it. Measured through vLLM + LMCache + Redis at 4K tokens on 2 cores
-(issue 27; docs/kvtc.md, under a profiler, fp32 inverse PCA): the 15 chunks of a restored prefix
+(issue 27; docs/methods/kvtc.md, under a profiler, fp32 inverse PCA): the 15 chunks of a restored prefix
 took 10.1 s to prefetch while the previous request's 15 chunks were being encoded; with this
 processor (and the bf16 inverse PCA) 0.8-1.2 s.
 

@@ -48,7 +48,7 @@ class AnchorConfig(MethodConfig):
         residual_codec: ``hadamard_lloyd_max`` or ``naive`` (no rotation, absmax scale, evenly
             spaced levels; same bytes).
 
-    Beyond the paper (off by default; measured in docs/anchorkv.md):
+    Beyond the paper (off by default; described in docs/methods/anchorkv.md):
         residual_pooling: odd window of a max-pool over each head's ranking scores along the
             sequence before the top-N choice (1 = off), so the neighbours of a token the
             observation queries use — the digits after a needle's key, which later decode steps
@@ -98,12 +98,12 @@ class AnchorConfig(MethodConfig):
 class AnchorPlusConfig(AnchorConfig):
     """AnchorKV with kvpack's options beyond the paper on by default (``residual_pooling = 15``,
     ``narrow_index = true``, ``above_saturation = "residual4"``); everything else as
-    :class:`AnchorConfig`. Measured side by side with the faithful ``anchor`` in docs/anchorkv.md.
+    :class:`AnchorConfig`. Its frontier rows sit beside the faithful ``anchor``'s in docs/methods/anchorkv.md.
 
     ``residual4`` over ``anchors`` by measurement (SmolLM2, 2K, NIAH single 1/2 and multikey 1, 8
     samples each, both settings): the answer's KL to FullKV was lower in 44/48 paired samples at 0.5
     (0.002–0.003 vs 0.08–0.10) and in 36/48 at 0.25; it answered where ``anchors`` did not in 11
-    samples at 0.25 (the reverse in 1) and 6 at 0.5 (the reverse in 2) (docs/anchorkv.md)."""
+    samples at 0.25 (the reverse in 1) and 6 at 0.5 (the reverse in 2)."""
 
     residual_pooling: int = option(15, integer(minimum=1, odd=True), "max-pool window of the ranking (1 = off)")
     narrow_index: bool = option(True, boolean(), "uint8 anchor indices when k <= 256")

@@ -30,7 +30,7 @@ class PuzzlePlusConfig(MethodConfig):
             (default: ``pre`` where the layer has a rotary embedding, else ``post``).
         int4: INT4 factors (default; Σ^½ absorbed into both factors, fp16 column scales): a rank
             costs ``(P + d) / 2 + 2`` bytes instead of ``2 (P + d)``. Both defaults were chosen by
-            measurement (docs/puzzlekv.md).
+            measurement (``kvpack eval --set puzzle_plus.KEY=VALUE`` on NIAH; docs/methods/puzzlekv.md says why).
         attention_weight: ``a`` in [0, 1]: a prefill page's marginal gains are multiplied by
             ``(1 − a) + a · N · mass`` where ``mass`` is the share of the observation window's
             attention that falls on the page (``N`` pages; mean weight 1). 0 = energy only.

@@ -1,6 +1,6 @@
 """kvtc calibration, once per model: cross-layer PCA of keys and values plus DP bit allocations.
 
-Steps (kvtc paper §3; docs/kvtc.md):
+Steps (kvtc paper §3; docs/methods/kvtc.md):
 
 1. Run the model over the calibration corpus (``kvpack.storage.kvtc.corpus``) in chunks of
    ``chunk_tokens`` with exact attention and collect each chunk's cache.

@@ -12,7 +12,7 @@ chunk does not say how its elements are laid out, so the codec is told (``fused_
   ``o`` — to chunk row ``block·BS + o``, columns ``h·2d ..``. A chunk is whole blocks (``BS = 128``).
   vLLM's ``amx`` ISA lays blocks out otherwise: vLLM picks it for bf16 caches on CPUs with AMX, so
   a bf16 ``vllm_cpu`` chunk is refused on such a CPU (:func:`check_vllm_cpu_layout`; fp32 and fp16
-  caches keep the ``vec`` layout there too; docs/kvtc.md);
+  caches keep the ``vec`` layout there too; docs/methods/kvtc.md);
 * ``halves``: a row ``[K of every head | V of every head]`` (a token-major fused layout). Every token of the chunk
 is coded — a chunk has no attention sinks or recent window of its own — with the calibration's PCA
 basis and the bit allocation of one calibrated ratio: ``D = (X − μ) V``, each coded group of
@@ -21,7 +21,7 @@ coefficients quantized at its width with an fp16 shift and scale per token, bit-
 sinks) and the last 128 lossless by position; a chunk knows neither, so it keeps ``exact_tokens``
 tokens (default 4) exactly — those the coding reconstructs worst, which in a sequence's first chunk
 is the attention sink (coding it breaks needle retrieval at every ratio on SmolLM2; keeping it
-restores it: docs/kvtc.md).
+restores it: docs/methods/kvtc.md).
 
 Positions: an engine hands over chunks by content hash, without their positions in the sequence, so
 keys cannot be rotated back to pre-RoPE. This path therefore needs a calibration made on keys as
@@ -134,7 +134,7 @@ class ChunkCodec:
             paper's count of attention sinks; 0 = none). A chunk does not know its position, so they
             are the tokens that PCA coding reconstructs worst (largest squared error over all layers'
             keys and values): in a sequence's first chunk the attention sink, whose coding alone
-            breaks retrieval (measured in docs/kvtc.md).
+            breaks retrieval (``benchmarks/bench_kvtc_chunks.py`` measures it).
         mac_key: with a key (``kvpack.store.mac.store_key``), chunks are written with an
             HMAC-SHA256 digest and only chunks whose MAC verifies are decoded.
         precision: the inverse PCA's arithmetic (:func:`kvpack.storage.kvtc.coder.inverse_dtype`:

@@ -1,6 +1,6 @@
 """kvtc as a storage method: a calibrated transform coder from a one-sequence cache to a blob and back.
 
-kvtc (Staniszewski & Łańcucki, ICLR 2026; docs/kvtc.md) does not keep the cache
+kvtc (Staniszewski & Łańcucki, ICLR 2026; docs/methods/kvtc.md) does not keep the cache
 compressed while attention runs: it turns a filled cache into bytes to be kept or moved and turns
 them back into a normal cache later. The pipeline lives beside this file: ``calibration.py`` (PCA
 bases and DP bit allocations, once per model), ``coder.py`` (cache ↔ blob), ``session.py``

@@ -1,0 +1,168 @@
+"""Render every generated block of the README and docs/ from the committed results and the method registry.
+
+A generated block is the text between ``<!-- render: NAME -->`` and ``<!-- /render -->`` in README.md or
+a page of docs/; nothing between the markers is typed by hand. Blocks:
+
+* ``frontier-summary`` — per model, setting and budget: the best resident kvpack method, kvtc and the best
+  peer at equal or fewer bytes (:func:`kvpack.eval.frontier.frontier_table_markdown`), from every
+  ``benchmarks/results/frontier-<model>.json``;
+* ``frontier-rows:FAMILY[,FAMILY...]`` — every frontier cell of those registry methods (a method page's
+  own rows);
+* ``options:METHOD`` — the method's config fields: default, allowed values, what each does;
+* ``sources`` — each results file with the commands, kvpack commits, package versions and CPUs of its rows.
+
+Usage:
+    python benchmarks/render.py           # rewrite the blocks in place
+    python benchmarks/render.py --check   # exit 1, naming the stale blocks, when any differs (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+BLOCK = re.compile(r"(<!-- render: (?P<name>[^ ]+) -->\n)(?P<body>.*?)(<!-- /render -->)", re.DOTALL)
+
+
+def pages() -> list[Path]:
+    """The files that may hold generated blocks."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def frontier_records() -> dict[str, dict]:
+    """``{model: contents}`` of every committed ``benchmarks/results/frontier-<model>.json``."""
+    records = {}
+    for path in sorted(RESULTS.glob("frontier-*.json")):
+        data = json.loads(path.read_text())
+        records[data["model"]] = data
+    return records
+
+
+def _machines(records: dict[str, dict]) -> str:
+    return "; ".join(sorted({m for d in records.values() for m in d["machines"]}))
+
+
+def frontier_summary(records: dict[str, dict]) -> str:
+    from kvpack.eval.frontier import frontier_table_markdown
+
+    if not records:
+        return "(no frontier results yet)\n"
+    return (frontier_table_markdown(records) +
+            f"\n\nFrom `benchmarks/results/frontier-*.json` (rows from: {_machines(records)}). Per budget: the "
+            "resident kvpack method with the lowest mean KL at that target, then kvtc (storage: decoded before "
+            "attention) and the peer with the lowest KL holding at most its measured bytes (2% tolerance). "
+            "Each entry: mean KL(FullKV ‖ method) per token over the answer and a held-out continuation, "
+            "score pooled over the tasks and lengths with its 95% interval, measured bytes ÷ dense bf16.\n")
+
+
+def frontier_rows(records: dict[str, dict], families: list[str]) -> str:
+    from kvpack.eval.frontier import method_table_markdown
+
+    table = method_table_markdown(records, families)
+    if not records:
+        return table + "\n"
+    return (table + f"\n\nFrom `benchmarks/results/frontier-*.json` (rows from: {_machines(records)}). "
+            "*Differs from FullKV*: exact McNemar test on fully correct answers over the same samples, "
+            "p < 0.05; *decode ÷ FullKV*: the median over samples of decode ms/token ÷ FullKV's on the "
+            "same sample in the same run.\n")
+
+
+def options(method: str) -> str:
+    import dataclasses
+
+    from kvpack.methods import method_config_class
+
+    cls = method_config_class(method)
+    lines = ["| option | default | allowed | what it does |", "|---|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        rule = f.metadata.get("rule")
+        if rule is None:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else "–"
+        allowed = rule.allowed().replace("|", "\\|")
+        lines.append(f"| `{f.name}` | `{default!r}` | {allowed} | {f.metadata.get('help', '')} |")
+    return "\n".join(lines) + (f"\n\nSet with `--set KEY=VALUE` (`kvpack generate --method {method}`) or "
+                               f"`--set {method}.KEY=VALUE` (`kvpack eval`); `kvpack methods` prints the same.\n")
+
+
+def sources(records: dict[str, dict]) -> str:
+    if not records:
+        return "(no results yet)\n"
+    lines = ["| results file | rows | commands | kvpack commits | CPUs | dtypes |", "|---|---|---|---|---|---|"]
+    for model, data in records.items():
+        commands = "<br>".join(f"`{c}`" for c in data["commands"])
+        commits = ", ".join(f"`{c[:10]}`" for c in data["commits"])
+        lines.append(f"| `benchmarks/results/frontier-{model}.json` | {data['rows']} | {commands} | {commits} | "
+                     f"{'; '.join(data['machines'])} | {', '.join(data['dtypes'])} |")
+    versions = sorted({f"{k} {v}" for d in records.values() for vs in d["versions"] for k, v in vs.items()})
+    return "\n".join(lines) + f"\n\nPackage versions in these rows: {', '.join(versions)}.\n"
+
+
+def render_block(name: str, records: dict[str, dict]) -> str:
+    """The text that belongs between a block's markers."""
+    kind, _, arg = name.partition(":")
+    if kind == "frontier-summary":
+        return frontier_summary(records)
+    if kind == "frontier-rows":
+        return frontier_rows(records, arg.split(","))
+    if kind == "options":
+        return options(arg)
+    if kind == "sources":
+        return sources(records)
+    raise ValueError(f"unknown generated block {name!r} (known: frontier-summary, frontier-rows:F, options:M, "
+                     "sources)")
+
+
+def render_text(text: str, records: dict[str, dict]) -> str:
+    return BLOCK.sub(lambda m: m.group(1) + render_block(m.group("name"), records) + m.group(4), text)
+
+
+def stale_blocks() -> list[str]:
+    """``path: block`` for every generated block whose text is not what the committed results render."""
+    records = frontier_records()
+    stale = []
+    for path in pages():
+        text = path.read_text()
+        for m in BLOCK.finditer(text):
+            if m.group("body") != render_block(m.group("name"), records):
+                stale.append(f"{path.relative_to(ROOT)}: {m.group('name')}")
+    return stale
+
+
+def render_all() -> list[Path]:
+    """Rewrite every generated block in place; returns the files that changed."""
+    records = frontier_records()
+    changed = []
+    for path in pages():
+        text = path.read_text()
+        new = render_text(text, records)
+        if new != text:
+            path.write_text(new)
+            changed.append(path)
+    return changed
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="example: python benchmarks/render.py --check")
+    p.add_argument("--check", action="store_true", help="only report stale blocks (exit 1 if any)")
+    args = p.parse_args()
+    if args.check:
+        stale = stale_blocks()
+        for s in stale:
+            print(f"stale: {s}")
+        if stale:
+            print("run `python benchmarks/render.py` and commit the result", file=sys.stderr)
+        return 1 if stale else 0
+    for path in render_all():
+        print(f"rendered {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
