@@ -164,6 +164,16 @@ class MethodConfig:
             check reads a flag back to the host: a synchronisation per tensor checked, on every
             layer and decode step, which also rules out capturing decode steps in a CUDA graph;
             ``false`` skips it (shapes and dtypes are still checked).
+
+    Example:
+        >>> from kvpack.methods import method_config_class
+        >>> config = method_config_class("puzzle")(budget=0.4, page_size=64)
+        >>> config.to_dict()["page_size"]
+        64
+        >>> method_config_class("puzzle")(budget=2.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: PuzzleConfig: budget must be in (0, 1], or none, got 2.0
     """
 
     VERSION: ClassVar[int] = 1

@@ -18,7 +18,19 @@ _DISCOVERED: set[str] = set()
 
 
 def register_method(name: str):
-    """Class decorator: register a method class under ``name`` (sets ``cls.name``)."""
+    """Class decorator: register a method class under ``name`` (sets ``cls.name``).
+
+    A resident method is a ``LayerStore`` subclass with a ``Config`` (a frozen :class:`MethodConfig`
+    dataclass); a storage method a ``StorageCodec`` subclass. Registering is all it takes for
+    ``kvpack generate --method name``, ``kvpack eval --methods name`` and ``kvpack methods`` to find it.
+
+    Example:
+        >>> from kvpack import register_method
+        >>> from kvpack.resident.base import LayerStore
+        >>> @register_method("my_method")  # doctest: +SKIP
+        ... class MyStore(LayerStore):
+        ...     Config = MyConfig
+    """
 
     def deco(cls: type) -> type:
         if name in METHODS and METHODS[name] is not cls:

@@ -3,6 +3,7 @@ command line, loading the model."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 
@@ -13,6 +14,13 @@ from ..hf.models import load_model
 from ..methods import method_config_class
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_command(sub, name: str, summary: str, *examples: str) -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` starts with its one-line ``summary`` and ends with examples."""
+    epilog = "example" + ("s" if len(examples) > 1 else "") + ":\n" + "\n".join(f"  {e}" for e in examples)
+    return sub.add_parser(name, help=summary, description=summary, epilog=epilog,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def method_config(method: str, budget: float | None, sets: list[str], calibration: str | None = None) -> dict:

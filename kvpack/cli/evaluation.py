@@ -9,7 +9,7 @@ from ..eval.report import summary_markdown, write_report
 from ..eval.runner import EvalPlan, method_specs, rows_in_plan, run_eval
 from ..eval.tasks import NIAH_TASKS, RULER_TASKS
 from ..methods import available_methods, method_config_class
-from .common import add_model_args, load
+from .common import add_command, add_model_args, load
 
 # The main job's defaults, the quick look (the full frontier is benchmarks/frontier.py): the two tasks the
 # 135M default model answers reliably with the exact cache at 2K tokens, 8 needle depths each (16 paired
@@ -64,7 +64,10 @@ def cmd_eval(args) -> int:
 
 
 def add_parsers(sub) -> None:
-    e = sub.add_parser("eval", help="kvpack's main job: RULER-style long-context evaluation at matched bytes")
+    e = add_command(sub, "eval", "kvpack's main job: RULER-style long-context evaluation at matched bytes",
+                    "HF_HUB_OFFLINE=1 kvpack eval",
+                    "kvpack eval --methods full,anchor_plus,hf_quantized --budgets 0.28,0.15 --tasks niah_single_2 "
+                    "--lengths 4096 --samples 4 --out ev/")
     add_model_args(e, "bfloat16")
     e.add_argument("--methods", default=DEFAULT_EVAL_METHODS, help="comma-separated methods")
     e.add_argument("--budgets", default=DEFAULT_EVAL_BUDGETS,

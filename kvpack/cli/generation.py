@@ -10,7 +10,7 @@ from ..generate import generate
 from ..hf.models import load_model
 from ..methods import available_methods, get_method, method_config_class
 from ..prompts import needle_prompt
-from .common import add_model_args, add_prompt_args, load, method_config, read_prompt
+from .common import add_command, add_model_args, add_prompt_args, load, method_config, read_prompt
 
 
 def cmd_generate(args) -> int:
@@ -68,7 +68,9 @@ def cmd_methods(args) -> int:
 
 
 def add_parsers(sub) -> None:
-    g = sub.add_parser("generate", help="generate with a compressed KV cache and report its measured bytes")
+    g = add_command(sub, "generate", "generate with a compressed KV cache and report its measured bytes",
+                    "kvpack generate --method puzzle_plus --budget 0.3 --prompt-file long.txt --json",
+                    'kvpack generate --method anchor --set recompress_every=256 --prompt "..." --chat')
     add_model_args(g)
     g.add_argument("--method", default="puzzle", metavar="METHOD",
                    help=f"one of {', '.join(available_methods())} (default puzzle); `kvpack methods` lists "
@@ -84,10 +86,12 @@ def add_parsers(sub) -> None:
     g.add_argument("--quiet", action="store_true", help="no progress on stderr")
     g.set_defaults(func=cmd_generate)
 
-    m = sub.add_parser("methods", help="list every method with its config fields, defaults and allowed values")
+    m = add_command(sub, "methods", "list every method with its config fields, defaults and allowed values",
+                    "kvpack methods")
     m.set_defaults(func=cmd_methods)
 
-    d = sub.add_parser("demo", help="one needle with FullKV and PuzzleKV on the default model (about a minute)")
+    d = add_command(sub, "demo", "one needle with FullKV and PuzzleKV on the default model (about a minute)",
+                    "HF_HUB_OFFLINE=1 kvpack demo")
     d.add_argument("--model", default="smollm2")
     d.add_argument("--tokens", type=int, default=2048)
     d.add_argument("--max-new-tokens", type=int, default=12)

@@ -18,7 +18,7 @@ from ..storage.kvtc.calibration import CalibrationSettings, calibrate
 from ..store import open_prefix_store
 from ..store.atomic import atomic_write_bytes
 from ..store.format import BACKENDS
-from .common import add_model_args, add_prompt_args, load, read_prompt
+from .common import add_command, add_model_args, add_prompt_args, load, read_prompt
 
 CALIBRATION_DEFAULTS = CalibrationSettings()  # the defaults `kvpack calibrate` shows and uses
 KVTC_DEFAULTS = get_method("kvtc").config
@@ -129,7 +129,9 @@ def cmd_continue(args) -> int:
 
 
 def add_parsers(sub) -> None:
-    c = sub.add_parser("calibrate", help="kvtc: calibrate PCA bases and bit allocations for a model (once)")
+    c = add_command(sub, "calibrate", "kvtc: calibrate PCA bases and bit allocations for a model (once)",
+                    "kvpack calibrate --out cal/",
+                    "kvpack calibrate --key-rope post --out cal-post/   # for engines' chunks (LMCache)")
     add_model_args(c, "bfloat16")
     c.add_argument("--out", required=True, help="directory to write the calibration to")
     cal = CALIBRATION_DEFAULTS
@@ -147,7 +149,9 @@ def add_parsers(sub) -> None:
     c.add_argument("--quiet", action="store_true")
     c.set_defaults(func=cmd_calibrate)
 
-    k = sub.add_parser("compress", help="kvtc: prefill a prompt and compress its cache to a blob or the store")
+    k = add_command(sub, "compress", "kvtc: prefill a prompt and compress its cache to a blob or the store",
+                    "kvpack compress --calibration cal/ --ratio 16 --prompt-file turn1.txt --out turn1.kvtc",
+                    "kvpack compress --calibration cal/ --ratio 16 --prompt-file turn1.txt --store redis://127.0.0.1:6379/0")
     add_model_args(k, "bfloat16")
     k.add_argument("--calibration", required=True, help="directory written by `kvpack calibrate`")
     k.add_argument("--ratio", type=float, default=KVTC_DEFAULTS.target_ratio,
@@ -165,14 +169,17 @@ def add_parsers(sub) -> None:
                       "(redis://host:port/db[?ttl=SECONDS])")
     k.set_defaults(func=cmd_compress)
 
-    x = sub.add_parser("decompress", help="kvtc: a blob back to dense cache tensors (safetensors)")
+    x = add_command(sub, "decompress", "kvtc: a blob back to dense cache tensors (safetensors)",
+                    "kvpack decompress --calibration cal/ --blob turn1.kvtc --out cache.safetensors")
     add_model_args(x, "bfloat16")
     x.add_argument("--calibration", required=True)
     x.add_argument("--blob", required=True, help="blob file")
     x.add_argument("--out", required=True, help="safetensors file to write")
     x.set_defaults(func=cmd_decompress)
 
-    n = sub.add_parser("continue", help="kvtc: generate after a blob (+ new text) or the longest stored prefix")
+    n = add_command(sub, "continue", "kvtc: generate after a blob (+ new text) or the longest stored prefix",
+                    'kvpack continue --calibration cal/ --blob turn1.kvtc --prompt "Question: ..."',
+                    "kvpack continue --calibration cal/ --store --prompt-file turn2.txt")
     add_model_args(n, "bfloat16")
     n.add_argument("--calibration", required=True)
     src = n.add_mutually_exclusive_group()

@@ -215,6 +215,20 @@ class KVPackCache(Cache):
     ``kvpack.hf.attention.attached(model, cache)``, which switch the model's attention to
     ``"kvpack"`` for the block and restore it after; used outside, the first update refuses.
     ``kv_bytes()`` and ``dense_kv_bytes()`` report measured and reference bytes.
+
+    Each full-attention layer holds one store per batch row (padding is never stored). The model
+    hands each layer's update keys and values ``[batch, kv_heads, new_tokens, head_dim]``; a store keeps
+    them in its compressed form and attention reads that form directly (queries
+    ``[batch, q_heads, new_tokens, head_dim]``, output the same shape). Sliding-window layers stay the
+    model's own ``DynamicCache`` layers.
+
+    Example:
+        >>> import kvpack
+        >>> model, tok = kvpack.load_model("smollm2")  # doctest: +SKIP
+        >>> cache = kvpack.KVPackCache(model, "puzzle_plus", budget=0.3)  # doctest: +SKIP
+        >>> from kvpack.hf.cache import cache_kwargs
+        >>> with kvpack.attach(model, cache=cache):  # doctest: +SKIP
+        ...     model(**tok("...", return_tensors="pt"), **cache_kwargs(model, cache))
     """
 
     def __init__(self, model: torch.nn.Module, method: StoreFactory | str = "full", **config):

@@ -235,6 +235,12 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
 
     Raises:
         ValueError: an unknown ``half_products``.
+
+    Example:
+        >>> import kvpack
+        >>> model, tok = kvpack.load_model("smollm2")  # doctest: +SKIP
+        >>> model.config.num_hidden_layers  # doctest: +SKIP
+        30
     """
     wants = wants_fp32_products(dtype, device or "cpu", half_products)
     directory = model_directory(name_or_path)

@@ -22,6 +22,13 @@ def method_classes() -> dict[str, type]:
 
 
 def available_methods() -> list[str]:
+    """The names of every registered method, resident and storage, sorted.
+
+    Example:
+        >>> import kvpack
+        >>> "puzzle" in kvpack.available_methods() and "kvtc" in kvpack.available_methods()
+        True
+    """
     return sorted(method_classes())
 
 
@@ -38,8 +45,25 @@ def method_takes_budget(name: str) -> bool:
 def get_method(name: str, config: MethodConfig | dict | None = None, **overrides) -> Method:
     """A registered method with its config, under the :class:`Method` protocol.
 
+    Args:
+        name: a registered method (:func:`available_methods`; ``kvpack methods`` lists each one's fields).
+        config: the method's config dataclass, or a dict of its fields; None = its defaults.
+        **overrides: config fields (``budget=0.28``, ``calibration="cal/"``, ...), checked by the
+            config's rules.
+
+    Returns:
+        A :class:`Method`: ``generate(model, tokenizer, token_ids, max_new_tokens)`` returns a
+        ``GenerationResult`` with the generated ids and the measured ``kv_bytes``; a storage method
+        (kvtc) also has ``compress``, ``resume``, ``resume_from_store`` and ``decompress``.
+
     Raises:
         ValueError: unknown name (the message lists the known ones) or an invalid config field.
+
+    Example:
+        >>> import kvpack
+        >>> method = kvpack.get_method("anchor_plus", budget=0.28)
+        >>> method.config.budget
+        0.28
     """
     cls, config = resolve(method_classes(), name, config)
     if name in resident_methods():

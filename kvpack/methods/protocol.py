@@ -58,7 +58,21 @@ class PreparedCache:
 
 
 class Method(ABC):
-    """A compression method with a validated config (see the module doc)."""
+    """A compression method with a validated config, resident or storage, under one protocol.
+
+    ``generate`` runs greedy generation with the method's cache and returns the generated token ids
+    with the measured bytes (``kv_bytes``: the tensors the cache holds; ``dense_kv_bytes``: the same
+    tokens in bf16); ``from_prefill`` builds the method's cache from an exact prefill (what the
+    evaluation harness uses). Obtain one with :func:`kvpack.get_method`.
+
+    Example:
+        >>> import kvpack
+        >>> model, tok = kvpack.load_model("smollm2")  # doctest: +SKIP
+        >>> ids = tok("The capital of France is").input_ids  # doctest: +SKIP
+        >>> result = kvpack.get_method("puzzle_plus", budget=0.3).generate(model, tok, ids, 8)  # doctest: +SKIP
+        >>> result.kv_bytes / result.dense_kv_bytes <= 0.3  # doctest: +SKIP
+        True
+    """
 
     name: str
     config: MethodConfig
