@@ -69,3 +69,57 @@ def test_layer_contracts_hold():
     run = subprocess.run(["lint-imports", "--no-cache"], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "0 broken" in run.stdout
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """``{module: kvpack modules it imports}``, every import statement counted (module level or inside a
+    function, ``from . import x`` resolved to the submodule where ``x`` is one)."""
+    names = {name for _, name, _ in _modules()}
+    graph: dict[str, set[str]] = {}
+    for path, module, tree in _modules():
+        targets = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = _resolve(module, node, path.name == "__init__.py")
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    targets.add(sub if sub in names else base)
+            elif isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+        graph[module] = {t for t in targets if t in names and t != module}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` as a list of modules (first == last), or None (depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "d": {"a"}}) is None
+
+
+def test_no_import_cycle_anywhere_in_the_package():
+    """Function-level imports count: they only hide a cycle (the chunk op and its Triton kernel once
+    imported each other that way)."""
+    cycle = find_cycle(_import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)

@@ -13,24 +13,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpack.attention import cpu
+from kvpack import native_build
 from kvpack.hf.dense import prefill
 from kvpack.methods import get_method
 from kvpack.ops.bitpack import pack_bitstream
 from kvpack.ops.group_quant import quantize_groups
 from kvpack.ops.rope import LlamaRotary, RotaryTable, apply_rope
+from kvpack.storage.kvtc import native as kvtc_native
 from kvpack.storage.kvtc.coder import _checked, _decoded_layers, compress_cache, decompress_cache, inverse_dtype
 
 from .helpers import tiny_kvtc, token_ids
 
-if cpu.native_disabled():
-    pytest.skip(f"{cpu.NATIVE_ENV}=0: the native CPU kernels are turned off", allow_module_level=True)
+if native_build.native_disabled():
+    pytest.skip(f"{native_build.NATIVE_ENV}=0: the native code is turned off", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
 def lib():
-    built = cpu.native()
-    assert built is not None, "the native CPU kernels did not build (see the warning): g++ and ninja are needed"
+    built = kvtc_native.native()
+    assert built is not None, "kvtc's native passes did not build (see the warning): g++ and ninja are needed"
     return built
 
 

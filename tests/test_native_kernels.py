@@ -497,16 +497,17 @@ def test_fp64_queries_stay_on_the_reference_path():
     assert st.o.dtype == torch.float64  # the fp64 reference is never routed to the fp32 kernel
 
 
-def test_build_key_changes_with_the_sources(monkeypatch, tmp_path):
-    key = cpu.build_key()
-    assert len(key) == 16 and key == cpu.build_key()
+def test_build_key_changes_with_the_sources(tmp_path):
+    from kvpack.native_build import build_key
+
+    key = build_key(cpu._CSRC, cpu.SOURCES)
+    assert len(key) == 16 and key == build_key(cpu._CSRC, cpu.SOURCES)
     fake = tmp_path / "csrc"
     fake.mkdir()
     for name in cpu.SOURCES:
         (fake / name).write_bytes((cpu._CSRC / name).read_bytes())
-    (fake / "dense.cpp").write_bytes((fake / "dense.cpp").read_bytes() + b"\n// changed\n")
-    monkeypatch.setattr(cpu, "_CSRC", fake)
-    assert cpu.build_key() != key
+    (fake / "common.h").write_bytes((fake / "common.h").read_bytes() + b"\n// changed\n")  # a header counts
+    assert build_key(fake, cpu.SOURCES) != key
 
 
 def test_group_sizes_grid():

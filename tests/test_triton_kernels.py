@@ -488,7 +488,13 @@ def test_decode_step_allocates_nothing_that_grows_with_the_context(method, monke
         assert syncs == 0
         assert copied == [], f"tensors the launchers copy on every step: {copied}"
         largest.append(big)
-    assert largest[1] == largest[0]  # same split count (about 32 per head) at 4x the context
+    # The largest allocation is a split-state buffer ``o [H, splits, rows, d]`` fp32 (about 32 page or
+    # block splits per head, plus the dense tokens' few): under the interpreter the launcher runs outside
+    # the op, so the recording sees it. Its size follows the split count's rounding, never the context:
+    # anything gathered per stored token (RoPE rows, a copy of the factors) would be far above the bound.
+    lay = store.layout
+    bound = lay.kv_heads * 40 * (lay.q_heads // lay.kv_heads) * lay.head_dim * 4
+    assert max(largest) <= bound, (largest, bound)
 
 
 @pytest.mark.parametrize("method", ["puzzle", "anchor"])

@@ -1,10 +1,11 @@
 """The end of a decode step as one custom op, ``kvpack::chunk_attend``: the stored parts' softmax
 states merged, the store's dense tail and the chunk's own tokens (causal) folded in, normalised.
 
-One schema, two backends: the Triton kernel (``triton/chunk_attend.py``; CUDA tensors, and CPU tensors
-inside ``cpu.triton_on_cpu()`` under ``TRITON_INTERPRET=1``) and the native CPU kernel
-(``cpu/csrc/chunk.cpp``). This module never imports Triton. :func:`native_history_and_chunk` is the
-CPU stores' path (``softmax_merge.attend_history_and_chunk`` is the reference).
+One schema, two backends: the native CPU kernel (``cpu/csrc/chunk.cpp``) and the Triton kernel, which
+``triton/chunk_attend.py`` registers for CUDA when it is imported (it imports this module, never the
+reverse; under ``TRITON_INTERPRET=1`` it calls its launcher directly on CPU tensors). This module never
+imports Triton. :func:`native_history_and_chunk` is the CPU stores' path
+(``softmax_merge.attend_history_and_chunk`` is the reference).
 """
 
 from __future__ import annotations
@@ -15,12 +16,6 @@ from . import cpu
 from .softmax_merge import PartialAttention, ungroup_output
 
 
-def _triton(*args):
-    from .triton.chunk_attend import _triton_chunk_attend
-
-    return _triton_chunk_attend(*args)
-
-
 @torch.library.custom_op("kvpack::chunk_attend", mutates_args=())
 def chunk_attend(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, qg: torch.Tensor, tail_k: torch.Tensor,
                  tail_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -28,8 +23,14 @@ def chunk_attend(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, qg: torch.Te
     """``(out [H, M, D], m [H, M], l [H, M])`` fp32: attention of grouped queries ``qg [H, M, D]`` over
     the stored states ``m, l [H, S, M]``, ``o [H, S, M, D]``, the stored dense tokens ``tail_k,
     tail_v [H, T, D]`` (``T`` may be 0) and the chunk ``k, v [H, Q, D]`` (causal within the chunk),
-    normalised; ``m, l`` are the merged state's, for callers that keep the log-sum-exp."""
-    return _triton(m, l, o, qg, tail_k, tail_v, k, v, scaling)
+    normalised; ``m, l`` are the merged state's, for callers that keep the log-sum-exp.
+
+    Raises:
+        NotImplementedError: tensors on a device with no kernel registered (CUDA before
+            ``kvpack.attention.triton.chunk_attend`` is imported, which the Triton stores do).
+    """
+    raise NotImplementedError(f"kvpack::chunk_attend has no kernel for {qg.device.type} tensors (CUDA: import "
+                              "kvpack.attention.triton.chunk_attend, which registers the Triton kernel)")
 
 
 @chunk_attend.register_fake
@@ -39,7 +40,7 @@ def _(m, l, o, qg, tail_k, tail_v, k, v, scaling):
             qg.new_empty(H, M, dtype=torch.float32))
 
 
-cpu.register_cpu_kernel(chunk_attend, _triton, "chunk_attend")
+cpu.register_cpu_kernel(chunk_attend, "chunk_attend")
 
 
 def stacked_states(history: list[PartialAttention], qg: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -1,97 +1,37 @@
-"""kvpack's native CPU kernels: the CPU backend of the ``kvpack::`` decode-attention custom ops, and
-kvtc's memory passes (``kvtc.cpp``: quantize + pack, unpack + dequantize, mean + RoPE + transpose +
-cast), which its coder calls directly.
+"""kvpack's native CPU kernels: the CPU backend of the ``kvpack::`` decode-attention custom ops.
 
-The C++ sources in ``csrc/`` are compiled on first use with ``torch.utils.cpp_extension`` (g++ and
-ninja; no network) into kvpack's cache directory, one build per (source hash, torch version, CPU
-capability), so a later process loads the library in a fraction of a second. Threads come from
-torch's own intra-op pool (``at::parallel_for``), so kernels and torch's ops never oversubscribe the
-cores. Where no compiler is present, or ``KVPACK_NATIVE=0`` is set, :func:`native` returns None after
-one warning line and every caller uses the PyTorch path.
-
-Compile flags per capability (``torch.backends.cpu.get_cpu_capability()``): ``avx512`` and ``avx2``
-get the matching ``-m`` flags, anything else the compiler's baseline; never ``-march=native``, so a
-cache shared between machines holds a build per capability that runs on each.
+The C++ sources in ``csrc/`` are compiled on first use (:mod:`kvpack.native_build`: g++ and ninja, no
+network, one build per source hash, torch version and CPU capability, into kvpack's cache directory).
+Threads come from torch's own intra-op pool (``at::parallel_for``), so kernels and torch's ops never
+oversubscribe the cores. Where no compiler is present, or ``KVPACK_NATIVE=0`` is set, :func:`native`
+returns None after one warning line and every store uses the PyTorch path.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import hashlib
-import os
-import sys
-import threading
-import warnings
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from ...paths import cache_dir
+from ...native_build import NATIVE_ENV, capability, load_extension, native_disabled
+
+__all__ = ["DOT_PRECISIONS", "NATIVE_CHOICES", "NATIVE_ENV", "bf16_products", "bf16_products_available", "capability",
+           "native", "native_available", "native_disabled", "register_cpu_kernel", "use_native"]
 
 NATIVE_CHOICES = ("auto", "native", "torch")  # attention_backend of methods with no Triton kernel
 # dot_precision of the PuzzleKV stores: how the native kernels rebuild pre-RoPE keys (see bf16_products)
 DOT_PRECISIONS = ("auto", "float32", "bfloat16")
-NATIVE_ENV = "KVPACK_NATIVE"  # "0" turns the native kernels off (the PyTorch path everywhere)
 SOURCES = ("common.h", "pages.h", "bindings.cpp", "dense.cpp", "kivi.cpp", "puzzle.cpp", "ragged.cpp", "anchor.cpp",
-           "chunk.cpp", "kvtc.cpp")
+           "chunk.cpp")
 _CSRC = Path(__file__).parent / "csrc"
-
-# -O3 and OpenMP (at::parallel_for is OpenMP inside torch's CPU build; the libgomp it links is the one
-# torch already loaded, same soname, so there is one runtime and one pool); no -ffast-math (the
-# online softmax relies on -inf).
-_BASE_FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
-_CAPABILITY_FLAGS = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
-    "avx2": ["-mavx2", "-mfma", "-mf16c"],
-}
-
-
-def capability() -> str:
-    """The running CPU's vector capability as torch sees it (``avx512``, ``avx2``, ``default``...)."""
-    return torch.backends.cpu.get_cpu_capability().lower()
-
-
-def build_key() -> str:
-    """Hash of the sources, the compile flags, torch's version and the CPU capability."""
-    h = hashlib.sha256()
-    for name in SOURCES:
-        h.update(name.encode() + b"\0" + (_CSRC / name).read_bytes())
-    flags = _BASE_FLAGS + _CAPABILITY_FLAGS.get(capability(), [])
-    h.update(" ".join(flags).encode() + torch.__version__.encode() + capability().encode())
-    return h.hexdigest()[:16]
-
-
-@torch.compiler.assume_constant_result
-def native_disabled() -> bool:
-    return os.environ.get(NATIVE_ENV, "1") in ("0", "false", "no")
 
 
 @functools.cache
 def native() -> ModuleType | None:
     """The compiled kernels (built on first call), or None where they cannot be built or are off."""
-    if native_disabled():
-        return None
-    try:
-        from torch.utils import cpp_extension
-
-        key = build_key()
-        build_dir = cache_dir() / "native" / f"{key}-{capability()}"
-        build_dir.mkdir(parents=True, exist_ok=True)
-        if not any(build_dir.glob("*.so")):
-            print(f"kvpack: compiling the native CPU kernels into {build_dir} (once, about a minute)",
-                  file=sys.stderr, flush=True)
-        flags = _BASE_FLAGS + _CAPABILITY_FLAGS.get(capability(), [])
-        return cpp_extension.load(
-            name=f"kvpack_cpu_{key}", sources=[str(_CSRC / n) for n in SOURCES if n.endswith(".cpp")],
-            build_directory=str(build_dir), extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, a failed build: the PyTorch path still works
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        warnings.warn(f"kvpack: native CPU kernels unavailable ({first_line}); using the PyTorch path",
-                      RuntimeWarning, stacklevel=2)
-        return None
+    return load_extension("kvpack_cpu", _CSRC, SOURCES, "the native CPU kernels")
 
 
 # A constant for torch.compile: a traced decode step asks once, at trace time, instead of breaking the
@@ -147,35 +87,21 @@ def bf16_products_available() -> bool:
     return lib is not None and bool(lib.bf16_products_available())
 
 
-_interpreter = threading.local()
+def register_cpu_kernel(op, native_name: str) -> None:
+    """Make the native function ``native_name`` the ``cpu`` kernel of the custom op ``op``.
 
+    The backend is chosen where a store is built (its ``attention_backend``), not here: a store calls
+    the op on CPU tensors only when :func:`use_native` said yes, and runs the Triton launcher itself
+    (the interpreter) or the PyTorch reference otherwise, so this kernel has no fallback to choose.
 
-@contextlib.contextmanager
-def triton_on_cpu():
-    """Inside this block the ops' CPU kernels run the Triton launcher (the interpreter, under
-    ``TRITON_INTERPRET=1``) instead of the native code: how ``attention_backend="triton"`` reaches
-    the Triton kernels on CPU tensors through the same op the GPU path calls."""
-    previous = getattr(_interpreter, "on", False)
-    _interpreter.on = True
-    try:
-        yield
-    finally:
-        _interpreter.on = previous
-
-
-def triton_requested() -> bool:
-    """Whether the calling thread is inside :func:`triton_on_cpu`."""
-    return getattr(_interpreter, "on", False)
-
-
-def register_cpu_kernel(op, triton_launcher, native_name: str) -> None:
-    """Make the native function ``native_name`` the ``cpu`` kernel of the custom op ``op``; inside
-    :func:`triton_on_cpu` (``attention_backend="triton"`` on CPU tensors, the interpreter) or where the
-    kernels are not built, the op's CPU kernel runs ``triton_launcher`` instead."""
+    Raises:
+        RuntimeError: the op reached on CPU tensors where the native kernels are not built.
+    """
 
     @op.register_kernel("cpu")
     def _(*args):
-        lib = None if triton_requested() else native()
+        lib = native()
         if lib is None:
-            return triton_launcher(*args)
+            raise RuntimeError(f"{op._qualname} on CPU tensors needs kvpack's native CPU kernels, which are not "
+                               f"built here ({NATIVE_ENV}=0 or no compiler); use attention_backend='torch'")
         return getattr(lib, native_name)(*args)

@@ -3,13 +3,12 @@
 :func:`anchor_partials` is what ``AnchorStore`` calls with its :class:`AnchorSegment` views: one
 launch per compressed segment (one segment unless re-compression is on), returning each segment's
 merged softmax state. One schema, two backends: the Triton kernel (CUDA; CPU tensors under
-``TRITON_INTERPRET=1``, inside ``cpu.triton_on_cpu``) and the native CPU kernel
+``TRITON_INTERPRET=1``, the launcher called directly) and the native CPU kernel
 (``kvpack/attention/cpu/csrc/anchor.cpp``), the op's ``cpu`` kernel.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -77,7 +76,7 @@ def _triton_anchor_segment_attention(
 # The op is the Triton launcher itself (its default implementation, for CUDA); the CPU kernel is native.
 anchor_segment_attention = torch.library.custom_op("kvpack::anchor_segment_attention", mutates_args=())(
     _triton_anchor_segment_attention)
-cpu.register_cpu_kernel(anchor_segment_attention, _triton_anchor_segment_attention, "anchor_segment_attention")
+cpu.register_cpu_kernel(anchor_segment_attention, "anchor_segment_attention")
 
 
 @anchor_segment_attention.register_fake
@@ -97,7 +96,7 @@ def anchor_partials(segments: list[AnchorSegment], qg: torch.Tensor, scaling: fl
     Args:
         blocks_per_split: 32-token blocks per program (default: about 32 programs per KV head).
         native: run the op's native CPU kernel (CPU tensors); otherwise the Triton kernel (on CPU
-            tensors: the interpreter, through the same op, inside ``cpu.triton_on_cpu``).
+            tensors: the launcher itself, under the interpreter).
     """
     if not segments:
         return []
@@ -113,10 +112,10 @@ def anchor_partials(segments: list[AnchorSegment], qg: torch.Tensor, scaling: fl
         bps = blocks_per_split or max(1, math.ceil(math.ceil(seg.length / _BLOCK) / 32))
         fine = [*seg.keys.fine.tensors(), *seg.values.fine.tensors(), seg.fine_codec.on(dev).levels] \
             if seg.fine_codec is not None else [none] * 9
-        with cpu.triton_on_cpu() if not native and dev.type == "cpu" else contextlib.nullcontext():
-            m, l, o = anchor_segment_attention(
-                qg.float().contiguous(), seg.anchor_k, seg.anchor_v, hmat, signs, cos, sin, *seg.keys.tensors(),
-                *seg.values.tensors(), *fine, [float(x) for x in codec.levels], hfactor, float(scaling), seg.start,
-                bps)
+        # On CPU tensors without `native`, the Triton launcher itself (the interpreter); else the op.
+        run = _triton_anchor_segment_attention if not native and dev.type == "cpu" else anchor_segment_attention
+        m, l, o = run(
+            qg.float().contiguous(), seg.anchor_k, seg.anchor_v, hmat, signs, cos, sin, *seg.keys.tensors(),
+            *seg.values.tensors(), *fine, [float(x) for x in codec.levels], hfactor, float(scaling), seg.start, bps)
         states.append(PartialAttention(m=m, l=l, o=o))
     return states

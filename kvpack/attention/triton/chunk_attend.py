@@ -13,13 +13,10 @@ recent ones.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
-from .. import cpu
 from ..chunk_op import chunk_attend, stacked_states
 from ..softmax_merge import PartialAttention, ungroup_output
 from ._common import merge_states, online_softmax_step
@@ -96,6 +93,9 @@ def _triton_chunk_attend(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, qg: 
     return out, m_out, l_out
 
 
+chunk_attend.register_kernel("cuda")(_triton_chunk_attend)
+
+
 def fused_history_and_chunk(history: list[PartialAttention], qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             scaling: float, q_heads: int,
                             tail: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
@@ -106,6 +106,7 @@ def fused_history_and_chunk(history: list[PartialAttention], qg: torch.Tensor, k
     ``[H, M(, d)]``, small)."""
     m, l, o = stacked_states(history, qg)
     tail_k, tail_v = tail if tail is not None else (k[:, :0], v[:, :0])
-    with cpu.triton_on_cpu() if qg.device.type == "cpu" else contextlib.nullcontext():
-        out, m_out, l_out = chunk_attend(m, l, o, qg.float().contiguous(), tail_k, tail_v, k, v, float(scaling))
+    # On CPU tensors (the interpreter) the launcher itself; the op's CPU kernel is the native one.
+    run = _triton_chunk_attend if qg.device.type == "cpu" else chunk_attend
+    out, m_out, l_out = run(m, l, o, qg.float().contiguous(), tail_k, tail_v, k, v, float(scaling))
     return ungroup_output(out, q_heads), m_out, l_out

@@ -2,7 +2,7 @@
 
 Registered with ``torch.library.custom_op`` and a fake (meta) implementation, so ``torch.compile``
 traces around the Triton launch. One schema, two backends: the Triton kernel (CUDA tensors; CPU
-tensors under ``TRITON_INTERPRET=1``, inside ``cpu.triton_on_cpu``) and the native CPU kernel
+tensors under ``TRITON_INTERPRET=1``, the launcher called directly) and the native CPU kernel
 (``kvpack/attention/cpu/csrc/puzzle.cpp``), registered as the op's ``cpu`` kernel.
 :func:`puzzle_partial` is what ``PuzzleStore`` calls with its :class:`PuzzlePages` view: it returns
 the merged softmax state of the grouped queries over the layer's sink, factorized pages and tail.
@@ -10,7 +10,6 @@ the merged softmax state of the grouped queries over the layer's sink, factorize
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -76,7 +75,7 @@ def _triton_puzzle_attention(
 
 # The op is the Triton launcher itself (its default implementation, for CUDA); the CPU kernel is native.
 puzzle_attention = torch.library.custom_op("kvpack::puzzle_attention", mutates_args=())(_triton_puzzle_attention)
-cpu.register_cpu_kernel(puzzle_attention, _triton_puzzle_attention, "puzzle_attention")
+cpu.register_cpu_kernel(puzzle_attention, "puzzle_attention")
 
 
 @puzzle_attention.register_fake
@@ -98,7 +97,7 @@ def puzzle_partial(pages: PuzzlePages, qg: torch.Tensor, scaling: float, pages_p
         pages_per_split: factorized pages per program (default: about 32 programs per KV head).
         tokens_per_split: dense tokens per program.
         native: run the op's native CPU kernel (CPU tensors); otherwise the Triton kernel (on CPU
-            tensors: the interpreter, through the same op, inside ``cpu.triton_on_cpu``).
+            tensors: the launcher itself, under the interpreter).
         dot_precision: how the native kernel rebuilds pre-RoPE keys (``cpu.bf16_products``; the store's
             config passes its own, ``auto`` by default; ``float32`` here, the reference numerics).
     """
@@ -124,8 +123,9 @@ def puzzle_partial(pages: PuzzlePages, qg: torch.Tensor, scaling: float, pages_p
         cos, sin = pages.rope.table(first + N * P, qg.device)
     pps = pages_per_split or max(1, math.ceil(N / 32))  # the recent set (<= max(8, √N) pages) adds a few
     bf16 = cpu.bf16_products(dot_precision, pages.int4, mats[0].dtype)
-    with cpu.triton_on_cpu() if not native and qg.device.type == "cpu" else contextlib.nullcontext():
-        m, l, o = puzzle_attention(qg.float().contiguous(), *mats, cos, sin, pages.sink_k, pages.sink_v, pages.tail_k,
-                                   pages.tail_v, P, pages.rank_k, pages.rank_v, float(scaling), pages.int4, pre_rope,
-                                   first, pps, tokens_per_split, bf16)
+    # On CPU tensors without `native`, the Triton launcher itself (the interpreter); else the op.
+    run = _triton_puzzle_attention if not native and qg.device.type == "cpu" else puzzle_attention
+    m, l, o = run(qg.float().contiguous(), *mats, cos, sin, pages.sink_k, pages.sink_v, pages.tail_k, pages.tail_v,
+                  P, pages.rank_k, pages.rank_v, float(scaling), pages.int4, pre_rope, first, pps, tokens_per_split,
+                  bf16)
     return PartialAttention(m=m, l=l, o=o)

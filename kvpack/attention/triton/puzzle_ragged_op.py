@@ -1,12 +1,11 @@
 """The ``puzzle_plus`` decode kernel as a PyTorch custom op (``kvpack::puzzle_ragged_attention``) and
 its launcher :func:`ragged_puzzle_partial`, which ``PuzzlePlusStore`` calls with its
 :class:`RaggedPuzzlePages` view (every tensor read in place). One schema, two backends: the Triton
-kernel (CUDA; CPU tensors under ``TRITON_INTERPRET=1``, inside ``cpu.triton_on_cpu``) and the native CPU kernel
+kernel (CUDA; CPU tensors under ``TRITON_INTERPRET=1``, the launcher called directly) and the native CPU kernel
 (``kvpack/attention/cpu/csrc/ragged.cpp``), the op's ``cpu`` kernel."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -60,7 +59,7 @@ def _triton_puzzle_ragged_attention(
 # The op is the Triton launcher itself (its default implementation, for CUDA); the CPU kernel is native.
 puzzle_ragged_attention = torch.library.custom_op("kvpack::puzzle_ragged_attention", mutates_args=())(
     _triton_puzzle_ragged_attention)
-cpu.register_cpu_kernel(puzzle_ragged_attention, _triton_puzzle_ragged_attention, "puzzle_ragged_attention")
+cpu.register_cpu_kernel(puzzle_ragged_attention, "puzzle_ragged_attention")
 
 
 @puzzle_ragged_attention.register_fake
@@ -81,7 +80,7 @@ def ragged_puzzle_partial(pages: RaggedPuzzlePages, qg: torch.Tensor, scaling: f
         pages_per_split: pages per program (default: about 32 programs per KV head).
         tokens_per_split: dense tokens per program.
         native: run the op's native CPU kernel (CPU tensors); otherwise the Triton kernel (on CPU
-            tensors: the interpreter, through the same op, inside ``cpu.triton_on_cpu``).
+            tensors: the launcher itself, under the interpreter).
         dot_precision: how the native kernel rebuilds pre-RoPE keys (``cpu.bf16_products``; the store's
             config passes its own, ``auto`` by default; ``float32`` here, the reference numerics).
     """
@@ -102,10 +101,11 @@ def ragged_puzzle_partial(pages: RaggedPuzzlePages, qg: torch.Tensor, scaling: f
     max_rank = max(b.rank for side in (keys, values) for b in side.buckets)
     pps = pages_per_split or max(1, math.ceil(N / 32))
     bf16 = cpu.bf16_products(dot_precision, pages.int4, keys.left.dtype)
-    with cpu.triton_on_cpu() if not native and qg.device.type == "cpu" else contextlib.nullcontext():
-        m, l, o = puzzle_ragged_attention(
-            qg.float().contiguous(), keys.left, keys.right, values.left, values.right, *scales,
-            keys.rank, keys.offset, values.rank, values.offset, cos, sin,
-            pages.sink_k, pages.sink_v, pages.tail_k, pages.tail_v,
-            P, max_rank, float(scaling), pages.int4, pre_rope, first, pps, tokens_per_split, bf16)
+    # On CPU tensors without `native`, the Triton launcher itself (the interpreter); else the op.
+    run = _triton_puzzle_ragged_attention if not native and qg.device.type == "cpu" else puzzle_ragged_attention
+    m, l, o = run(
+        qg.float().contiguous(), keys.left, keys.right, values.left, values.right, *scales,
+        keys.rank, keys.offset, values.rank, values.offset, cos, sin,
+        pages.sink_k, pages.sink_v, pages.tail_k, pages.tail_v,
+        P, max_rank, float(scaling), pages.int4, pre_rope, first, pps, tokens_per_split, bf16)
     return PartialAttention(m=m, l=l, o=o)

@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ...attention.cpu import native
 from ...hf.fingerprint import cache_layer_count, model_fingerprint
 from ...hf.generation import context_limit
 from ...ops.accounting import DENSE_REFERENCE_BYTES_PER_ELEMENT
@@ -35,6 +34,7 @@ from ..base import DenseKV, DenseLayer
 from .calibration import Calibration, ratio_key
 from .features import to_features
 from .header import CACHE_DTYPES, CODEC, KvtcHeader, check_header, read_header
+from .native import native
 from .stages import NO_TIMES, StageTimes
 
 

@@ -1,7 +1,5 @@
 // The CPU kernels of kvpack's decode-attention custom ops, exposed to Python; kvpack/attention/cpu
 // registers each as the "cpu" kernel of its kvpack:: op (one schema, a Triton and a CPU backend).
-// kvtc_quantize, kvtc_dequantize and kvtc_layer_out (kvtc.cpp) are plain functions kvtc's coder calls (no Triton
-// twin, no op).
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
@@ -44,13 +42,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attend(const at::Tensor& m,
                                                             const at::Tensor& o, const at::Tensor& q,
                                                             const at::Tensor& tail_k, const at::Tensor& tail_v,
                                                             const at::Tensor& k, const at::Tensor& v, double scaling);
-void kvtc_dequantize(const at::Tensor& stream, int64_t width, const at::Tensor& shift, const at::Tensor& scale,
-                     at::Tensor out);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> kvtc_quantize(const at::Tensor& x, int64_t start, int64_t size,
-                                                             int64_t width);
 bool bf16_products_available();
-void kvtc_layer_out(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin,
-                    at::Tensor out);
 }  // namespace kvpack
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -64,10 +56,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kivi_attention", &kvpack::kivi_attention, "softmax state over KIVI's quantized blocks and residual");
   m.def("bf16_products_available", &kvpack::bf16_products_available,
         "whether this CPU and build run the pre-RoPE page rebuild with bf16 products (AVX-512 BF16)");
-  m.def("kvtc_dequantize", &kvpack::kvtc_dequantize,
-        "kvtc: one coded group's bit stream unpacked and dequantized into its coefficient columns");
-  m.def("kvtc_quantize", &kvpack::kvtc_quantize,
-        "kvtc: one coded group's coefficient columns quantized per token and bit-packed (stream, shift, scale)");
-  m.def("kvtc_layer_out", &kvpack::kvtc_layer_out,
-        "kvtc: a layer's inverse-PCA output + mean, RoPE'd, transposed, in the cache dtype, into its cache rows");
 }

@@ -23,7 +23,12 @@
 // PyTorch path's widen, add, four products, two sums, cat, permute and cast. Same fp32 products and
 // sums in the same order as kvpack.ops.rope.apply_rope (x1 cos - x2 sin | x2 cos + x1 sin), then one
 // rounding to the cache dtype: bit for bit the PyTorch path.
-#include "common.h"
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <tuple>
 
 // No fused multiply-adds in this file: the PyTorch path rounds each product and each sum, and these
 // kernels must give its bits (GCC contracts across statements by default even under -std=c++17).
@@ -32,6 +37,11 @@
 
 namespace kvpack {
 namespace {
+
+// fp16 / bf16 -> fp32 is exact: c10's conversions give the same value the PyTorch path widens to.
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float widen(c10::Half x) { return static_cast<float>(x); }
 
 inline void put(float* dst, float x) { *dst = x; }
 inline void put(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }  // round to nearest even
@@ -217,3 +227,12 @@ void kvtc_dequantize(const at::Tensor& stream, int64_t width, const at::Tensor& 
 }
 
 }  // namespace kvpack
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("kvtc_dequantize", &kvpack::kvtc_dequantize,
+        "kvtc: one coded group's bit stream unpacked and dequantized into its coefficient columns");
+  m.def("kvtc_quantize", &kvpack::kvtc_quantize,
+        "kvtc: one coded group's coefficient columns quantized per token and bit-packed (stream, shift, scale)");
+  m.def("kvtc_layer_out", &kvpack::kvtc_layer_out,
+        "kvtc: a layer's inverse-PCA output + mean, RoPE'd, transposed, in the cache dtype, into its cache rows");
+}
