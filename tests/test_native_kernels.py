@@ -173,18 +173,15 @@ def test_puzzle_kernel_matches_fp64_reference(d, T, extra, H, rows, cfg):
 
 
 def test_puzzle_store_uses_the_native_kernel_on_auto(monkeypatch):
+    """On ``auto`` a CPU store calls the op (whose CPU kernel is the C++ one), never the Triton launcher."""
+    import kvpack.attention.triton.puzzle_op as puzzle_op
+
     store = puzzle_store(64, 500, 0, 2, int4=True)
-    lib, calls = cpu.native(), []
-
-    class Spy:  # the op's CPU kernel looks the library up at call time
-        def __getattr__(self, name):
-            calls.append(name)
-            return getattr(lib, name)
-
-    monkeypatch.setattr(cpu, "native", lambda: Spy())
+    monkeypatch.setattr(puzzle_op, "_triton_puzzle_attention", lambda *a: pytest.fail("the Triton launcher ran"))
     store.config = dataclasses.replace(store.config, attention_backend="auto")
-    (got,) = store.stored_partials(queries(2, 3, 64), 0.125)
-    assert calls == ["puzzle_attention"]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        (got,) = store.stored_partials(queries(2, 3, 64), 0.125)
+    assert [e.name for e in prof.events() if e.name.startswith("kvpack::")] == ["kvpack::puzzle_attention"]
     close(got, puzzle_reference(store, queries(2, 3, 64), 0.125))
 
 
@@ -517,3 +514,23 @@ def test_group_sizes_grid():
         k, v = torch.randn(2, 33, d).bfloat16(), torch.randn(2, 33, d).bfloat16()
         close(PartialAttention(*dense_attention(q, k, v, d ** -0.5, 16)),
               dense_partial(q.double(), k.double(), v.double(), d ** -0.5))
+
+
+def test_every_op_has_its_cpu_kernel_bound_in_cpp():
+    """Loading the library binds each op's CPU kernel in C++ (TORCH_LIBRARY_IMPL): the dispatcher holds a
+    CPU kernel for it, and it is not a Python function (a custom op's Python kernels sit on the
+    CompositeExplicitAutograd key, not on CPU)."""
+    import kvpack.attention.chunk_op  # noqa: F401 - the ops' schemas
+    import kvpack.attention.dense  # noqa: F401
+    import kvpack.attention.quantized  # noqa: F401
+    import kvpack.attention.triton.anchor_op  # noqa: F401
+    import kvpack.attention.triton.puzzle_op  # noqa: F401
+    import kvpack.attention.triton.puzzle_ragged_op  # noqa: F401
+
+    assert cpu.native() is not None
+    for op in ("dense_attention", "kivi_attention", "puzzle_attention", "puzzle_ragged_attention",
+               "anchor_segment_attention", "chunk_attend"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kvpack::{op}", "CPU"), op
+        table = torch._C._dispatch_dump_table(f"kvpack::{op}")
+        cpu_line = next(line for line in table.splitlines() if line.startswith("CPU:"))
+        assert "csrc/bindings.cpp" in cpu_line, cpu_line  # not custom_ops.py (a Python kernel)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu
 from .softmax_merge import PartialAttention, ungroup_output
 
 
@@ -40,7 +39,6 @@ def _(m, l, o, qg, tail_k, tail_v, k, v, scaling):
             qg.new_empty(H, M, dtype=torch.float32))
 
 
-cpu.register_cpu_kernel(chunk_attend, "chunk_attend")
 
 
 def stacked_states(history: list[PartialAttention], qg: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -31,15 +31,6 @@ def _(q, k, v, scaling, tokens_per_split):
     return q.new_empty(H, M), q.new_empty(H, M), q.new_empty(H, M, D)
 
 
-@dense_attention.register_kernel("cpu")
-def _(q, k, v, scaling, tokens_per_split):
-    lib = cpu.native()
-    if lib is None:
-        st = dense_partial(q, k, v, scaling)
-        return st.m, st.l, st.o
-    return lib.dense_attention(q, k.contiguous(), v.contiguous(), scaling, tokens_per_split)
-
-
 def dense_state(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, backend: str = "auto",
                 ) -> PartialAttention:
     """State of grouped queries ``qg [H, M, d]`` over dense ``k, v [H, T, d]``: the native kernel where

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.bitpack import unpack_bits
-from . import cpu
 from .softmax_merge import PartialAttention, dense_partial, merge_partials
 
 
@@ -100,16 +99,6 @@ def kivi_attention(q: torch.Tensor, kq: torch.Tensor, ks: torch.Tensor, kz: torc
 def _(q, kq, ks, kz, vq, vs, vz, tail_k, tail_v, bits, group, value_group, scaling, blocks_per_split, tokens_per_split):
     H, M, D = q.shape
     return q.new_empty(H, M), q.new_empty(H, M), q.new_empty(H, M, D)
-
-
-@kivi_attention.register_kernel("cpu")
-def _(q, kq, ks, kz, vq, vs, vz, tail_k, tail_v, bits, group, value_group, scaling, blocks_per_split, tokens_per_split):
-    lib = cpu.native()
-    if lib is None:
-        return _reference(q, kq, ks, kz, vq, vs, vz, tail_k, tail_v, bits, group, value_group, scaling)
-    c = lambda t: t.contiguous()  # noqa: E731 - the stores' own tensors already are
-    return lib.kivi_attention(q, c(kq), c(ks), c(kz), c(vq), c(vs), c(vz), c(tail_k), c(tail_v), bits, group,
-                              value_group, scaling, blocks_per_split, tokens_per_split)
 
 
 def kivi_partial(blocks: QuantizedBlocks, qg: torch.Tensor, scaling: float, tail: tuple[torch.Tensor, torch.Tensor],

@@ -1,4 +1,11 @@
-"""kvpack's native CPU kernels: the CPU backend of the ``kvpack::`` decode-attention custom ops.
+"""kvpack's native CPU kernels: the CPU implementations of the ``kvpack::`` decode-attention ops.
+
+Each kernel is bound to its op's schema in C++ (``TORCH_LIBRARY_IMPL(kvpack, CPU, ...)`` in
+``csrc/bindings.cpp``): loading the library (:func:`native`) registers them, and from then on the
+dispatcher calls the C++ function for CPU tensors with no Python in between. The backend is chosen where
+a store is built (:func:`use_native` with its ``attention_backend``): a store calls an op on CPU tensors
+only when the kernels are loaded, and otherwise runs the Triton launcher itself (under the interpreter)
+or the PyTorch reference.
 
 The C++ sources in ``csrc/`` are compiled on first use (:mod:`kvpack.native_build`: g++ and ninja, no
 network, one build per source hash, torch version and CPU capability, into kvpack's cache directory).
@@ -18,7 +25,7 @@ import torch
 from ...native_build import NATIVE_ENV, capability, load_extension, native_disabled
 
 __all__ = ["DOT_PRECISIONS", "NATIVE_CHOICES", "NATIVE_ENV", "bf16_products", "bf16_products_available", "capability",
-           "native", "native_available", "native_disabled", "register_cpu_kernel", "use_native"]
+           "native", "native_available", "native_disabled", "use_native"]
 
 NATIVE_CHOICES = ("auto", "native", "torch")  # attention_backend of methods with no Triton kernel
 # dot_precision of the PuzzleKV stores: how the native kernels rebuild pre-RoPE keys (see bf16_products)
@@ -85,23 +92,3 @@ def bf16_products_available() -> bool:
     """Whether the native kernels are built and this CPU runs their bf16 products (AVX-512 BF16)."""
     lib = native()
     return lib is not None and bool(lib.bf16_products_available())
-
-
-def register_cpu_kernel(op, native_name: str) -> None:
-    """Make the native function ``native_name`` the ``cpu`` kernel of the custom op ``op``.
-
-    The backend is chosen where a store is built (its ``attention_backend``), not here: a store calls
-    the op on CPU tensors only when :func:`use_native` said yes, and runs the Triton launcher itself
-    (the interpreter) or the PyTorch reference otherwise, so this kernel has no fallback to choose.
-
-    Raises:
-        RuntimeError: the op reached on CPU tensors where the native kernels are not built.
-    """
-
-    @op.register_kernel("cpu")
-    def _(*args):
-        lib = native()
-        if lib is None:
-            raise RuntimeError(f"{op._qualname} on CPU tensors needs kvpack's native CPU kernels, which are not "
-                               f"built here ({NATIVE_ENV}=0 or no compiler); use attention_backend='torch'")
-        return getattr(lib, native_name)(*args)

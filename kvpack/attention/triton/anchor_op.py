@@ -13,7 +13,6 @@ import math
 
 import torch
 
-from .. import cpu
 from ..anchor import PREFIX_BLOCK, AnchorSegment
 from ..softmax_merge import PartialAttention
 from ._launch import ROW_BLOCK, kernel_arg, launch, pow2, row_blocks, split_state_buffers
@@ -76,7 +75,6 @@ def _triton_anchor_segment_attention(
 # The op is the Triton launcher itself (its default implementation, for CUDA); the CPU kernel is native.
 anchor_segment_attention = torch.library.custom_op("kvpack::anchor_segment_attention", mutates_args=())(
     _triton_anchor_segment_attention)
-cpu.register_cpu_kernel(anchor_segment_attention, "anchor_segment_attention")
 
 
 @anchor_segment_attention.register_fake

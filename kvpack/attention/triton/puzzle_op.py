@@ -75,7 +75,6 @@ def _triton_puzzle_attention(
 
 # The op is the Triton launcher itself (its default implementation, for CUDA); the CPU kernel is native.
 puzzle_attention = torch.library.custom_op("kvpack::puzzle_attention", mutates_args=())(_triton_puzzle_attention)
-cpu.register_cpu_kernel(puzzle_attention, "puzzle_attention")
 
 
 @puzzle_attention.register_fake

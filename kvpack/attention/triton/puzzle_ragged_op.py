@@ -59,7 +59,6 @@ def _triton_puzzle_ragged_attention(
 # The op is the Triton launcher itself (its default implementation, for CUDA); the CPU kernel is native.
 puzzle_ragged_attention = torch.library.custom_op("kvpack::puzzle_ragged_attention", mutates_args=())(
     _triton_puzzle_ragged_attention)
-cpu.register_cpu_kernel(puzzle_ragged_attention, "puzzle_ragged_attention")
 
 
 @puzzle_ragged_attention.register_fake

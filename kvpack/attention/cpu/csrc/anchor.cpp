@@ -640,7 +640,7 @@ State anchor_segment_attention(
     const at::Tensor& prefix_v, const at::Tensor& res_v, const at::Tensor& scale_v, const at::Tensor& fine_mask_k,
     const at::Tensor& fine_prefix_k, const at::Tensor& fine_res_k, const at::Tensor& fine_scale_k,
     const at::Tensor& fine_mask_v, const at::Tensor& fine_prefix_v, const at::Tensor& fine_res_v,
-    const at::Tensor& fine_scale_v, const at::Tensor& fine_levels, const std::vector<double>& levels, double hfactor,
+    const at::Tensor& fine_scale_v, const at::Tensor& fine_levels, c10::ArrayRef<double> levels, double hfactor,
     double scaling, int64_t first_position, int64_t blocks_per_split) {
   check_queries(q);
   const int64_t H = q.size(0), D = q.size(2), n = index_k.dim() == 2 ? index_k.size(1) : 0;

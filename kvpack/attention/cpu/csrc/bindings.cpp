@@ -1,6 +1,5 @@
-// The CPU kernels of kvpack's decode-attention custom ops, exposed to Python; kvpack/attention/cpu
-// registers each as the "cpu" kernel of its kvpack:: op (one schema, a Triton and a CPU backend).
-#include <pybind11/stl.h>
+// The CPU kernels of kvpack's decode-attention ops registered as the ops' CPU implementations.
+#include <torch/library.h>
 #include <torch/extension.h>
 
 #include "common.h"
@@ -36,24 +35,43 @@ State anchor_segment_attention(
     const at::Tensor& prefix_v, const at::Tensor& res_v, const at::Tensor& scale_v, const at::Tensor& fine_mask_k,
     const at::Tensor& fine_prefix_k, const at::Tensor& fine_res_k, const at::Tensor& fine_scale_k,
     const at::Tensor& fine_mask_v, const at::Tensor& fine_prefix_v, const at::Tensor& fine_res_v,
-    const at::Tensor& fine_scale_v, const at::Tensor& fine_levels, const std::vector<double>& levels, double hfactor,
+    const at::Tensor& fine_scale_v, const at::Tensor& fine_levels, c10::ArrayRef<double> levels, double hfactor,
     double scaling, int64_t first_position, int64_t blocks_per_split);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attend(const at::Tensor& m, const at::Tensor& l,
                                                             const at::Tensor& o, const at::Tensor& q,
                                                             const at::Tensor& tail_k, const at::Tensor& tail_v,
                                                             const at::Tensor& k, const at::Tensor& v, double scaling);
 bool bf16_products_available();
+
+// dense_attention and kivi_attention read their tensors in place; the stores' own tensors already are
+// contiguous, a view of a growing buffer may not be (contiguous() returns the tensor itself when it is).
+State dense_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scaling,
+                          int64_t tokens_per_split) {
+  return dense_attention(q, k.contiguous(), v.contiguous(), scaling, tokens_per_split);
+}
+State kivi_attention_cpu(const at::Tensor& q, const at::Tensor& kq, const at::Tensor& ks, const at::Tensor& kz,
+                         const at::Tensor& vq, const at::Tensor& vs, const at::Tensor& vz, const at::Tensor& tail_k,
+                         const at::Tensor& tail_v, int64_t bits, int64_t group, int64_t value_group, double scaling,
+                         int64_t blocks_per_split, int64_t tokens_per_split) {
+  return kivi_attention(q, kq.contiguous(), ks.contiguous(), kz.contiguous(), vq.contiguous(), vs.contiguous(),
+                        vz.contiguous(), tail_k.contiguous(), tail_v.contiguous(), bits, group, value_group, scaling,
+                        blocks_per_split, tokens_per_split);
+}
 }  // namespace kvpack
 
+// The CPU kernels of the kvpack:: ops, bound to the schemas the ops declare (kvpack/attention/*.py and
+// kvpack/attention/triton/*_op.py, with torch.library): the dispatcher calls them for CPU tensors
+// directly, no Python in between. Loading this library (kvpack.attention.cpu.native) registers them.
+TORCH_LIBRARY_IMPL(kvpack, CPU, m) {
+  m.impl("dense_attention", &kvpack::dense_attention_cpu);
+  m.impl("kivi_attention", &kvpack::kivi_attention_cpu);
+  m.impl("puzzle_attention", &kvpack::puzzle_attention);
+  m.impl("puzzle_ragged_attention", &kvpack::puzzle_ragged_attention);
+  m.impl("anchor_segment_attention", &kvpack::anchor_segment_attention);
+  m.impl("chunk_attend", &kvpack::chunk_attend);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("dense_attention", &kvpack::dense_attention, "softmax state of grouped queries over dense K/V");
-  m.def("puzzle_attention", &kvpack::puzzle_attention, "softmax state over a PuzzleKV layer's pages, sink, tail");
-  m.def("puzzle_ragged_attention", &kvpack::puzzle_ragged_attention,
-        "softmax state over a puzzle_plus layer's per-page-rank pages, sink, tail");
-  m.def("anchor_segment_attention", &kvpack::anchor_segment_attention,
-        "softmax state over one AnchorKV segment (anchors, coefficients, residual tiers)");
-  m.def("chunk_attend", &kvpack::chunk_attend, "stored states merged with the tail and the chunk, normalised");
-  m.def("kivi_attention", &kvpack::kivi_attention, "softmax state over KIVI's quantized blocks and residual");
   m.def("bf16_products_available", &kvpack::bf16_products_available,
         "whether this CPU and build run the pre-RoPE page rebuild with bf16 products (AVX-512 BF16)");
 }
