@@ -86,6 +86,11 @@ def test_plots_and_the_docs_tables(rows, tmp_path):
     assert "no (p = 0.12)" in rows_table[2] and "| 1.20x | 12 |" in rows_table[2]
     assert "`kvtc-8x` | – | 0.120" in rows_table[3]
     assert method_table_markdown({"tiny": {"cells": cells}}, ["svd"]) == "(no frontier cells of this method yet)"
+    # a cell whose rows ran on two CPUs shows no speed ratio (figures of two CPUs never mix)
+    mixed = [dict(r, cpu="CPU A" if i % 2 else "CPU B") for i, r in enumerate(rows + kvtc)]
+    mixed_cells = frontier_cells(mixed, "tiny")
+    assert _cell(mixed_cells, "anchor_plus", 0.28)["cpus"] == ["CPU A", "CPU B"]
+    assert "| several CPUs | 12 |" in method_table_markdown({"tiny": {"cells": mixed_cells}}, ["anchor_plus"])
 
 
 def test_peer_rows_from_their_scripts_join_the_frontier_as_peers(monkeypatch, rows):

@@ -16,7 +16,8 @@ A *cell* pools every sample of one method at one budget in one setting, over all
   :data:`BYTES_TOLERANCE`): the highest-scoring such cell, ties broken by the lower KL; McNemar on the
   shared samples and the paired mean KL difference (method − peer) with a bootstrap interval;
 * ``decode_vs_full`` — the median over samples of the row's decode ms/token ÷ FullKV's on the same
-  sample in the same run, and the slowest sample's ratio.
+  sample in the same run, and the slowest sample's ratio; ``cpus`` names the CPUs the cell's rows ran on
+  (a table shows the ratio only for a cell whose rows all ran on one).
 
 Settings are written ``query_aware`` / ``query_agnostic`` in the records (the runner's rows say
 ``query-aware`` / ``query-agnostic``).
@@ -99,6 +100,7 @@ def frontier_cells(rows: list[dict], model: str) -> list[dict]:
             "top1": statistics.fmean(top1) if top1 else None, "top1_ci": _ci(top1),
             "per_task": {t: statistics.fmean(v) for t, v in _by_task(ok).items()},
             "lengths": sorted({r["length"] for r in ok}),
+            "cpus": sorted({r["cpu"] for r in ok if r.get("cpu")}),
             "_rows": {_sample(r): r for r in ok},
         })
     by_setting: dict[str, list[dict]] = defaultdict(list)
@@ -288,7 +290,9 @@ def method_table_markdown(records: dict[str, dict], families: Iterable[str]) -> 
             differs = "–" if vs is None else (f"{'**yes**' if vs['distinguishable'] else 'no'} "
                                               f"(p = {vs['p_value']:.2g})")
             dec = c.get("decode_vs_full")
-            speed = "–" if dec is None else f"{dec['median']:.2f}x"
+            # a speed ratio is shown only where every row ran on one CPU (figures of two CPUs never mix)
+            speed = "–" if dec is None else (f"{dec['median']:.2f}x" if len(c.get("cpus", [])) <= 1
+                                             else "several CPUs")
             budget = "–" if c["budget"] is None else f"{c['budget']:g}"
             lines.append(f"| {model} | {c['setting'].replace('_', '-')} | `{c['method']}` | {budget} | "
                          f"{c['bytes_ratio']:.3f} | {_fmt_ci(c['kl'], c['kl_ci'], '.3g')} | "
