@@ -30,7 +30,7 @@ __all__ = ["DOT_PRECISIONS", "NATIVE_CHOICES", "NATIVE_ENV", "bf16_products", "b
 NATIVE_CHOICES = ("auto", "native", "torch")  # attention_backend of methods with no Triton kernel
 # dot_precision of the PuzzleKV stores: how the native kernels rebuild pre-RoPE keys (see bf16_products)
 DOT_PRECISIONS = ("auto", "float32", "bfloat16")
-SOURCES = ("common.h", "pages.h", "bindings.cpp", "dense.cpp", "kivi.cpp", "puzzle.cpp", "ragged.cpp", "anchor.cpp",
+SOURCES = ("simd.h", "common.h", "pages.h", "bindings.cpp", "dense.cpp", "kivi.cpp", "puzzle.cpp", "ragged.cpp", "anchor.cpp",
            "chunk.cpp")
 _CSRC = Path(__file__).parent / "csrc"
 

@@ -16,7 +16,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include <immintrin.h>
+#include "simd.h"
 
 #include <algorithm>
 #include <atomic>
@@ -53,116 +53,39 @@ inline void widen_row(const T* __restrict src, float* __restrict dst, int64_t n)
   for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
 }
 
-// Dot product, sum and y += a x. With AVX-512 the last partial vector is a masked load, so a short
-// row (a rank of 12, a page of 32 tokens) costs one or two vector operations and no scalar epilogue;
-// the compiler's own `omp simd` reduction ended in a serial chain of scalar adds, and its loops' scalar
-// prologues and epilogues cost more than the work at these lengths (both measured as hot spots).
-// AVX2 (8 lanes) does the same with vmaskmovps, whose masked-off lanes are never read (no fault past
-// the end of a buffer).
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define KVPACK_AVX2 1
-// Lanes [0, n) set, n in [0, 8].
-inline __m256i tail_mask8(int64_t n) {
-  static const int32_t bits[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + 8 - n));
-}
-
-inline float hsum8(__m256 v) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
-
-inline float hmax8(__m256 v) {
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_max_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
-#endif
-
-#if defined(__AVX512F__)
-inline __mmask16 tail_mask(int64_t n) { return __mmask16((1u << n) - 1); }
-
+// Dot product, sum and y += a x, written once against Vec (simd.h). The last partial vector is a masked
+// load, so a short row (a rank of 12, a page of 32 tokens) costs one or two vector operations and no
+// scalar epilogue: the compiler's own `omp simd` reduction ended in a serial chain of scalar adds, and
+// its loops' scalar prologues and epilogues cost more than the work at these lengths (both measured as
+// hot spots).
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  __m512 v = _mm512_setzero_ps();
+  Vec acc = Vec::zero();
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), v);
+  for (; i + Vec::kLanes <= n; i += Vec::kLanes) acc = fma(Vec::load(a + i), Vec::load(b + i), acc);
   if (i < n) {
-    const __mmask16 m = tail_mask(n - i);
-    v = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), v);
+    const Vec::Mask m = Vec::first(n - i);
+    acc = fma(Vec::load(a + i, m), Vec::load(b + i, m), acc);
   }
-  return _mm512_reduce_add_ps(v);
+  return acc.reduce_add();
 }
 
 inline float sum(const float* __restrict a, int64_t n) {
-  __m512 v = _mm512_setzero_ps();
+  Vec acc = Vec::zero();
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) v = _mm512_add_ps(_mm512_loadu_ps(a + i), v);
-  if (i < n) v = _mm512_add_ps(_mm512_maskz_loadu_ps(tail_mask(n - i), a + i), v);
-  return _mm512_reduce_add_ps(v);
+  for (; i + Vec::kLanes <= n; i += Vec::kLanes) acc = Vec::load(a + i) + acc;
+  if (i < n) acc = Vec::load(a + i, Vec::first(n - i)) + acc;
+  return acc.reduce_add();
 }
 
 inline void axpy(float a, const float* __restrict x, float* __restrict y, int64_t n) {
-  const __m512 av = _mm512_set1_ps(a);
+  const Vec av = Vec::splat(a);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (; i + Vec::kLanes <= n; i += Vec::kLanes) fma(av, Vec::load(x + i), Vec::load(y + i)).store(y + i);
   if (i < n) {
-    const __mmask16 m = tail_mask(n - i);
-    _mm512_mask_storeu_ps(y + i, m,
-                          _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
+    const Vec::Mask m = Vec::first(n - i);
+    fma(av, Vec::load(x + i, m), Vec::load(y + i, m)).store(y + i, m);
   }
 }
-#elif defined(KVPACK_AVX2)
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  __m256 v = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), v);
-  if (i < n) {
-    const __m256i m = tail_mask8(n - i);
-    v = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, m), _mm256_maskload_ps(b + i, m), v);
-  }
-  return hsum8(v);
-}
-
-inline float sum(const float* __restrict a, int64_t n) {
-  __m256 v = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) v = _mm256_add_ps(_mm256_loadu_ps(a + i), v);
-  if (i < n) v = _mm256_add_ps(_mm256_maskload_ps(a + i, tail_mask8(n - i)), v);
-  return hsum8(v);
-}
-
-inline void axpy(float a, const float* __restrict x, float* __restrict y, int64_t n) {
-  const __m256 av = _mm256_set1_ps(a);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  if (i < n) {
-    const __m256i m = tail_mask8(n - i);
-    _mm256_maskstore_ps(y + i, m, _mm256_fmadd_ps(av, _mm256_maskload_ps(x + i, m), _mm256_maskload_ps(y + i, m)));
-  }
-}
-#else
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float acc = 0.f;
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
-}
-
-inline float sum(const float* __restrict a, int64_t n) {
-  float acc = 0.f;
-  for (int64_t i = 0; i < n; ++i) acc += a[i];
-  return acc;
-}
-
-inline void axpy(float a, const float* __restrict x, float* __restrict y, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
-#endif
 
 inline float exp_approx(float x) {
   // e^x = 2^i * 2^f with i = round(x log2 e), f in [-1/2, 1/2]; 2^f = e^(f ln 2) by its Taylor series to
@@ -183,66 +106,35 @@ inline float exp_approx(float x) {
   return x < -87.f ? 0.f : p * scale;
 }
 
-// x[i] = exp(x[i] - shift)
+// x[i] = exp(x[i] - shift): exp_approx's polynomial, a vector at a time.
 inline void exp_shifted(float* __restrict x, float shift, int64_t n) {
+  const Vec sh = Vec::splat(shift), lo = Vec::splat(-87.f), log2e = Vec::splat(1.4426950408889634f),
+            ln2 = Vec::splat(0.6931471805599453f);
   int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 sh = _mm512_set1_ps(shift), lo = _mm512_set1_ps(-87.f), log2e = _mm512_set1_ps(1.4426950408889634f),
-               ln2 = _mm512_set1_ps(0.6931471805599453f);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_sub_ps(_mm512_loadu_ps(x + i), sh);
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(v, lo), log2e);
-    const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 g = _mm512_mul_ps(_mm512_sub_ps(t, fi), ln2);
-    __m512 p = _mm512_set1_ps(1.f / 720.f);
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f));
-    const __m512 r = _mm512_scalef_ps(p, fi);  // p * 2^fi
-    _mm512_storeu_ps(x + i, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, lo, _CMP_GE_OQ), r));
+  for (; i + Vec::kLanes <= n; i += Vec::kLanes) {
+    const Vec v = Vec::load(x + i) - sh;
+    const Vec t = max(v, lo) * log2e;
+    const Vec fi = t.round();
+    const Vec g = (t - fi) * ln2;
+    Vec p = Vec::splat(1.f / 720.f);
+    p = fma(p, g, Vec::splat(1.f / 120.f));
+    p = fma(p, g, Vec::splat(1.f / 24.f));
+    p = fma(p, g, Vec::splat(1.f / 6.f));
+    p = fma(p, g, Vec::splat(0.5f));
+    p = fma(p, g, Vec::splat(1.f));
+    p = fma(p, g, Vec::splat(1.f));
+    keep_ge(scale_pow2(p, fi), v, lo).store(x + i);  // 0 below -87
   }
-#elif defined(KVPACK_AVX2)
-  // 2^fi built in the exponent field: fi >= -126 (inputs clamped at -87), so the biased exponent is >= 1.
-  const __m256 sh = _mm256_set1_ps(shift), lo = _mm256_set1_ps(-87.f), log2e = _mm256_set1_ps(1.4426950408889634f),
-               ln2 = _mm256_set1_ps(0.6931471805599453f);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_sub_ps(_mm256_loadu_ps(x + i), sh);
-    const __m256 t = _mm256_mul_ps(_mm256_max_ps(v, lo), log2e);
-    const __m256 fi = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 g = _mm256_mul_ps(_mm256_sub_ps(t, fi), ln2);
-    __m256 p = _mm256_set1_ps(1.f / 720.f);
-    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.f / 120.f));
-    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.f / 24.f));
-    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.f / 6.f));
-    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.f));
-    const __m256 two_fi = _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23));
-    const __m256 r = _mm256_mul_ps(p, two_fi);
-    _mm256_storeu_ps(x + i, _mm256_and_ps(_mm256_cmp_ps(v, lo, _CMP_GE_OQ), r));
-  }
-#endif
   for (; i < n; ++i) x[i] = exp_approx(x[i] - shift);
 }
 
 inline float max_of(const float* __restrict x, int64_t n) {
+  Vec best = Vec::splat(NEG_INF);
   int64_t i = 0;
-  float best = NEG_INF;
-#if defined(__AVX512F__)
-  __m512 v = _mm512_set1_ps(NEG_INF);
-  for (; i + 16 <= n; i += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(x + i));
-  best = _mm512_reduce_max_ps(v);
-#elif defined(KVPACK_AVX2)
-  __m256 v = _mm256_set1_ps(NEG_INF);
-  for (; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + i));
-  best = hmax8(v);
-#endif
-  for (; i < n; ++i) best = std::max(best, x[i]);
-  return best;
+  for (; i + Vec::kLanes <= n; i += Vec::kLanes) best = max(best, Vec::load(x + i));
+  float out = best.reduce_max();
+  for (; i < n; ++i) out = std::max(out, x[i]);
+  return out;
 }
 
 // The online-softmax state of M query rows (head_dim D) over the keys folded in so far.
@@ -333,92 +225,60 @@ inline void scores_block(const float* q, const float* k, int64_t M, int64_t n, i
     for (int64_t i = 0; i < M; ++i) s[i * stride + t] = dot(q + i * D, k + t * D, D) * scaling;
 }
 
-// out [D] += sum_t c[t] rows[t] for n rows [n, D] (any D; rows back to back). The output row stays in
-// registers across the n updates: a row buffer updated in memory made each axpy wait on the previous
-// one's store (measured as the hot spot of the first kernels). The last vector is masked when D is not
-// a multiple of 16 (a rank of 36, a head of 80).
-#if defined(__AVX512F__)
-template <int NCH>
-inline void combine_regs(const float* __restrict c, const float* __restrict rows, int64_t n, int64_t D,
-                         float* __restrict out) {
-  const __mmask16 last = D % 16 ? tail_mask(D % 16) : __mmask16(0xFFFF);
-  __m512 acc[NCH];
-  for (int j = 0; j < NCH; ++j) acc[j] = _mm512_maskz_loadu_ps(j + 1 < NCH ? __mmask16(0xFFFF) : last, out + 16 * j);
+// out [D] += sum_t c[t] rows[t] for n rows [n, D] (any D; rows back to back). A block of the output
+// row stays in registers across the n updates: a row buffer updated in memory made each axpy wait on
+// the previous one's store (measured as the hot spot of the first kernels). Blocks hold at most half the
+// ISA's vector registers (AVX-512: 16 of 32, AVX2: 8 of 16); TAIL: the block's last vector is the row's
+// partial one (masked), when D is not a multiple of the lanes (a rank of 36, a head of 80).
+template <int NCH, bool TAIL>
+inline void combine_block(const float* __restrict c, const float* __restrict rows, int64_t n, int64_t D,
+                          Vec::Mask last, float* __restrict out) {
+  constexpr int L = Vec::kLanes;
+  Vec acc[NCH];
+  for (int j = 0; j < NCH; ++j) acc[j] = TAIL && j + 1 == NCH ? Vec::load(out + L * j, last) : Vec::load(out + L * j);
   for (int64_t t = 0; t < n; ++t) {
-    const __m512 a = _mm512_set1_ps(c[t]);
+    const Vec a = Vec::splat(c[t]);
     const float* row = rows + t * D;
 #pragma GCC unroll 16
     for (int j = 0; j < NCH; ++j)
-      acc[j] = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(j + 1 < NCH ? __mmask16(0xFFFF) : last, row + 16 * j), acc[j]);
-  }
-  for (int j = 0; j < NCH; ++j) _mm512_mask_storeu_ps(out + 16 * j, j + 1 < NCH ? __mmask16(0xFFFF) : last, acc[j]);
-}
-#elif defined(KVPACK_AVX2)
-// AVX2 has 16 vector registers: the row is done in blocks of at most 8 vectors (64 floats) held in
-// registers across the n updates; TAIL: the block's last vector is the row's partial one (masked).
-template <int NCH, bool TAIL>
-inline void combine_block8(const float* __restrict c, const float* __restrict rows, int64_t n, int64_t D,
-                           __m256i last, float* __restrict out) {
-  __m256 acc[NCH];
-  for (int j = 0; j < NCH; ++j)
-    acc[j] = TAIL && j + 1 == NCH ? _mm256_maskload_ps(out + 8 * j, last) : _mm256_loadu_ps(out + 8 * j);
-  for (int64_t t = 0; t < n; ++t) {
-    const __m256 a = _mm256_set1_ps(c[t]);
-    const float* row = rows + t * D;
-#pragma GCC unroll 8
-    for (int j = 0; j < NCH; ++j)
-      acc[j] = _mm256_fmadd_ps(
-          a, TAIL && j + 1 == NCH ? _mm256_maskload_ps(row + 8 * j, last) : _mm256_loadu_ps(row + 8 * j), acc[j]);
+      acc[j] = fma(a, TAIL && j + 1 == NCH ? Vec::load(row + L * j, last) : Vec::load(row + L * j), acc[j]);
   }
   for (int j = 0; j < NCH; ++j) {
-    if (TAIL && j + 1 == NCH) _mm256_maskstore_ps(out + 8 * j, last, acc[j]);
-    else _mm256_storeu_ps(out + 8 * j, acc[j]);
+    if (TAIL && j + 1 == NCH) acc[j].store(out + L * j, last);
+    else acc[j].store(out + L * j);
   }
 }
 
 template <bool TAIL>
-inline void combine_block8_any(int nch, const float* c, const float* rows, int64_t n, int64_t D, __m256i last,
-                               float* out) {
+inline void combine_block_any(int nch, const float* c, const float* rows, int64_t n, int64_t D, Vec::Mask last,
+                              float* out) {
   switch (nch) {
-    case 1: return combine_block8<1, TAIL>(c, rows, n, D, last, out);
-    case 2: return combine_block8<2, TAIL>(c, rows, n, D, last, out);
-    case 3: return combine_block8<3, TAIL>(c, rows, n, D, last, out);
-    case 4: return combine_block8<4, TAIL>(c, rows, n, D, last, out);
-    case 5: return combine_block8<5, TAIL>(c, rows, n, D, last, out);
-    case 6: return combine_block8<6, TAIL>(c, rows, n, D, last, out);
-    case 7: return combine_block8<7, TAIL>(c, rows, n, D, last, out);
-    default: return combine_block8<8, TAIL>(c, rows, n, D, last, out);
+    case 1: return combine_block<1, TAIL>(c, rows, n, D, last, out);
+    case 2: return combine_block<2, TAIL>(c, rows, n, D, last, out);
+    case 3: return combine_block<3, TAIL>(c, rows, n, D, last, out);
+    case 4: return combine_block<4, TAIL>(c, rows, n, D, last, out);
+    case 5: return combine_block<5, TAIL>(c, rows, n, D, last, out);
+    case 6: return combine_block<6, TAIL>(c, rows, n, D, last, out);
+    case 7: return combine_block<7, TAIL>(c, rows, n, D, last, out);
+    case 8: return combine_block<8, TAIL>(c, rows, n, D, last, out);
+    default: return combine_block<16, TAIL>(c, rows, n, D, last, out);  // AVX-512 only: blocks of 9-15 are split
   }
 }
-#endif
 
 inline void combine(const float* __restrict c, const float* __restrict rows, int64_t n, int64_t D,
                     float* __restrict out) {
-#if defined(KVPACK_AVX2)
-  const int64_t nv = (D + 7) / 8;
-  const __m256i last = tail_mask8(D % 8 ? D % 8 : 8);
-  for (int64_t b = 0; b < nv; b += 8) {
-    const int nch = int(std::min<int64_t>(8, nv - b));
-    if (b + nch == nv && D % 8) combine_block8_any<true>(nch, c, rows + 8 * b, n, D, last, out + 8 * b);
-    else combine_block8_any<false>(nch, c, rows + 8 * b, n, D, last, out + 8 * b);
+  constexpr int L = Vec::kLanes;
+  constexpr int64_t kBlock = L == 16 ? 16 : 8;  // vectors per block: half the ISA's registers
+  const int64_t nv = (D + L - 1) / L;
+  const Vec::Mask last = Vec::first(D % L ? D % L : L);
+  for (int64_t b = 0; b < nv;) {
+    int64_t nch = std::min<int64_t>(kBlock, nv - b);
+    if (nch > 8 && nch < 16) nch = 8;  // instantiated block sizes: 1-8 and 16
+    const bool tail = b + nch == nv && D % L;
+    if (tail) combine_block_any<true>(int(nch), c, rows + L * b, n, D, last, out + L * b);
+    else combine_block_any<false>(int(nch), c, rows + L * b, n, D, last, out + L * b);
+    b += nch;
   }
-#else
-#if defined(__AVX512F__)
-  switch ((D + 15) / 16) {
-    case 1: return combine_regs<1>(c, rows, n, D, out);
-    case 2: return combine_regs<2>(c, rows, n, D, out);
-    case 3: return combine_regs<3>(c, rows, n, D, out);
-    case 4: return combine_regs<4>(c, rows, n, D, out);
-    case 5: return combine_regs<5>(c, rows, n, D, out);
-    case 6: return combine_regs<6>(c, rows, n, D, out);
-    case 7: return combine_regs<7>(c, rows, n, D, out);
-    case 8: return combine_regs<8>(c, rows, n, D, out);
-    case 16: return combine_regs<16>(c, rows, n, D, out);
-    default: break;
-  }
-#endif
-  for (int64_t t = 0; t < n; ++t) axpy(c[t], rows + t * D, out, D);
-#endif
 }
 
 // o [M, D] += p [M, n] (row stride `stride`) @ v [n, D] (fp32 rows).
