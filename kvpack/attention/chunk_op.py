@@ -39,8 +39,6 @@ def _(m, l, o, qg, tail_k, tail_v, k, v, scaling):
             qg.new_empty(H, M, dtype=torch.float32))
 
 
-
-
 def stacked_states(history: list[PartialAttention], qg: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``m, l [H, S, M]``, ``o [H, S, M, D]`` fp32 of the stored states (one state is a view; several
     are stacked: three copies of ``[H, M(, d)]``, small)."""

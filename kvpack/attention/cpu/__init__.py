@@ -2,10 +2,10 @@
 
 Each kernel is bound to its op's schema in C++ (``TORCH_LIBRARY_IMPL(kvpack, CPU, ...)`` in
 ``csrc/bindings.cpp``): loading the library (:func:`native`) registers them, and from then on the
-dispatcher calls the C++ function for CPU tensors with no Python in between. The backend is chosen where
-a store is built (:func:`use_native` with its ``attention_backend``): a store calls an op on CPU tensors
-only when the kernels are loaded, and otherwise runs the Triton launcher itself (under the interpreter)
-or the PyTorch reference.
+dispatcher calls the C++ function for CPU tensors with no Python in between. The store decides the path
+from its config's ``attention_backend`` and the tensors' device (:func:`use_native`, a pure function of
+the two): it calls an op on CPU tensors only when the kernels are loaded, and otherwise runs the Triton
+launcher itself (under the interpreter) or the PyTorch reference.
 
 The C++ sources in ``csrc/`` are compiled on first use (:mod:`kvpack.native_build`: g++ and ninja, no
 network, one build per source hash, torch version and CPU capability, into kvpack's cache directory).
@@ -30,8 +30,8 @@ __all__ = ["DOT_PRECISIONS", "NATIVE_CHOICES", "NATIVE_ENV", "bf16_products", "b
 NATIVE_CHOICES = ("auto", "native", "torch")  # attention_backend of methods with no Triton kernel
 # dot_precision of the PuzzleKV stores: how the native kernels rebuild pre-RoPE keys (see bf16_products)
 DOT_PRECISIONS = ("auto", "float32", "bfloat16")
-SOURCES = ("simd.h", "common.h", "pages.h", "bindings.cpp", "dense.cpp", "kivi.cpp", "puzzle.cpp", "ragged.cpp", "anchor.cpp",
-           "chunk.cpp")
+SOURCES = ("simd.h", "common.h", "pages.h", "bindings.cpp", "dense.cpp", "kivi.cpp", "puzzle.cpp", "ragged.cpp",
+           "anchor.cpp", "chunk.cpp")
 _CSRC = Path(__file__).parent / "csrc"
 
 

@@ -4,7 +4,7 @@
 launch per compressed segment (one segment unless re-compression is on), returning each segment's
 merged softmax state. One schema, two backends: the Triton kernel (CUDA; CPU tensors under
 ``TRITON_INTERPRET=1``, the launcher called directly) and the native CPU kernel
-(``kvpack/attention/cpu/csrc/anchor.cpp``), the op's ``cpu`` kernel.
+(``kvpack/attention/cpu/csrc/anchor.cpp``), bound to the op's CPU dispatch in C++ (``csrc/bindings.cpp``).
 """
 
 from __future__ import annotations

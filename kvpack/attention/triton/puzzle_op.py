@@ -3,7 +3,7 @@
 Registered with ``torch.library.custom_op`` and a fake (meta) implementation, so ``torch.compile``
 traces around the Triton launch. One schema, two backends: the Triton kernel (CUDA tensors; CPU
 tensors under ``TRITON_INTERPRET=1``, the launcher called directly) and the native CPU kernel
-(``kvpack/attention/cpu/csrc/puzzle.cpp``), registered as the op's ``cpu`` kernel.
+(``kvpack/attention/cpu/csrc/puzzle.cpp``), bound to the op's CPU dispatch in C++ (``csrc/bindings.cpp``).
 :func:`puzzle_partial` is what ``PuzzleStore`` calls with its :class:`PuzzlePages` view: it returns
 the merged softmax state of the grouped queries over the layer's sink, factorized pages and tail.
 """

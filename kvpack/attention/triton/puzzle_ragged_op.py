@@ -2,7 +2,7 @@
 its launcher :func:`ragged_puzzle_partial`, which ``PuzzlePlusStore`` calls with its
 :class:`RaggedPuzzlePages` view (every tensor read in place). One schema, two backends: the Triton
 kernel (CUDA; CPU tensors under ``TRITON_INTERPRET=1``, the launcher called directly) and the native CPU kernel
-(``kvpack/attention/cpu/csrc/ragged.cpp``), the op's ``cpu`` kernel."""
+(``kvpack/attention/cpu/csrc/ragged.cpp``), bound to the op's CPU dispatch in C++ (``csrc/bindings.cpp``)."""
 
 from __future__ import annotations
 
