@@ -45,6 +45,7 @@ MATRIX: dict[str, dict] = {
     "anchor_plus": {"window": 8, "anchors": 8, "budget": 0.6},
     "svd": {"page_size": 8, "budget": 0.6},
     "kivi": {"budget": 0.6},
+    "pca_quant": {"budget": 0.6, "sinks": 4, "residual": 8, "block": 16},
     "streaming": {"budget": 0.5},
     "h2o": {"budget": 0.5},
     "snapkv": {"budget": 0.5, "window": 8},

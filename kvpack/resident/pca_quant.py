@@ -1,0 +1,327 @@
+"""``pca_quant``: each KV head's keys and values quantized in their own principal-component basis, with a bit
+width per component water-filled under the exact byte budget (beyond the papers).
+
+The idea is kvtc's transform coding (a decorrelating rotation, then bits where the variance is), made
+resident: the cache stays in this form while the model attends over it. Per layer:
+
+* **Basis.** When the first block is compressed (at the end of the prefill), each (KV head, side) fits a
+  basis to the tokens it holds: the mean ``μ [d]`` and the eigenvectors of the centred covariance,
+  ordered by variance ``λ_j``. Keys are taken pre-RoPE (``key_rope``: rotated back with the model's own
+  rotary table), so RoPE does not spread their energy over the components. Only the coded components'
+  basis columns are kept, in fp16 (``[d, coded]``: the rounding is far below any code's step).
+* **Bits.** A component coded at ``w`` bits by a block's min/max quantizer keeps a distortion
+  ``λ_j D(w)`` (:func:`minmax_distortion`; ``D(1)`` is no better than dropping it, so a component is
+  first bought at 2 bits). Widths are bought across every (head, side, component) of the layer in
+  decreasing gain per bit — ``λ_j / E (D(w) - D(w'))`` with ``E`` the (head, side)'s total variance, so
+  heads and sides compete on the share of their own energy they keep; a component's first purchase also
+  pays its block scale and zero point and its basis column — until the bytes reach ``budget × dense
+  bf16`` at the worst point of the coming block cycle (reverse water-filling, greedily). Components
+  left at 0 bits are dropped (their mean remains).
+* **Blocks.** Tokens stay dense in a sink (the first ``sinks``) and a tail (the most recent, at least
+  ``residual``); whenever the tail holds ``block`` more, the oldest ``block`` are coded: coefficients
+  per component over the block's tokens, asymmetric min/max with an fp16 scale and zero point (per
+  channel, as KIVI quantizes keys; in this basis values are per channel too), codes bit-packed per width.
+  Tokens generated later are coded in the prompt's basis at the prompt's widths.
+* **Attention** (the PyTorch path): blocks decoded a tile at a time, keys rotated by RoPE at their
+  positions, the tile's softmax state merged with the sink's, the tail's and the chunk's; the dense
+  history never exists as a whole.
+
+Bytes (``nbytes()``: the tensors held): the sink and tail in ``storage_dtype``; per (head, side) the mean
+``4 d``, the widths ``d`` and ``2 d`` per coded component (its basis column); per block and (head, side)
+``block · Σ_j w_j / 8`` bytes of codes and ``4`` bytes per coded component (scale and zero point).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.softmax_merge import dense_partial
+from ..config import MethodConfig, choice, integer, number, option
+from ..ops.accounting import dense_bf16_bytes
+from ..ops.bitpack import pack_bitstream, unpack_bitstream
+from ..ops.rope import invert_rope, rope_at
+from ..registry import register_method
+from .base import LayerLayout
+from .quant import quantize_minmax
+from .segmented import SegmentedStore
+
+SIDES = ("k", "v")
+PARAM_BYTES = 4  # fp16 scale and zero point of one coded component in one block
+
+
+@dataclass(frozen=True)
+class PCAQuantConfig(MethodConfig):
+    """Attributes:
+        budget: target fraction of the dense bf16 bytes (default 0.28).
+        sinks: leading tokens kept dense (attention sinks).
+        residual: recent tokens kept dense at least (the tail holds up to ``residual + block - 1``).
+        block: tokens coded together (one scale and zero point per component per block); a multiple of 8.
+        max_bits: the widest code of a component.
+        key_rope: ``auto`` (pre-RoPE keys where the layer has RoPE), ``pre`` or ``post``.
+        tile_blocks: blocks decoded per attention tile (the PyTorch path).
+    """
+
+    budget: float | None = option(0.28, number(0.0, 1.0, low_open=True), "target fraction of the dense bf16 KV bytes")
+    sinks: int = option(4, integer(minimum=0), "leading tokens kept dense")
+    residual: int = option(32, integer(minimum=0), "recent tokens kept dense at least")
+    block: int = option(128, integer(minimum=8), "tokens coded together (a multiple of 8)")
+    max_bits: int = option(8, integer(minimum=2, maximum=8), "widest code of a component")
+    key_rope: str = option("auto", choice("auto", "pre", "post"), "basis of keys before or after RoPE")
+    tile_blocks: int = option(8, integer(minimum=1), "blocks decoded per attention tile")
+
+    def check(self) -> None:
+        if self.block % 8:
+            raise self.error(f"block must be a multiple of 8 (whole bytes of codes at any width), got {self.block}")
+
+
+def minmax_distortion(width: int, block: int) -> float:
+    """Mean squared error of a unit-variance Gaussian coefficient coded at ``width`` bits by the block's
+    min/max quantizer, relative to dropping it (1.0 = no better than its mean).
+
+    The range of ``block`` Gaussian samples is about ``2 sqrt(2 ln block)`` (5.8 at 64, 6.2 at 128); a
+    uniform step over it errs by ``step² / 12``. At one bit that is worse than dropping the component
+    (the two levels sit at the extremes), which is why a component's first purchase is two bits.
+    """
+    if width == 0:
+        return 1.0
+    step = 2.0 * math.sqrt(2.0 * math.log(block)) / (2 ** width - 1)
+    return min(1.0, step * step / 12.0)
+
+
+def water_fill_order(variances: torch.Tensor, max_bits: int, block: int,
+                     first_cost: float) -> list[tuple[int, int, int, int]]:
+    """The order in which bits are bought: ``(head, side, component, new width)``, best gain per bit first.
+
+    Args:
+        variances: ``[H, 2, d]`` component variances (keys then values).
+        max_bits: the widest code (at least 2).
+        block: tokens per block (the quantizer's range, :func:`minmax_distortion`).
+        first_cost: the extra cost, in bits per token, of coding a component at all (its block scale and
+            zero point, its basis column), added to its first purchase.
+
+    A component is bought at 2 bits first, then one bit at a time; the gain of a purchase is the share of
+    the (head, side)'s variance it removes (:func:`minmax_distortion`), so heads and sides compete on the
+    share of their own energy they keep. Components of zero variance are never coded.
+    """
+    share = variances / variances.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+    dist = [minmax_distortion(w, block) for w in range(max_bits + 1)]
+
+    def entry(s: float, h: int, side: int, j: int, w: int):
+        new = 2 if w == 0 else w + 1
+        cost = (new - w) + (first_cost if w == 0 else 0.0)
+        return (-s * (dist[w] - dist[new]) / cost, h, side, j, new)
+
+    H, S, d = share.shape
+    heap = [entry(float(share[h, side, j]), h, side, j, 0)
+            for h in range(H) for side in range(S) for j in range(d) if share[h, side, j] > 0]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        _, h, side, j, new = heapq.heappop(heap)
+        order.append((h, side, j, new))
+        if new < max_bits:
+            heapq.heappush(heap, entry(float(share[h, side, j]), h, side, j, new))
+    return order
+
+
+@register_method("pca_quant")
+class PCAQuantStore(SegmentedStore):
+    """[dense sink] [coded blocks] [dense tail]; per (head, side): ``basis [d, coded]`` fp16, ``mean [d]`` fp32,
+    ``widths [d]`` uint8, per width a stream of codes (one packed run per block), ``scale``/``zero``
+    ``[blocks, coded components]`` fp16."""
+
+    Config = PCAQuantConfig
+
+    def __init__(self, layout: LayerLayout, config: PCAQuantConfig):
+        super().__init__(layout, config)
+        self.pre_rope = layout.rope is not None and config.key_rope in ("auto", "pre")
+        if config.key_rope == "pre" and layout.rope is None:
+            raise ValueError("pca_quant: key_rope='pre' needs a layer with RoPE")
+        H, d = layout.kv_heads, layout.head_dim
+        self.basis: dict[tuple[int, int], torch.Tensor] | None = None  # (side, head) -> [d, coded] fp16
+        self.mean: torch.Tensor | None = None  # [2, H, d] fp32
+        self.widths: torch.Tensor | None = None  # [2, H, d] uint8
+        self.codes: dict[tuple[int, int, int], torch.Tensor] = {}  # (side, head, width) -> uint8 stream
+        self.scale: dict[tuple[int, int], torch.Tensor] = {}  # (side, head) -> [blocks, coded] fp16
+        self.zero: dict[tuple[int, int], torch.Tensor] = {}
+        self.n_blocks = 0
+        self.history_start = 0  # position of the first coded token
+        self._shape = (H, d)
+
+    # -- layout -------------------------------------------------------------------------------
+
+    @property
+    def sink_capacity(self) -> int:
+        return self.config.sinks
+
+    def resolved_params(self) -> dict:
+        if self.widths is None:
+            return {}
+        w = self.widths.float()
+        return {"mean_bits_keys": round(float(w[0].mean()), 3), "mean_bits_values": round(float(w[1].mean()), 3),
+                "coded_components": int((self.widths > 0).sum())}
+
+    def history_tensors(self) -> dict[str, torch.Tensor]:
+        if self.basis is None:
+            return {}
+        out = {"mean": self.mean, "widths": self.widths}
+        for (side, h), t in self.basis.items():
+            out[f"basis_{SIDES[side]}{h}"] = t
+        for (side, h, w), t in self.codes.items():
+            out[f"codes_{SIDES[side]}{h}_w{w}"] = t
+        for (side, h), t in self.scale.items():
+            out[f"scale_{SIDES[side]}{h}"] = t
+            out[f"zero_{SIDES[side]}{h}"] = self.zero[(side, h)]
+        return out
+
+    # -- bytes and widths ---------------------------------------------------------------------
+
+    def _bytes(self, seq: int, bits: torch.Tensor) -> int:
+        """Bytes held at ``seq`` tokens with widths ``bits [2, H, d]`` (the block policy of :meth:`compress`)."""
+        H, d = self._shape
+        cfg, elem = self.config, self.storage_dtype.itemsize
+        sink = min(cfg.sinks, seq)
+        blocks = max(0, (seq - sink - cfg.residual) // cfg.block)
+        dense = (seq - blocks * cfg.block) * 2 * H * d * elem
+        coded = int((bits > 0).sum())
+        fixed = 2 * H * (4 * d + d) + 2 * d * coded  # means, widths; fp16 basis columns of coded components
+        per_block = int(bits.sum()) * cfg.block // 8 + PARAM_BYTES * coded
+        return dense + (fixed + blocks * per_block if blocks else 0)
+
+    def _solve_widths(self, variances: torch.Tensor) -> torch.Tensor:
+        """Widths ``[2, H, d]`` uint8 for component variances ``[2, H, d]``: the most bits of
+        :func:`water_fill_order` whose bytes stay within the budget over the coming block cycle."""
+        cfg = self.config
+        H, d = self._shape
+        seq = self.seq_len
+        # A coded component's scale and zero point per block, and its fp16 basis column once (over the
+        # tokens coded now), in bits per token.
+        first_cost = 8.0 * PARAM_BYTES / cfg.block + 16.0 * d / max(1, seq)
+        order = water_fill_order(variances.permute(1, 0, 2), cfg.max_bits, cfg.block, first_cost)
+
+        def widths_after(k: int) -> torch.Tensor:
+            w = torch.zeros(2, H, d, dtype=torch.int64)
+            for h, side, j, new in order[:k]:
+                w[side, h, j] = new
+            return w
+
+        def fits(w: torch.Tensor) -> bool:
+            return all(self._bytes(s, w) <= cfg.budget * dense_bf16_bytes(s, H, d)
+                       for s in range(seq, seq + cfg.block))
+
+        if not fits(widths_after(0)):
+            need = max(self._bytes(s, widths_after(0)) / dense_bf16_bytes(s, H, d) for s in range(seq, seq + cfg.block))
+            raise ValueError(f"pca_quant: budget {cfg.budget} cannot be reached at {seq} tokens: the dense sink "
+                             f"and tail, the bases and no code at all need {need:.3f} of the dense bytes")
+        lo, hi = 0, len(order)  # bytes grow with every bit bought: the most that fit, by bisection
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(widths_after(mid)) else (lo, mid - 1)
+        return widths_after(lo).to(torch.uint8)
+
+    # -- coding ---------------------------------------------------------------------------------
+
+    def _pre_rope(self, k: torch.Tensor, first: int) -> torch.Tensor:
+        if not self.pre_rope:
+            return k
+        cos, sin = self.layout.rope.cos_sin(torch.arange(first, first + k.shape[1], device=k.device))
+        return invert_rope(k, cos, sin)
+
+    def _fit(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Bases, means and widths from the tail's tokens ``k`` (pre-RoPE where configured), ``v``
+        ``[H, n, d]`` fp32."""
+        x = torch.stack([k, v]).double()  # [2, H, n, d]
+        mean = x.mean(dim=2)
+        xc = x - mean[:, :, None]
+        cov = xc.transpose(-1, -2) @ xc / x.shape[2]
+        lam, vec = torch.linalg.eigh(cov)  # ascending
+        lam, vec = lam.flip(-1).clamp_min(0), vec.flip(-1)
+        self.mean = mean.float().to(k.device)
+        self.widths = self._solve_widths(lam.float()).to(k.device)
+        # Only the coded components' basis columns are kept: [d, coded] fp16 per (side, head), near
+        # orthonormal (fp16 rounds each entry by at most 2^-11 relative, far below any code's step), so
+        # Bᵀ is its inverse for coding and B itself for decoding.
+        self.basis = {(side, h): vec[side, h][:, torch.nonzero(self.widths[side, h]).flatten().cpu()]
+                      .to(torch.float16).to(k.device)
+                      for side in range(2) for h in range(self._shape[0])}
+
+    def compress(self) -> None:
+        cfg = self.config
+        n_new = max(0, (self.tail_k.shape[1] - cfg.residual) // cfg.block)
+        if n_new == 0:
+            return
+        if self.basis is None:
+            self.history_start = self.tail_start
+            self._fit(self._pre_rope(self.tail_k.float(), self.tail_start), self.tail_v.float())
+        first = self.tail_start
+        k, v = self.pop_tail(n_new * cfg.block)
+        x = torch.stack([self._pre_rope(k.float(), first), v.float()]) - self.mean[:, :, None]  # [2, H, n, d]
+        H, d = self._shape
+        for side in range(2):
+            for h in range(H):
+                w = self.widths[side, h]
+                coded = torch.nonzero(w).flatten()
+                c = (x[side, h] @ self.basis[(side, h)].float()).reshape(n_new, cfg.block, -1)  # [blocks, block, coded]
+                scales, zeros = [], []
+                for width in sorted(set(w[coded].tolist())):
+                    cols = torch.nonzero(w[coded] == width).flatten()
+                    codes, scale, zero = quantize_minmax(c[:, :, cols], dim=1, bits=width)
+                    scales.append((cols, scale[:, 0]))
+                    zeros.append((cols, zero[:, 0]))
+                    stream = torch.cat([pack_bitstream(codes[b].contiguous(), width)
+                                        for b in range(n_new)]).to(x.device)
+                    key = (side, h, width)
+                    self.codes[key] = torch.cat([self.codes[key], stream]) if key in self.codes else stream
+                sc = torch.empty(n_new, len(coded), dtype=torch.float16, device=x.device)
+                ze = torch.empty(n_new, len(coded), dtype=torch.float16, device=x.device)
+                for (cols, s), (_, z) in zip(scales, zeros):
+                    sc[:, cols], ze[:, cols] = s, z
+                key = (side, h)
+                self.scale[key] = torch.cat([self.scale[key], sc]) if key in self.scale else sc
+                self.zero[key] = torch.cat([self.zero[key], ze]) if key in self.zero else ze
+        self.n_blocks += n_new
+
+    def decoded(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (post-RoPE) and values of blocks ``[lo, hi)`` as ``[H, (hi - lo) · block, d]`` fp32."""
+        cfg = self.config
+        H, d = self._shape
+        n, B = hi - lo, cfg.block
+        dev = self.mean.device
+        out = torch.zeros(2, H, n * B, d, device=dev)
+        for side in range(2):
+            for h in range(H):
+                w = self.widths[side, h]
+                coded = torch.nonzero(w).flatten()
+                c = torch.zeros(n, B, len(coded), device=dev)
+                scale = self.scale[(side, h)][lo:hi].float()
+                zero = self.zero[(side, h)][lo:hi].float()
+                for width in sorted(set(w[coded].tolist())):
+                    cols = torch.nonzero(w[coded] == width).flatten()
+                    per_block = B * len(cols) * width // 8
+                    stream = self.codes[(side, h, width)][lo * per_block:hi * per_block]
+                    codes = unpack_bitstream(stream, width, n * B * len(cols)).reshape(n, B, len(cols)).to(dev).float()
+                    c[:, :, cols] = codes * scale[:, None, cols] + zero[:, None, cols]
+                out[side, h] = c.reshape(n * B, -1) @ self.basis[(side, h)].float().T + self.mean[side, h]
+        k, v = out[0], out[1]
+        if self.pre_rope:
+            k = rope_at(self.layout.rope, k, self.history_start + lo * B)
+        return k, v
+
+    # -- attention --------------------------------------------------------------------------------
+
+    def history_dense(self):
+        if not self.n_blocks:
+            return self.empty_history()
+        return self.decoded(0, self.n_blocks)
+
+    def history_partials(self, qg, scaling):
+        states = []
+        for lo in range(0, self.n_blocks, self.config.tile_blocks):
+            k, v = self.decoded(lo, min(self.n_blocks, lo + self.config.tile_blocks))
+            states.append(dense_partial(qg, k.to(qg.dtype), v.to(qg.dtype), scaling))
+        return states
+

@@ -1,0 +1,108 @@
+"""``pca_quant``: water-filled widths, bytes against the tensors held, reconstruction quality against a
+threshold, pre-RoPE bases, refusals. (The registry-wide invariants are in test_method_matrix.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpack.ops.accounting import dense_bf16_bytes
+from kvpack.ops.rope import rope_at
+from kvpack.resident.pca_quant import PCAQuantConfig, PCAQuantStore, minmax_distortion, water_fill_order
+
+from .helpers import anchor_layout, correlated_kv
+
+
+def _store(H=2, d=64, T=2000, rope=True, seed=0, **cfg):
+    layout = anchor_layout(H=H, d=d, rope=rope)
+    store = PCAQuantStore(layout, PCAQuantConfig(**cfg))
+    k, v = correlated_kv(H, T, d, seed=seed)
+    if rope:
+        k = rope_at(layout.rope, k, 0)  # the model hands over post-RoPE keys
+    store.append(k, v)
+    return store, k, v
+
+
+def _snr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    return float(20 * torch.log10(x.norm() / (x - x_hat).norm()))
+
+
+def test_water_filling_buys_bits_where_the_variance_is():
+    # one head: keys with variances 16, 4, 1, 0; values flat
+    var = torch.tensor([[[16.0, 4.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]]])
+    order = water_fill_order(var, max_bits=8, block=128, first_cost=0.25)
+    keys = [(j, w) for h, side, j, w in order if side == 0]
+    assert keys[0] == (0, 2) and all(j != 3 for j, _ in keys)  # the largest first, at 2 bits; zero never
+    assert {w for _, w in keys} == set(range(2, 9))  # 2 bits first, then one at a time up to max_bits
+    # More variance, never fewer bits, at every point of the order.
+    widths = [0, 0, 0]
+    for j, w in keys:
+        widths[j] = w
+        assert widths[0] >= widths[1] >= widths[2], widths
+    assert len(order) == 3 * 7 + 4 * 7  # every coded component: one purchase of 2 bits, then 6 of 1
+
+
+def test_one_bit_min_max_is_no_better_than_dropping_the_component():
+    assert minmax_distortion(0, 128) == 1.0 and minmax_distortion(1, 128) == 1.0
+    assert minmax_distortion(2, 128) < 0.4 and minmax_distortion(8, 128) < 1e-4
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.28, 0.15])
+def test_bytes_are_the_tensors_held_and_within_the_budget(budget):
+    store, _, _ = _store(budget=budget)
+    H, d = 2, 64
+    assert store.n_blocks > 0
+    assert store.nbytes() == sum(t.numel() * t.element_size() for t in store.tensors().values())
+    assert store.nbytes() == store._bytes(store.seq_len, store.widths)  # the formula the widths were solved with
+    assert store.nbytes() <= budget * dense_bf16_bytes(store.seq_len, H, d)
+    for t in range(200):  # decoding: blocks coded as the tail fills, never above the budget
+        k, v = correlated_kv(H, 1, d, seed=100 + t)
+        store.append(rope_at(store.layout.rope, k, store.seq_len), v)
+        assert store.nbytes() <= budget * dense_bf16_bytes(store.seq_len, H, d), t
+
+
+def test_reconstruction_error_falls_as_the_budget_grows():
+    snr = {}
+    for budget in (0.15, 0.28, 0.5):
+        store, k, v = _store(budget=budget)
+        k_hat, v_hat = store.reconstruct()
+        snr[budget] = (_snr_db(k, k_hat), _snr_db(v, v_hat))
+    assert snr[0.5][0] > 30 and snr[0.5][1] > 30  # 0.5 of bf16 is 8 bits a value: near lossless
+    assert snr[0.28][0] > 20 and snr[0.28][1] > 20
+    assert snr[0.15][0] > 10 and snr[0.15][1] > 10
+    assert snr[0.15] < snr[0.28] < snr[0.5]
+
+
+def test_the_sink_and_the_tail_are_exact_and_the_history_is_decoded_in_order():
+    store, k, v = _store(budget=0.28, sinks=4, residual=32, block=128)
+    k_hat, v_hat = store.reconstruct()
+    tail = store.tail_k.shape[1]
+    bf16 = lambda x: x.to(torch.bfloat16).float()  # noqa: E731 - the dense regions' storage dtype
+    assert torch.equal(k_hat[:, :4], bf16(k[:, :4])) and torch.equal(v_hat[:, -tail:], bf16(v[:, -tail:]))
+    assert 32 <= tail < 32 + 128 and store.n_blocks * 128 + 4 + tail == 2000
+
+
+def test_a_pre_rope_basis_keeps_rotated_keys_better_than_a_post_rope_one():
+    pre, k, _ = _store(budget=0.15, key_rope="pre")
+    post, _, _ = _store(budget=0.15, key_rope="post")
+    assert _snr_db(k, pre.reconstruct()[0]) > _snr_db(k, post.reconstruct()[0]) + 3
+
+
+def test_attention_over_the_blocks_equals_attention_over_the_reconstruction():
+    from kvpack.attention.softmax_merge import dense_partial, merge_partials
+
+    store, _, _ = _store(budget=0.28)
+    qg = torch.randn(2, 3, 64, dtype=torch.float64)
+    got = merge_partials(store.stored_partials(qg, 0.125))
+    k_hat, v_hat = store.reconstruct()
+    want = dense_partial(qg, k_hat.double(), v_hat.double(), 0.125)
+    torch.testing.assert_close(got.o / got.l[..., None], want.o / want.l[..., None], rtol=1e-5, atol=1e-6)
+
+
+def test_refusals_name_the_problem():
+    with pytest.raises(ValueError, match="block must be a multiple of 8"):
+        PCAQuantConfig(block=100)
+    with pytest.raises(ValueError, match="cannot be reached at .* tokens"):
+        _store(budget=0.05, T=300, residual=64, block=128)
+    with pytest.raises(ValueError, match="key_rope='pre' needs a layer with RoPE"):
+        PCAQuantStore(anchor_layout(rope=False), PCAQuantConfig(key_rope="pre"))
