@@ -10,7 +10,7 @@ import torch
 
 from kvpack.hf.dense import to_dynamic_cache
 from kvpack.ops.bitalloc import Allocation, aligned_group_errors, allocate_bits, group_cost
-from kvpack.ops.bitpack import pack_bitstream, unpack_bitstream
+from kvpack.ops.bitpack import pack_bitstream, unpack_bitstream, unpack_bitstream_fast
 from kvpack.ops.group_quant import dequantize_groups, quantize_groups
 from kvpack.storage.kvtc.calibration import Calibration, CalibrationSettings, calibrate
 from kvpack.storage.kvtc.coder import compress_cache, decompress_cache, iter_decompressed_layers
@@ -80,6 +80,7 @@ def test_bitstream_roundtrip_exact(bits, n):
     packed = pack_bitstream(codes, bits)
     assert packed.numel() == (n * bits + 7) // 8
     assert torch.equal(unpack_bitstream(packed, bits, n), codes)
+    assert torch.equal(unpack_bitstream_fast(packed, bits, n), codes)  # the torch-only decoder, same codes
 
 
 @pytest.mark.parametrize("width", [1, 3, 8])

@@ -66,3 +66,19 @@ def unpack_bitstream(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     planes = np.unpackbits(packed.reshape(-1).cpu().numpy()[:need], bitorder="little")[: n * bits]
     codes = np.packbits(planes.reshape(n, bits), axis=1, bitorder="little")[:, 0]
     return torch.from_numpy(codes)
+
+
+def unpack_bitstream_fast(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """:func:`unpack_bitstream` in vectorised torch ops on ``packed``'s device (no NumPy round trip):
+    code ``i`` sits at bit ``i · bits``; a code of at most 8 bits spans at most two bytes, so each is one
+    16-bit window shifted and masked. Returns ``[n]`` uint8."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    need = (n * bits + 7) // 8
+    if packed.numel() < need:
+        raise ValueError(f"bit stream too short: {packed.numel()} bytes for {n} codes of {bits} bits")
+    stream = torch.cat([packed.reshape(-1)[:need], packed.new_zeros(1)]).to(torch.int32)
+    first = torch.arange(n, device=packed.device, dtype=torch.int64) * bits
+    byte, shift = first >> 3, (first & 7).to(torch.int32)
+    word = stream[byte] | (stream[byte + 1] << 8)
+    return ((word >> shift) & ((1 << bits) - 1)).to(torch.uint8)

@@ -42,7 +42,7 @@ import torch
 from ..attention.softmax_merge import dense_partial
 from ..config import MethodConfig, choice, integer, number, option
 from ..ops.accounting import dense_bf16_bytes
-from ..ops.bitpack import pack_bitstream, unpack_bitstream
+from ..ops.bitpack import pack_bitstream, unpack_bitstream_fast
 from ..ops.rope import invert_rope, rope_at
 from ..registry import register_method
 from .base import LayerLayout
@@ -303,7 +303,7 @@ class PCAQuantStore(SegmentedStore):
                     cols = torch.nonzero(w[coded] == width).flatten()
                     per_block = B * len(cols) * width // 8
                     stream = self.codes[(side, h, width)][lo * per_block:hi * per_block]
-                    codes = unpack_bitstream(stream, width, n * B * len(cols)).reshape(n, B, len(cols)).to(dev).float()
+                    codes = unpack_bitstream_fast(stream, width, n * B * len(cols)).reshape(n, B, len(cols)).float()
                     c[:, :, cols] = codes * scale[:, None, cols] + zero[:, None, cols]
                 out[side, h] = c.reshape(n * B, -1) @ self.basis[(side, h)].float().T + self.mean[side, h]
         k, v = out[0], out[1]
