@@ -71,7 +71,7 @@ class PCAQuantConfig(MethodConfig):
     block: int = option(128, integer(minimum=8), "tokens coded together (a multiple of 8)")
     max_bits: int = option(8, integer(minimum=2, maximum=8), "widest code of a component")
     key_rope: str = option("auto", choice("auto", "pre", "post"), "basis of keys before or after RoPE")
-    tile_blocks: int = option(8, integer(minimum=1), "blocks decoded per attention tile")
+    tile_blocks: int = option(64, integer(minimum=1), "blocks decoded per attention tile")
 
     def check(self) -> None:
         if self.block % 8:
@@ -272,8 +272,9 @@ class PCAQuantStore(SegmentedStore):
                     codes, scale, zero = quantize_minmax(c[:, :, cols], dim=1, bits=width)
                     scales.append((cols, scale[:, 0]))
                     zeros.append((cols, zero[:, 0]))
-                    stream = torch.cat([pack_bitstream(codes[b].contiguous(), width)
-                                        for b in range(n_new)]).to(x.device)
+                    # one stream for all new blocks: each block's run is whole bytes (block % 8 == 0), so
+                    # this is the blocks' runs back to back
+                    stream = pack_bitstream(codes.contiguous(), width).to(x.device)
                     key = (side, h, width)
                     self.codes[key] = torch.cat([self.codes[key], stream]) if key in self.codes else stream
                 sc = torch.empty(n_new, len(coded), dtype=torch.float16, device=x.device)
