@@ -74,9 +74,10 @@ def test_layer_contracts_hold():
 def _import_graph() -> dict[str, set[str]]:
     """``{module: kvpack modules it imports}``, every import statement counted (module level or inside a
     function, ``from . import x`` resolved to the submodule where ``x`` is one)."""
-    names = {name for _, name, _ in _modules()}
+    modules = list(_modules())  # each file parsed once
+    names = {name for _, name, _ in modules}
     graph: dict[str, set[str]] = {}
-    for path, module, tree in _modules():
+    for path, module, tree in modules:
         targets = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):

@@ -44,6 +44,14 @@ def rope_at(table: RotaryTable, x: torch.Tensor, first: int) -> torch.Tensor:
     return apply_rope(x, cos, sin)
 
 
+def unrope_at(table: RotaryTable, x: torch.Tensor, first: int) -> torch.Tensor:
+    """Post-RoPE keys ``x [..., n, d]`` (positions ``first .. first + n - 1``) rotated back to pre-RoPE:
+    the inverse of :func:`rope_at`."""
+    n = x.shape[-2]
+    cos, sin = table.cos_sin(torch.arange(first, first + n, device=x.device))
+    return invert_rope(x, cos, sin)
+
+
 def unrope_pages(table: RotaryTable, k: torch.Tensor, first: int) -> torch.Tensor:
     """Post-RoPE keys of whole pages ``k [H, n, P, d]`` (the first at position ``first``) rotated back
     to pre-RoPE (:func:`invert_rope`), for the codecs that factorize pre-RoPE keys."""

@@ -43,7 +43,7 @@ from ..attention.softmax_merge import dense_partial
 from ..config import MethodConfig, choice, integer, number, option
 from ..ops.accounting import dense_bf16_bytes
 from ..ops.bitpack import pack_bitstream, unpack_bitstream_fast
-from ..ops.rope import invert_rope, rope_at
+from ..ops.rope import rope_at, unrope_at
 from ..registry import register_method
 from .base import LayerLayout
 from .quant import quantize_minmax
@@ -141,7 +141,6 @@ class PCAQuantStore(SegmentedStore):
         self.pre_rope = layout.rope is not None and config.key_rope in ("auto", "pre")
         if config.key_rope == "pre" and layout.rope is None:
             raise ValueError("pca_quant: key_rope='pre' needs a layer with RoPE")
-        H, d = layout.kv_heads, layout.head_dim
         self.basis: dict[tuple[int, int], torch.Tensor] | None = None  # (side, head) -> [d, coded] fp16
         self.mean: torch.Tensor | None = None  # [2, H, d] fp32
         self.widths: torch.Tensor | None = None  # [2, H, d] uint8
@@ -150,7 +149,6 @@ class PCAQuantStore(SegmentedStore):
         self.zero: dict[tuple[int, int], torch.Tensor] = {}
         self.n_blocks = 0
         self.history_start = 0  # position of the first coded token
-        self._shape = (H, d)
 
     # -- layout -------------------------------------------------------------------------------
 
@@ -182,7 +180,7 @@ class PCAQuantStore(SegmentedStore):
 
     def _bytes(self, seq: int, bits: torch.Tensor) -> int:
         """Bytes held at ``seq`` tokens with widths ``bits [2, H, d]`` (the block policy of :meth:`compress`)."""
-        H, d = self._shape
+        H, d = self.layout.kv_heads, self.layout.head_dim
         cfg, elem = self.config, self.storage_dtype.itemsize
         sink = min(cfg.sinks, seq)
         blocks = max(0, (seq - sink - cfg.residual) // cfg.block)
@@ -196,7 +194,7 @@ class PCAQuantStore(SegmentedStore):
         """Widths ``[2, H, d]`` uint8 for component variances ``[2, H, d]``: the most bits of
         :func:`water_fill_order` whose bytes stay within the budget over the coming block cycle."""
         cfg = self.config
-        H, d = self._shape
+        H, d = self.layout.kv_heads, self.layout.head_dim
         seq = self.seq_len
         # A coded component's scale and zero point per block, and its fp16 basis column once (over the
         # tokens coded now), in bits per token.
@@ -226,10 +224,7 @@ class PCAQuantStore(SegmentedStore):
     # -- coding ---------------------------------------------------------------------------------
 
     def _pre_rope(self, k: torch.Tensor, first: int) -> torch.Tensor:
-        if not self.pre_rope:
-            return k
-        cos, sin = self.layout.rope.cos_sin(torch.arange(first, first + k.shape[1], device=k.device))
-        return invert_rope(k, cos, sin)
+        return unrope_at(self.layout.rope, k, first) if self.pre_rope else k
 
     def _fit(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Bases, means and widths from the tail's tokens ``k`` (pre-RoPE where configured), ``v``
@@ -247,7 +242,7 @@ class PCAQuantStore(SegmentedStore):
         # Bᵀ is its inverse for coding and B itself for decoding.
         self.basis = {(side, h): vec[side, h][:, torch.nonzero(self.widths[side, h]).flatten().cpu()]
                       .to(torch.float16).to(k.device)
-                      for side in range(2) for h in range(self._shape[0])}
+                      for side in range(2) for h in range(self.layout.kv_heads)}
 
     def compress(self) -> None:
         cfg = self.config
@@ -260,7 +255,7 @@ class PCAQuantStore(SegmentedStore):
         first = self.tail_start
         k, v = self.pop_tail(n_new * cfg.block)
         x = torch.stack([self._pre_rope(k.float(), first), v.float()]) - self.mean[:, :, None]  # [2, H, n, d]
-        H, d = self._shape
+        H = self.layout.kv_heads
         for side in range(2):
             for h in range(H):
                 w = self.widths[side, h]
@@ -289,7 +284,7 @@ class PCAQuantStore(SegmentedStore):
     def decoded(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (post-RoPE) and values of blocks ``[lo, hi)`` as ``[H, (hi - lo) · block, d]`` fp32."""
         cfg = self.config
-        H, d = self._shape
+        H, d = self.layout.kv_heads, self.layout.head_dim
         n, B = hi - lo, cfg.block
         dev = self.mean.device
         out = torch.zeros(2, H, n * B, d, device=dev)
