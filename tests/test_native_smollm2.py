@@ -26,9 +26,8 @@ def needle_ids(smollm2):
 
 
 def test_every_resident_method_but_full_has_a_backend_choice():
-    # kvtc stores bytes; FullKV is SDPA; hf_quantized is transformers' own QuantizedCache code (the peer);
-    # pca_quant has only its PyTorch path so far (its native kernel is the next step, named here so the gap shows)
-    resident = [m for m in available_methods() if m not in ("kvtc", "full", "hf_quantized", "pca_quant")]
+    # kvtc stores bytes; FullKV is SDPA; hf_quantized is transformers' own QuantizedCache code (the peer)
+    resident = [m for m in available_methods() if m not in ("kvtc", "full", "hf_quantized")]
     assert set(resident) <= set(WITH_BACKEND)
 
 

@@ -91,12 +91,54 @@ def test_a_pre_rope_basis_keeps_rotated_keys_better_than_a_post_rope_one():
 def test_attention_over_the_blocks_equals_attention_over_the_reconstruction():
     from kvpack.attention.softmax_merge import dense_partial, merge_partials
 
-    store, _, _ = _store(budget=0.28)
+    store, _, _ = _store(budget=0.28, attention_backend="torch")  # the PyTorch path, in fp64 here
     qg = torch.randn(2, 3, 64, dtype=torch.float64)
     got = merge_partials(store.stored_partials(qg, 0.125))
     k_hat, v_hat = store.reconstruct()
     want = dense_partial(qg, k_hat.double(), v_hat.double(), 0.125)
     torch.testing.assert_close(got.o / got.l[..., None], want.o / want.l[..., None], rtol=1e-5, atol=1e-6)
+
+
+native = pytest.importorskip("kvpack.attention.cpu").native
+
+
+@pytest.mark.parametrize("d,H,M,block,T,pre", [(64, 2, 3, 128, 2100, True), (80, 3, 7, 24, 700, True),
+                                              (48, 1, 1, 16, 300, False)])
+def test_native_kernel_matches_an_fp64_reference(d, H, M, block, T, pre):
+    """The CPU kernel against the PyTorch path in fp64 on odd shapes: a head of 80 (a partial vector), 7
+    query rows a head, blocks of 24 and 16, a split count that leaves a short last split, no RoPE."""
+    from kvpack.attention.pca_blocks import pca_blocks_partial, pca_blocks_partials
+    from kvpack.attention.softmax_merge import merge_partials
+
+    if native() is None:
+        pytest.skip("the native CPU kernels cannot be built here")
+    store, _, _ = _store(H=H, d=d, T=T, rope=pre, budget=0.3, block=block, residual=8)
+    blocks = store.blocks_view()
+    assert blocks.n_blocks > 12 and (blocks.rope is not None) == pre
+    assert len({w for runs in store.groups for w, _ in runs}) >= 3  # several widths, so several streams a block
+    qg = torch.randn(H, M, d, generator=torch.Generator().manual_seed(1))
+    got = pca_blocks_partial(blocks, qg, d ** -0.5)
+    want = merge_partials(pca_blocks_partials(blocks, qg.double(), d ** -0.5))
+    torch.testing.assert_close(got.o / got.l[..., None], (want.o / want.l[..., None]).float(), rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(got.m, want.m.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_native_kernel_refuses_a_layout_that_does_not_match_the_widths():
+    from kvpack.attention.pca_blocks import pca_quant_attention
+
+    if native() is None:
+        pytest.skip("the native CPU kernels cannot be built here")
+    store, _, _ = _store(budget=0.28)
+    b = store.blocks_view()
+    q = torch.randn(2, 3, 64)
+    cos, sin = store.layout.rope.table(store.seq_len, q.device)
+    args = (b.scale, b.zero, b.basis, b.mean, b.widths, cos, sin, b.block, True, b.first_position, 0.125, 16)
+    with pytest.raises(RuntimeError, match="codes must be contiguous uint8"):
+        pca_quant_attention(q, b.codes[:, 1:].contiguous(), *args)
+    bad = b.widths.clone()
+    bad[0, 0, -1] = 8
+    with pytest.raises(RuntimeError, match="non-increasing"):
+        pca_quant_attention(q, b.codes, b.scale, b.zero, b.basis, b.mean, bad, *args[5:])
 
 
 def test_refusals_name_the_problem():

@@ -39,17 +39,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.softmax_merge import dense_partial
+from ..attention.cpu import NATIVE_CHOICES, use_native
+from ..attention.pca_blocks import PCABlocks, pca_blocks_partial, pca_blocks_partials, width_groups
 from ..config import MethodConfig, choice, integer, number, option
 from ..ops.accounting import dense_bf16_bytes
-from ..ops.bitpack import pack_bitstream, unpack_bitstream_fast
-from ..ops.rope import rope_at, unrope_at
+from ..ops.bitpack import pack_bitstream
+from ..ops.rope import unrope_at
 from ..registry import register_method
 from .base import LayerLayout
 from .quant import quantize_minmax
 from .segmented import SegmentedStore
 
-SIDES = ("k", "v")
 PARAM_BYTES = 4  # fp16 scale and zero point of one coded component in one block
 
 
@@ -63,6 +63,8 @@ class PCAQuantConfig(MethodConfig):
         max_bits: the widest code of a component.
         key_rope: ``auto`` (pre-RoPE keys where the layer has RoPE), ``pre`` or ``post``.
         tile_blocks: blocks decoded per attention tile (the PyTorch path).
+        attention_backend: ``auto`` (the native CPU kernel for CPU tensors where it is built, else
+            PyTorch), ``native`` or ``torch`` (the reference path).
     """
 
     budget: float | None = option(0.28, number(0.0, 1.0, low_open=True), "target fraction of the dense bf16 KV bytes")
@@ -71,7 +73,8 @@ class PCAQuantConfig(MethodConfig):
     block: int = option(128, integer(minimum=8), "tokens coded together (a multiple of 8)")
     max_bits: int = option(8, integer(minimum=2, maximum=8), "widest code of a component")
     key_rope: str = option("auto", choice("auto", "pre", "post"), "basis of keys before or after RoPE")
-    tile_blocks: int = option(64, integer(minimum=1), "blocks decoded per attention tile")
+    tile_blocks: int = option(64, integer(minimum=1), "blocks decoded per attention tile (the PyTorch path)")
+    attention_backend: str = option("auto", choice(*NATIVE_CHOICES), "attention path for stored tokens")
 
     def check(self) -> None:
         if self.block % 8:
@@ -130,9 +133,9 @@ def water_fill_order(variances: torch.Tensor, max_bits: int, block: int,
 
 @register_method("pca_quant")
 class PCAQuantStore(SegmentedStore):
-    """[dense sink] [coded blocks] [dense tail]; per (head, side): ``basis [d, coded]`` fp16, ``mean [d]`` fp32,
-    ``widths [d]`` uint8, per width a stream of codes (one packed run per block), ``scale``/``zero``
-    ``[blocks, coded components]`` fp16."""
+    """[dense sink] [coded blocks] [dense tail]; the coded blocks as :class:`~kvpack.attention.pca_blocks.PCABlocks`
+    lays them out: ``codes [blocks, R]`` uint8, ``scale``/``zero [blocks, C]`` fp16, ``basis [C, d]`` fp16,
+    ``mean [2, H, d]`` fp32, ``widths [2, H, d]`` uint8 (``C`` coded components over every (side, head))."""
 
     Config = PCAQuantConfig
 
@@ -141,14 +144,18 @@ class PCAQuantStore(SegmentedStore):
         self.pre_rope = layout.rope is not None and config.key_rope in ("auto", "pre")
         if config.key_rope == "pre" and layout.rope is None:
             raise ValueError("pca_quant: key_rope='pre' needs a layer with RoPE")
-        self.basis: dict[tuple[int, int], torch.Tensor] | None = None  # (side, head) -> [d, coded] fp16
+        self.basis: torch.Tensor | None = None  # [C, d] fp16, a row per coded component
         self.mean: torch.Tensor | None = None  # [2, H, d] fp32
-        self.widths: torch.Tensor | None = None  # [2, H, d] uint8
-        self.codes: dict[tuple[int, int, int], torch.Tensor] = {}  # (side, head, width) -> uint8 stream
-        self.scale: dict[tuple[int, int], torch.Tensor] = {}  # (side, head) -> [blocks, coded] fp16
-        self.zero: dict[tuple[int, int], torch.Tensor] = {}
-        self.n_blocks = 0
+        self.widths: torch.Tensor | None = None  # [2, H, d] uint8, non-increasing per (side, head)
+        self.groups: list[list[tuple[int, int]]] = []  # per (side, head): (width, count) runs, widest first
+        self.codes: torch.Tensor | None = None  # [blocks, R] uint8
+        self.scale: torch.Tensor | None = None  # [blocks, C] fp16
+        self.zero: torch.Tensor | None = None
         self.history_start = 0  # position of the first coded token
+
+    @property
+    def n_blocks(self) -> int:
+        return 0 if self.codes is None else self.codes.shape[0]
 
     # -- layout -------------------------------------------------------------------------------
 
@@ -164,17 +171,14 @@ class PCAQuantStore(SegmentedStore):
                 "coded_components": int((self.widths > 0).sum())}
 
     def history_tensors(self) -> dict[str, torch.Tensor]:
-        if self.basis is None:
+        if self.codes is None:
             return {}
-        out = {"mean": self.mean, "widths": self.widths}
-        for (side, h), t in self.basis.items():
-            out[f"basis_{SIDES[side]}{h}"] = t
-        for (side, h, w), t in self.codes.items():
-            out[f"codes_{SIDES[side]}{h}_w{w}"] = t
-        for (side, h), t in self.scale.items():
-            out[f"scale_{SIDES[side]}{h}"] = t
-            out[f"zero_{SIDES[side]}{h}"] = self.zero[(side, h)]
-        return out
+        return {"mean": self.mean, "widths": self.widths, "basis": self.basis, "codes": self.codes,
+                "scale": self.scale, "zero": self.zero}
+
+    def blocks_view(self) -> PCABlocks:
+        return PCABlocks(self.codes, self.scale, self.zero, self.basis, self.mean, self.widths, self.config.block,
+                         self.layout.rope if self.pre_rope else None, self.history_start, self.config.tile_blocks)
 
     # -- bytes and widths ---------------------------------------------------------------------
 
@@ -235,14 +239,22 @@ class PCAQuantStore(SegmentedStore):
         cov = xc.transpose(-1, -2) @ xc / x.shape[2]
         lam, vec = torch.linalg.eigh(cov)  # ascending
         lam, vec = lam.flip(-1).clamp_min(0), vec.flip(-1)
+        widths = self._solve_widths(lam.float())
+        # Components in decreasing width (stable: decreasing variance within a width), so each (side, head)'s
+        # coded components lead and group by width — the layout the attention paths read. Water-filling
+        # already gives more variance no fewer bits within a (side, head); the sort makes it a guarantee.
+        order = torch.sort(widths.to(torch.int64), dim=-1, descending=True, stable=True).indices
+        self.widths = torch.gather(widths, -1, order).to(k.device)
+        vec = torch.gather(vec, -1, order[:, :, None, :].expand_as(vec))
         self.mean = mean.float().to(k.device)
-        self.widths = self._solve_widths(lam.float()).to(k.device)
-        # Only the coded components' basis columns are kept: [d, coded] fp16 per (side, head), near
-        # orthonormal (fp16 rounds each entry by at most 2^-11 relative, far below any code's step), so
-        # Bᵀ is its inverse for coding and B itself for decoding.
-        self.basis = {(side, h): vec[side, h][:, torch.nonzero(self.widths[side, h]).flatten().cpu()]
-                      .to(torch.float16).to(k.device)
-                      for side in range(2) for h in range(self.layout.kv_heads)}
+        self.groups = width_groups(self.widths)
+        # Only the coded components' basis vectors are kept, fp16 rows [C, d]: near orthonormal (fp16
+        # rounds each entry by at most 2^-11 relative, far below any code's step), so B is its own
+        # inverse for coding (c = x Bᵀ) and decoding (x = c B).
+        H = self.layout.kv_heads
+        rows = [vec[side, h][:, :sum(n for _, n in self.groups[side * H + h])].T
+                for side in range(2) for h in range(H)]
+        self.basis = torch.cat(rows).to(torch.float16).to(k.device)
 
     def compress(self) -> None:
         cfg = self.config
@@ -256,58 +268,41 @@ class PCAQuantStore(SegmentedStore):
         k, v = self.pop_tail(n_new * cfg.block)
         x = torch.stack([self._pre_rope(k.float(), first), v.float()]) - self.mean[:, :, None]  # [2, H, n, d]
         H = self.layout.kv_heads
-        for side in range(2):
-            for h in range(H):
-                w = self.widths[side, h]
-                coded = torch.nonzero(w).flatten()
-                c = (x[side, h] @ self.basis[(side, h)].float()).reshape(n_new, cfg.block, -1)  # [blocks, block, coded]
-                scales, zeros = [], []
-                for width in sorted(set(w[coded].tolist())):
-                    cols = torch.nonzero(w[coded] == width).flatten()
-                    codes, scale, zero = quantize_minmax(c[:, :, cols], dim=1, bits=width)
-                    scales.append((cols, scale[:, 0]))
-                    zeros.append((cols, zero[:, 0]))
-                    # one stream for all new blocks: each block's run is whole bytes (block % 8 == 0), so
-                    # this is the blocks' runs back to back
-                    stream = pack_bitstream(codes.contiguous(), width).to(x.device)
-                    key = (side, h, width)
-                    self.codes[key] = torch.cat([self.codes[key], stream]) if key in self.codes else stream
-                sc = torch.empty(n_new, len(coded), dtype=torch.float16, device=x.device)
-                ze = torch.empty(n_new, len(coded), dtype=torch.float16, device=x.device)
-                for (cols, s), (_, z) in zip(scales, zeros):
-                    sc[:, cols], ze[:, cols] = s, z
-                key = (side, h)
-                self.scale[key] = torch.cat([self.scale[key], sc]) if key in self.scale else sc
-                self.zero[key] = torch.cat([self.zero[key], ze]) if key in self.zero else ze
-        self.n_blocks += n_new
+        runs, scales, zeros = [], [], []
+        col = 0
+        for i, groups in enumerate(self.groups):
+            side, h = divmod(i, H)
+            coded = sum(n for _, n in groups)
+            basis = self.basis[col:col + coded].float()  # [coded, d]
+            c = (x[side, h] @ basis.T).reshape(n_new, cfg.block, coded)  # [blocks, block, coded]
+            j = 0
+            for width, count in groups:
+                codes, scale, zero = quantize_minmax(c[:, :, j:j + count], dim=1, bits=width)
+                # [blocks, block, count] packed per block: each block's stream is whole bytes (block % 8 == 0)
+                runs.append(pack_bitstream(codes.contiguous(), width).reshape(n_new, -1).to(x.device))
+                scales.append(scale[:, 0].to(torch.float16))
+                zeros.append(zero[:, 0].to(torch.float16))
+                j += count
+            col += coded
+        codes = torch.cat(runs, dim=1) if runs else x.new_empty(n_new, 0, dtype=torch.uint8)
+        scale = torch.cat(scales, dim=1) if scales else x.new_empty(n_new, 0, dtype=torch.float16)
+        zero = torch.cat(zeros, dim=1) if zeros else x.new_empty(n_new, 0, dtype=torch.float16)
+        if self.codes is None:
+            self.codes, self.scale, self.zero = codes, scale, zero
+        else:
+            self.codes = torch.cat([self.codes, codes])
+            self.scale = torch.cat([self.scale, scale])
+            self.zero = torch.cat([self.zero, zero])
 
     def decoded(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (post-RoPE) and values of blocks ``[lo, hi)`` as ``[H, (hi - lo) · block, d]`` fp32."""
-        cfg = self.config
-        H, d = self.layout.kv_heads, self.layout.head_dim
-        n, B = hi - lo, cfg.block
-        dev = self.mean.device
-        out = torch.zeros(2, H, n * B, d, device=dev)
-        for side in range(2):
-            for h in range(H):
-                w = self.widths[side, h]
-                coded = torch.nonzero(w).flatten()
-                c = torch.zeros(n, B, len(coded), device=dev)
-                scale = self.scale[(side, h)][lo:hi].float()
-                zero = self.zero[(side, h)][lo:hi].float()
-                for width in sorted(set(w[coded].tolist())):
-                    cols = torch.nonzero(w[coded] == width).flatten()
-                    per_block = B * len(cols) * width // 8
-                    stream = self.codes[(side, h, width)][lo * per_block:hi * per_block]
-                    codes = unpack_bitstream_fast(stream, width, n * B * len(cols)).reshape(n, B, len(cols)).float()
-                    c[:, :, cols] = codes * scale[:, None, cols] + zero[:, None, cols]
-                out[side, h] = c.reshape(n * B, -1) @ self.basis[(side, h)].float().T + self.mean[side, h]
-        k, v = out[0], out[1]
-        if self.pre_rope:
-            k = rope_at(self.layout.rope, k, self.history_start + lo * B)
-        return k, v
+        return self.blocks_view().decoded(lo, hi)
 
     # -- attention --------------------------------------------------------------------------------
+
+    @property
+    def attention_backend(self) -> str:
+        return self.config.attention_backend
 
     def history_dense(self):
         if not self.n_blocks:
@@ -315,9 +310,8 @@ class PCAQuantStore(SegmentedStore):
         return self.decoded(0, self.n_blocks)
 
     def history_partials(self, qg, scaling):
-        states = []
-        for lo in range(0, self.n_blocks, self.config.tile_blocks):
-            k, v = self.decoded(lo, min(self.n_blocks, lo + self.config.tile_blocks))
-            states.append(dense_partial(qg, k.to(qg.dtype), v.to(qg.dtype), scaling))
-        return states
-
+        if not self.n_blocks:
+            return []
+        if qg.dtype != torch.float64 and use_native(self.config.attention_backend, qg.device):  # fp64: the reference
+            return [pca_blocks_partial(self.blocks_view(), qg, scaling)]
+        return pca_blocks_partials(self.blocks_view(), qg, scaling)

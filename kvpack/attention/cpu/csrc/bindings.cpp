@@ -37,6 +37,10 @@ State anchor_segment_attention(
     const at::Tensor& fine_mask_v, const at::Tensor& fine_prefix_v, const at::Tensor& fine_res_v,
     const at::Tensor& fine_scale_v, const at::Tensor& fine_levels, c10::ArrayRef<double> levels, double hfactor,
     double scaling, int64_t first_position, int64_t blocks_per_split);
+State pca_quant_attention(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scale,
+                          const at::Tensor& zero, const at::Tensor& basis, const at::Tensor& mean,
+                          const at::Tensor& widths, const at::Tensor& cos, const at::Tensor& sin, int64_t block,
+                          bool pre_rope, int64_t first_position, double scaling, int64_t blocks_per_split);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attend(const at::Tensor& m, const at::Tensor& l,
                                                             const at::Tensor& o, const at::Tensor& q,
                                                             const at::Tensor& tail_k, const at::Tensor& tail_v,
@@ -68,6 +72,7 @@ TORCH_LIBRARY_IMPL(kvpack, CPU, m) {
   m.impl("puzzle_attention", &kvpack::puzzle_attention);
   m.impl("puzzle_ragged_attention", &kvpack::puzzle_ragged_attention);
   m.impl("anchor_segment_attention", &kvpack::anchor_segment_attention);
+  m.impl("pca_quant_attention", &kvpack::pca_quant_attention);
   m.impl("chunk_attend", &kvpack::chunk_attend);
 }
 

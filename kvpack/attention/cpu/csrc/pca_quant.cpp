@@ -1,0 +1,179 @@
+// kvpack::pca_quant_attention on CPU: grouped queries over blocks coded in a per-head principal-component
+// basis (layouts in kvpack/attention/pca_blocks.py), read where the store keeps them.
+//
+// Per (KV head, split of blocks), per block of G tokens:
+//   keys:   the codes of the head's Ck key components are widened and dequantized into coefficients
+//           c [G, Ck] (c = code * scale + zero, per component), each key rebuilt as mean + sum_j c_tj b_j
+//           (`combine`: the row stays in registers over the Ck basis rows), rotated by RoPE at its position
+//           where the basis is pre-RoPE, then scored against the M query rows;
+//   values: never rebuilt. sum_t p_t v_t = mean sum_t p_t + sum_j (sum_t p_t c_tj) b_j, so the split's
+//           online-softmax state is kept over the Cv coefficients ([M, Cv]) and turned into [M, D] once,
+//           when the split ends (Cv basis rows per query row).
+// Numerics: fp32 throughout; the fp16 basis, scales and zero points are widened once per split / block.
+#include "common.h"
+
+namespace kvpack {
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the code streams are read as little-endian words");
+
+// n codes of W bits from a little-endian stream (code i at bits [i W, (i + 1) W)) -> floats, n a multiple
+// of 8: eight codes are exactly W bytes, read as one word, so no code straddles the read and no byte past
+// the stream is touched.
+template <int W>
+inline void widen_codes(const uint8_t* __restrict src, int64_t n, float* __restrict dst) {
+  constexpr uint64_t mask = (uint64_t(1) << W) - 1;
+  for (int64_t i = 0; i < n; i += 8, src += W) {
+    uint64_t word = 0;
+    std::memcpy(&word, src, W);
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) dst[i + k] = float((word >> (k * W)) & mask);
+  }
+}
+
+inline void widen_codes_any(int w, const uint8_t* src, int64_t n, float* dst) {
+  switch (w) {
+    case 1: return widen_codes<1>(src, n, dst);
+    case 2: return widen_codes<2>(src, n, dst);
+    case 3: return widen_codes<3>(src, n, dst);
+    case 4: return widen_codes<4>(src, n, dst);
+    case 5: return widen_codes<5>(src, n, dst);
+    case 6: return widen_codes<6>(src, n, dst);
+    case 7: return widen_codes<7>(src, n, dst);
+    default: return widen_codes<8>(src, n, dst);
+  }
+}
+
+// One (side, head)'s place in the layout: its coded components' width runs, first column and first byte.
+struct Coded {
+  std::vector<std::pair<int, int64_t>> runs;  // (width, components), widest first
+  int64_t count = 0, col = 0, byte = 0, bits = 0;  // components, first column of scale/zero/basis, first
+                                                   // byte of a block's row, sum of widths
+};
+
+// A block's coefficients c [G, count] (row stride `count`) of one (side, head): each width's stream widened
+// into `raw` [G, n_w], then dequantized column by column into place.
+inline void block_coefficients(const Coded& cd, const uint8_t* row, const c10::Half* scale, const c10::Half* zero,
+                               int64_t G, std::vector<float>& raw, std::vector<float>& sz, float* c) {
+  const uint8_t* src = row + cd.byte;
+  widen_row(scale + cd.col, sz.data(), cd.count);
+  widen_row(zero + cd.col, sz.data() + cd.count, cd.count);
+  const float* s = sz.data();
+  const float* z = sz.data() + cd.count;
+  int64_t j0 = 0;
+  for (const auto& [w, n] : cd.runs) {
+    widen_codes_any(w, src, G * n, raw.data());
+    for (int64_t t = 0; t < G; ++t) {
+      const float* r = raw.data() + t * n;
+      float* ct = c + t * cd.count + j0;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) ct[j] = r[j] * s[j0 + j] + z[j0 + j];
+    }
+    src += G * n * w / 8;
+    j0 += n;
+  }
+}
+
+State pca_quant_attention(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scale,
+                          const at::Tensor& zero, const at::Tensor& basis, const at::Tensor& mean,
+                          const at::Tensor& widths, const at::Tensor& cos, const at::Tensor& sin, int64_t block,
+                          bool pre_rope, int64_t first_position, double scaling, int64_t blocks_per_split) {
+  check_queries(q);
+  const int64_t H = q.size(0), M = q.size(1), D = q.size(2), G = block;
+  TORCH_CHECK(G > 0 && G % 8 == 0, "pca_quant: block must be a positive multiple of 8, got ", G);
+  TORCH_CHECK(mean.scalar_type() == at::kFloat && mean.is_contiguous() && mean.dim() == 3 && mean.size(0) == 2 &&
+                  mean.size(1) == H && mean.size(2) == D,
+              "pca_quant: mean must be contiguous fp32 [2, ", H, ", ", D, "], got ", mean.sizes());
+  TORCH_CHECK(widths.scalar_type() == at::kByte && widths.is_contiguous() && widths.sizes() == mean.sizes(),
+              "pca_quant: widths must be contiguous uint8 [2, ", H, ", ", D, "], got ", widths.sizes());
+  // The layout, from the widths: per (side, head) its width runs, columns and bytes.
+  std::vector<Coded> layout(2 * H);
+  int64_t cols = 0, bytes = 0;
+  const uint8_t* wp = widths.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < 2 * H; ++i) {
+    Coded& cd = layout[i];
+    cd.col = cols;
+    cd.byte = bytes;
+    for (int64_t j = 0; j < D; ++j) {
+      const int w = wp[i * D + j];
+      TORCH_CHECK(w <= 8, "pca_quant: a component width of ", w, " bits (at most 8)");
+      TORCH_CHECK(j == 0 || w <= wp[i * D + j - 1], "pca_quant: component widths must be non-increasing");
+      if (w == 0) continue;  // (every later width is 0 too: checked above)
+      if (cd.runs.empty() || cd.runs.back().first != w) cd.runs.emplace_back(w, 0);
+      ++cd.runs.back().second;
+      ++cd.count;
+      cd.bits += w;
+    }
+    cols += cd.count;
+    bytes += G * cd.bits / 8;
+  }
+  const int64_t NB = codes.numel() ? codes.size(0) : 0;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 &&
+                  codes.size(1) == bytes,
+              "pca_quant: codes must be contiguous uint8 [blocks, ", bytes, "] for these widths, got ", codes.sizes());
+  for (const auto* t : {&scale, &zero})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 2 && t->size(0) == NB &&
+                    t->size(1) == cols,
+                "pca_quant: scales and zero points must be contiguous fp16 [", NB, ", ", cols, "], got ", t->sizes());
+  TORCH_CHECK(basis.scalar_type() == at::kHalf && basis.is_contiguous() && basis.dim() == 2 && basis.size(0) == cols &&
+                  basis.size(1) == D,
+              "pca_quant: basis must be contiguous fp16 [", cols, ", ", D, "], got ", basis.sizes());
+  int64_t W = 0;
+  if (pre_rope && NB) {
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                    sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
+                    (cos.size(1) == D || 2 * cos.size(1) == D) && cos.size(0) >= first_position + NB * G,
+                "pca_quant: the rotary table must be contiguous fp32 [>= ", first_position + NB * G, ", ", D,
+                " or ", D / 2, "], got ", cos.sizes());
+    W = cos.size(1);
+  }
+  const int64_t bps = std::max<int64_t>(1, blocks_per_split);
+  const float* qp = q.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const c10::Half* sp = scale.data_ptr<c10::Half>();
+  const c10::Half* zp = zero.data_ptr<c10::Half>();
+  const c10::Half* bp = basis.data_ptr<c10::Half>();
+  const float* mp = mean.data_ptr<float>();
+  const float* cosp = W ? cos.data_ptr<float>() : nullptr;
+  const float* sinp = W ? sin.data_ptr<float>() : nullptr;
+  return split_k(H, n_chunks(NB, bps), M, D, q.options(), [&](int64_t h, int64_t s, RowsState& st) {
+    const Coded& ck = layout[h];
+    const Coded& cv = layout[H + h];
+    const float* qh = qp + h * M * D;
+    const float* mk = mp + h * D;
+    const float* mv = mp + (H + h) * D;
+    std::vector<float> bk(ck.count * D), bv(cv.count * D);  // the head's basis rows, fp32
+    widen_row(bp + ck.col * D, bk.data(), ck.count * D);
+    widen_row(bp + cv.col * D, bv.data(), cv.count * D);
+    const int64_t widest = std::max(ck.count, cv.count);
+    std::vector<float> raw(G * widest), sz(2 * widest), coef(G * widest), keys(G * D), p(M * G);
+    RowsState sv(M, cv.count);  // the state over the value coefficients
+    const int64_t b0 = s * bps, b1 = std::min(NB, b0 + bps);
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* row = cp + b * bytes;
+      block_coefficients(ck, row, sp + b * cols, zp + b * cols, G, raw, sz, coef.data());
+      for (int64_t t = 0; t < G; ++t) {
+        float* k = keys.data() + t * D;
+        std::memcpy(k, mk, sizeof(float) * D);
+        combine(coef.data() + t * ck.count, bk.data(), ck.count, D, k);
+        if (W) {
+          const int64_t pos = first_position + b * G + t;
+          rotate_row(k, cosp + pos * W, sinp + pos * W, D, W);
+        }
+      }
+      scores_block(qh, keys.data(), M, G, D, float(scaling), p.data(), G);
+      sv.absorb(p.data(), G, G);
+      block_coefficients(cv, row, sp + b * cols, zp + b * cols, G, raw, sz, coef.data());
+      accumulate_values(p.data(), G, coef.data(), M, G, cv.count, sv.o.data());
+    }
+    // Back from coefficients to values: o_i = l_i mean + sum_j o_ij b_j.
+    for (int64_t i = 0; i < M; ++i) {
+      st.m[i] = sv.m[i];
+      st.l[i] = sv.l[i];
+      float* o = st.o.data() + i * D;
+      for (int64_t c = 0; c < D; ++c) o[c] = sv.l[i] * mv[c];
+      combine(sv.o.data() + i * cv.count, bv.data(), cv.count, D, o);
+    }
+  });
+}
+
+}  // namespace kvpack

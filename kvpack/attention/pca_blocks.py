@@ -1,0 +1,178 @@
+"""Attention over blocks coded in a per-head principal-component basis (``kvpack::pca_quant_attention``).
+
+:class:`PCABlocks` is what a ``pca_quant`` store hands to attention. Per (side, KV head) the coded
+components ``j`` (the leading ones of a basis, widths non-increasing) hold, per block of ``G`` tokens, a
+``w_j``-bit code per token with an fp16 scale and zero point per component; a token's vector is
+``mean + Σ_j (code_tj · scale_j + zero_j) · basis_j``, keys then rotated by RoPE at their positions where
+the basis is pre-RoPE. The op's default implementation is the PyTorch path (a tile of blocks decoded to
+fp32, attended densely); its CPU kernel (``cpu/csrc/pca_quant.cpp``) rebuilds a block's keys from the
+codes in registers and accumulates values in the basis: ``Σ_t p_t v_t = mean · Σ_t p_t + Σ_j (Σ_t p_t c_tj)
+basis_j``, so no value is ever rebuilt.
+
+Layouts (``S = 2`` sides, keys first; ``C`` = coded components over every (side, head), in the order
+side, head, component; ``R`` = code bytes of one block over every (side, head)):
+
+* ``codes [blocks, R]`` uint8: per (side, head) a run of ``G · Σ_j w_j / 8`` bytes, and within it one
+  bit stream per width (widest first) of the ``G × n_w`` codes of that width's components, token-major,
+  little-endian within each byte (:func:`~kvpack.ops.bitpack.pack_bitstream`); ``G`` is a multiple of 8,
+  so every stream is whole bytes.
+* ``scale, zero [blocks, C]`` fp16; ``basis [C, d]`` fp16 (a row per coded component); ``mean [S, H, d]``
+  fp32; ``widths [S, H, d]`` uint8 (per component in basis order, non-increasing, 0 = not coded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ops.bitpack import unpack_bitstream_fast
+from ..ops.rope import RotaryTable, apply_rope
+from .softmax_merge import PartialAttention, dense_partial, merge_partials
+
+BLOCKS_PER_SPLIT = 16  # coded blocks per (head, split) job of the native kernel
+
+
+def width_groups(widths: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per (side, head), in layout order, the ``(width, count)`` runs of its coded components, widest
+    first, from ``widths [S, H, d]`` (non-increasing along the last axis).
+
+    Raises:
+        ValueError: widths that increase along a component axis (codes would not be grouped).
+    """
+    out = []
+    for row in widths.reshape(-1, widths.shape[-1]).tolist():
+        if any(a < b for a, b in zip(row, row[1:])):
+            raise ValueError(f"pca blocks: component widths must be non-increasing, got {row}")
+        runs: list[tuple[int, int]] = []
+        for w in row:
+            if w == 0:
+                break
+            if runs and runs[-1][0] == w:
+                runs[-1] = (w, runs[-1][1] + 1)
+            else:
+                runs.append((w, 1))
+        out.append(runs)
+    return out
+
+
+@dataclass(frozen=True)
+class PCABlocks:
+    """A layer's coded history (layouts in the module doc).
+
+    Attributes:
+        codes, scale, zero, basis, mean, widths: the tensors, as the store holds them.
+        block: tokens per block ``G``.
+        rope: the layer's rotary table where the keys' basis is pre-RoPE, else None.
+        first_position: position of the first coded token.
+        tile_blocks: blocks decoded per tile on the PyTorch path.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    basis: torch.Tensor
+    mean: torch.Tensor
+    widths: torch.Tensor
+    block: int
+    rope: RotaryTable | None
+    first_position: int
+    tile_blocks: int = 64
+
+    @property
+    def n_blocks(self) -> int:
+        return self.codes.shape[0]
+
+    def decoded(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (post-RoPE) and values of blocks ``[lo, hi)`` as ``[H, (hi - lo) · G, d]`` fp32."""
+        S, H, d = self.mean.shape
+        n, G = hi - lo, self.block
+        out = self.mean.new_empty(S, H, n * G, d)
+        byte, col = 0, 0
+        for i, runs in enumerate(width_groups(self.widths)):
+            side, h = divmod(i, H)
+            coded = sum(c for _, c in runs)
+            coef = self.mean.new_empty(n, G, coded)
+            j = 0
+            for w, count in runs:
+                run = G * count * w // 8  # bytes of this width's stream in one block
+                stream = self.codes[lo:hi, byte:byte + run].reshape(-1)
+                coef[:, :, j:j + count] = unpack_bitstream_fast(stream, w, n * G * count).reshape(n, G, count).float()
+                byte, j = byte + run, j + count
+            scale = self.scale[lo:hi, col:col + coded].float()[:, None]
+            zero = self.zero[lo:hi, col:col + coded].float()[:, None]
+            basis = self.basis[col:col + coded].float()  # [coded, d]
+            out[side, h] = (coef * scale + zero).reshape(n * G, coded) @ basis + self.mean[side, h]
+            col += coded
+        k, v = out[0], out[1]
+        if self.rope is not None:
+            first = self.first_position + lo * G
+            cos, sin = self.rope.cos_sin(torch.arange(first, first + n * G, device=k.device))
+            k = apply_rope(k, cos, sin)
+        return k, v
+
+
+def pca_blocks_partials(blocks: PCABlocks, qg: torch.Tensor, scaling: float) -> list[PartialAttention]:
+    """The PyTorch path: states of ``qg [H, M, d]`` over the blocks, one per tile of decoded blocks."""
+    tile = blocks.tile_blocks
+    out = []
+    for lo in range(0, blocks.n_blocks, tile):
+        k, v = blocks.decoded(lo, min(lo + tile, blocks.n_blocks))
+        out.append(dense_partial(qg, k.to(qg.dtype), v.to(qg.dtype), scaling))
+    return out
+
+
+def _reference(q, codes, scale, zero, basis, mean, widths, cos, sin, block, pre_rope, first_position, scaling):
+    rope = _TableView(cos, sin, q.shape[-1]) if pre_rope else None
+    blocks = PCABlocks(codes, scale, zero, basis, mean, widths, block, rope, first_position)
+    states = pca_blocks_partials(blocks, q, scaling) if blocks.n_blocks else []
+    if not states:
+        H, M, D = q.shape
+        return q.new_full((H, M), float("-inf")), q.new_zeros(H, M), q.new_zeros(H, M, D)
+    st = merge_partials(states)
+    return st.m, st.l, st.o
+
+
+class _TableView:
+    """``cos_sin`` over the raw tables ``cos, sin [positions, W]`` the op receives (``W = d / 2`` where the
+    two halves of a row are equal, as :meth:`~kvpack.ops.rope.RotaryTable.table` keeps them)."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, head_dim: int):
+        self.cos, self.sin, self.halves = cos, sin, cos.shape[-1] != head_dim
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos[positions], self.sin[positions]
+        if self.halves:
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+        return cos, sin
+
+
+@torch.library.custom_op("kvpack::pca_quant_attention", mutates_args=())
+def pca_quant_attention(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                        basis: torch.Tensor, mean: torch.Tensor, widths: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, block: int, pre_rope: bool, first_position: int, scaling: float,
+                        blocks_per_split: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax state ``(m [H, M], l [H, M], o [H, M, D])`` fp32 of grouped queries ``q [H, M, D]`` fp32 over
+    the coded blocks (layouts in the module doc); ``cos, sin [positions, W]`` fp32 are the rotary table
+    (read at ``first_position + token`` where ``pre_rope``, else empty). Default implementation: the PyTorch
+    path."""
+    return _reference(q, codes, scale, zero, basis, mean, widths, cos, sin, block, pre_rope, first_position, scaling)
+
+
+@pca_quant_attention.register_fake
+def _(q, codes, scale, zero, basis, mean, widths, cos, sin, block, pre_rope, first_position, scaling,
+      blocks_per_split):
+    H, M, D = q.shape
+    return q.new_empty(H, M), q.new_empty(H, M), q.new_empty(H, M, D)
+
+
+def pca_blocks_partial(blocks: PCABlocks, qg: torch.Tensor, scaling: float) -> PartialAttention:
+    """State of ``qg [H, M, d]`` over the coded blocks in one call of ``kvpack::pca_quant_attention``."""
+    if blocks.rope is not None:
+        cos, sin = blocks.rope.table(blocks.first_position + blocks.n_blocks * blocks.block, qg.device)
+    else:
+        cos = sin = torch.empty(0, device=qg.device)
+    m, l, o = pca_quant_attention(qg.float().contiguous(), blocks.codes, blocks.scale, blocks.zero, blocks.basis,
+                                  blocks.mean, blocks.widths, cos, sin, blocks.block, blocks.rope is not None,
+                                  blocks.first_position, float(scaling), BLOCKS_PER_SPLIT)
+    return PartialAttention(m, l, o)
