@@ -13,9 +13,10 @@ Layouts (``S = 2`` sides, keys first; ``C`` = coded components over every (side,
 side, head, component; ``R`` = code bytes of one block over every (side, head)):
 
 * ``codes [blocks, R]`` uint8: per (side, head) a run of ``G · Σ_j w_j / 8`` bytes, and within it one
-  bit stream per width (widest first) of the ``G × n_w`` codes of that width's components, token-major,
-  little-endian within each byte (:func:`~kvpack.ops.bitpack.pack_bitstream`); ``G`` is a multiple of 8,
-  so every stream is whole bytes.
+  bit stream per width (widest first) of the ``n_w × G`` codes of that width's components,
+  component-major (a component's ``G`` tokens together: the kernel widens a stream straight into
+  coefficient rows), little-endian within each byte (:func:`~kvpack.ops.bitpack.pack_bitstream`); ``G`` is
+  a multiple of 8, so every stream is whole bytes.
 * ``scale, zero [blocks, C]`` fp16; ``basis [C, d]`` fp16 (a row per coded component); ``mean [S, H, d]``
   fp32; ``widths [S, H, d]`` uint8 (per component in basis order, non-increasing, 0 = not coded).
 """
@@ -97,7 +98,8 @@ class PCABlocks:
             for w, count in runs:
                 run = G * count * w // 8  # bytes of this width's stream in one block
                 stream = self.codes[lo:hi, byte:byte + run].reshape(-1)
-                coef[:, :, j:j + count] = unpack_bitstream_fast(stream, w, n * G * count).reshape(n, G, count).float()
+                codes = unpack_bitstream_fast(stream, w, n * G * count).reshape(n, count, G)  # component-major
+                coef[:, :, j:j + count] = codes.transpose(1, 2).float()
                 byte, j = byte + run, j + count
             scale = self.scale[lo:hi, col:col + coded].float()[:, None]
             zero = self.zero[lo:hi, col:col + coded].float()[:, None]

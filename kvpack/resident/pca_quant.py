@@ -278,8 +278,9 @@ class PCAQuantStore(SegmentedStore):
             j = 0
             for width, count in groups:
                 codes, scale, zero = quantize_minmax(c[:, :, j:j + count], dim=1, bits=width)
-                # [blocks, block, count] packed per block: each block's stream is whole bytes (block % 8 == 0)
-                runs.append(pack_bitstream(codes.contiguous(), width).reshape(n_new, -1).to(x.device))
+                # packed per block, component-major ([blocks, count, block]: the layout PCABlocks reads); each
+                # block's stream is whole bytes (block % 8 == 0)
+                runs.append(pack_bitstream(codes.transpose(1, 2).contiguous(), width).reshape(n_new, -1).to(x.device))
                 scales.append(scale[:, 0].to(torch.float16))
                 zeros.append(zero[:, 0].to(torch.float16))
                 j += count

@@ -3,11 +3,12 @@
 //
 // Per (KV head, split of blocks), per block of G tokens:
 //   keys:   the codes of the head's Ck key components are widened and dequantized into coefficients
-//           c [G, Ck] (c = code * scale + zero, per component), each key rebuilt as mean + sum_j c_tj b_j
-//           (`combine`: the row stays in registers over the Ck basis rows), rotated by RoPE at its position
-//           where the basis is pre-RoPE, then scored against the M query rows;
-//   values: never rebuilt. sum_t p_t v_t = mean sum_t p_t + sum_j (sum_t p_t c_tj) b_j, so the split's
-//           online-softmax state is kept over the Cv coefficients ([M, Cv]) and turned into [M, D] once,
+//           c [Ck, G] (component-major, as the codes are stored: c = code * scale + zero), the keys rebuilt as mean + c @ basis
+//           (`rebuild_rows`: four keys at a time in registers over the Ck basis rows), rotated by RoPE at
+//           their positions where the basis is pre-RoPE, then scored against the M query rows;
+//   values: never rebuilt, nor dequantized. sum_t p_t v_t = mean sum_t p_t + sum_j (sum_t p_t c_tj) b_j and
+//           sum_t p_t c_tj = scale_j sum_t p_t code_tj + zero_j sum_t p_t, so the split's online-softmax
+//           state is kept over the Cv coefficients ([M, Cv]) from the codes, and turned into [M, D] once,
 //           when the split ends (Cv basis rows per query row).
 // Numerics: fp32 throughout; the fp16 basis, scales and zero points are widened once per split / block.
 #include "common.h"
@@ -17,30 +18,86 @@ namespace kvpack {
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the code streams are read as little-endian words");
 
 // n codes of W bits from a little-endian stream (code i at bits [i W, (i + 1) W)) -> floats, n a multiple
-// of 8: eight codes are exactly W bytes, read as one word, so no code straddles the read and no byte past
-// the stream is touched.
+// of 8: eight codes are exactly W bytes, read as one 8-byte word (one load; a W-byte memcpy of an odd W
+// was a call to memcpy, measured at 5 cycles a code) of which the top 8 - W bytes are ignored. Within
+// 8 bytes of `end` (the end of the buffer) the W bytes are assembled one by one instead, so nothing past
+// the buffer is read.
 template <int W>
-inline void widen_codes(const uint8_t* __restrict src, int64_t n, float* __restrict dst) {
+inline void widen_codes(const uint8_t* __restrict src, int64_t n, const uint8_t* end, float* __restrict dst) {
   constexpr uint64_t mask = (uint64_t(1) << W) - 1;
   for (int64_t i = 0; i < n; i += 8, src += W) {
     uint64_t word = 0;
-    std::memcpy(&word, src, W);
+    if (end - src >= 8) {
+      std::memcpy(&word, src, 8);
+    } else {
+      for (int k = 0; k < W; ++k) word |= uint64_t(src[k]) << (8 * k);
+    }
 #pragma GCC unroll 8
     for (int k = 0; k < 8; ++k) dst[i + k] = float((word >> (k * W)) & mask);
   }
 }
 
-inline void widen_codes_any(int w, const uint8_t* src, int64_t n, float* dst) {
+inline void widen_codes_any(int w, const uint8_t* src, int64_t n, const uint8_t* end, float* dst) {
   switch (w) {
-    case 1: return widen_codes<1>(src, n, dst);
-    case 2: return widen_codes<2>(src, n, dst);
-    case 3: return widen_codes<3>(src, n, dst);
-    case 4: return widen_codes<4>(src, n, dst);
-    case 5: return widen_codes<5>(src, n, dst);
-    case 6: return widen_codes<6>(src, n, dst);
-    case 7: return widen_codes<7>(src, n, dst);
-    default: return widen_codes<8>(src, n, dst);
+    case 1: return widen_codes<1>(src, n, end, dst);
+    case 2: return widen_codes<2>(src, n, end, dst);
+    case 3: return widen_codes<3>(src, n, end, dst);
+    case 4: return widen_codes<4>(src, n, end, dst);
+    case 5: return widen_codes<5>(src, n, end, dst);
+    case 6: return widen_codes<6>(src, n, end, dst);
+    case 7: return widen_codes<7>(src, n, end, dst);
+    default: return widen_codes<8>(src, n, end, dst);
   }
+}
+
+// out [4, D] = base [D] + coefᵀ @ rows [C, D] for D-columns [0, NCH L) of four tokens, the coefficients
+// given component-major (token r's coefficient j at coef[j ld + r]; out's row stride D): 4 x NCH accumulators stay in registers over the C basis rows, so the FMAs of four tokens
+// interleave instead of each token's chain waiting on its previous FMA (one token at a time was bound
+// by the FMA latency, measured 2x slower).
+template <int NCH, bool TAIL>
+inline void rebuild4(const float* __restrict coef, int64_t ld, int64_t C, const float* __restrict rows, int64_t D,
+                     const float* __restrict base, Vec::Mask last, float* __restrict out) {
+  constexpr int L = Vec::kLanes;
+  auto load = [&](const float* p, int k) { return TAIL && k + 1 == NCH ? Vec::load(p + L * k, last) : Vec::load(p + L * k); };
+  Vec acc[4][NCH];
+  for (int k = 0; k < NCH; ++k) acc[0][k] = acc[1][k] = acc[2][k] = acc[3][k] = load(base, k);
+  for (int64_t j = 0; j < C; ++j) {
+    Vec b[NCH];
+    for (int k = 0; k < NCH; ++k) b[k] = load(rows + j * D, k);
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const Vec a = Vec::splat(coef[j * ld + r]);
+      for (int k = 0; k < NCH; ++k) acc[r][k] = fma(a, b[k], acc[r][k]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int k = 0; k < NCH; ++k) {
+      if (TAIL && k + 1 == NCH) acc[r][k].store(out + r * D + L * k, last);
+      else acc[r][k].store(out + r * D + L * k);
+    }
+}
+
+// keys [n, D] = base [D] + coefᵀ @ rows [C, D] for coefficients coef [C, n] (component-major), n a
+// multiple of 4 (a block: G % 8 == 0).
+inline void rebuild_rows(const float* coef, int64_t n, int64_t C, const float* rows, int64_t D, const float* base,
+                         float* keys) {
+  constexpr int L = Vec::kLanes;
+  constexpr int64_t kMax = L == 16 ? 4 : 2;  // vectors per row chunk: 4 x kMax accumulators + kMax + 1 registers
+  const int64_t nv = (D + L - 1) / L;
+  const Vec::Mask last = Vec::first(D % L ? D % L : L);
+  for (int64_t t = 0; t < n; t += 4)
+    for (int64_t v0 = 0; v0 < nv; v0 += kMax) {
+      const int64_t nch = std::min(kMax, nv - v0);
+      const bool tail = v0 + nch == nv && D % L;
+      const float* r = rows + v0 * L;
+      const float* b = base + v0 * L;
+      float* o = keys + t * D + v0 * L;
+      const float* c = coef + t;
+      if (nch == 4) tail ? rebuild4<4, true>(c, n, C, r, D, b, last, o) : rebuild4<4, false>(c, n, C, r, D, b, last, o);
+      else if (nch == 3) tail ? rebuild4<3, true>(c, n, C, r, D, b, last, o) : rebuild4<3, false>(c, n, C, r, D, b, last, o);
+      else if (nch == 2) tail ? rebuild4<2, true>(c, n, C, r, D, b, last, o) : rebuild4<2, false>(c, n, C, r, D, b, last, o);
+      else tail ? rebuild4<1, true>(c, n, C, r, D, b, last, o) : rebuild4<1, false>(c, n, C, r, D, b, last, o);
+    }
 }
 
 // One (side, head)'s place in the layout: its coded components' width runs, first column and first byte.
@@ -50,26 +107,14 @@ struct Coded {
                                                    // byte of a block's row, sum of widths
 };
 
-// A block's coefficients c [G, count] (row stride `count`) of one (side, head): each width's stream widened
-// into `raw` [G, n_w], then dequantized column by column into place.
-inline void block_coefficients(const Coded& cd, const uint8_t* row, const c10::Half* scale, const c10::Half* zero,
-                               int64_t G, std::vector<float>& raw, std::vector<float>& sz, float* c) {
+// A block's codes of one (side, head) as floats, component-major c [count, G]: each width's stream holds
+// its components' codes component-major, so it widens straight into its rows.
+inline void block_codes(const Coded& cd, const uint8_t* row, int64_t G, const uint8_t* end, float* c) {
   const uint8_t* src = row + cd.byte;
-  widen_row(scale + cd.col, sz.data(), cd.count);
-  widen_row(zero + cd.col, sz.data() + cd.count, cd.count);
-  const float* s = sz.data();
-  const float* z = sz.data() + cd.count;
-  int64_t j0 = 0;
   for (const auto& [w, n] : cd.runs) {
-    widen_codes_any(w, src, G * n, raw.data());
-    for (int64_t t = 0; t < G; ++t) {
-      const float* r = raw.data() + t * n;
-      float* ct = c + t * cd.count + j0;
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) ct[j] = r[j] * s[j0 + j] + z[j0 + j];
-    }
+    widen_codes_any(w, src, G * n, end, c);
     src += G * n * w / 8;
-    j0 += n;
+    c += G * n;
   }
 }
 
@@ -129,6 +174,7 @@ State pca_quant_attention(const at::Tensor& q, const at::Tensor& codes, const at
   const int64_t bps = std::max<int64_t>(1, blocks_per_split);
   const float* qp = q.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint8_t* end = cp + NB * bytes;
   const c10::Half* sp = scale.data_ptr<c10::Half>();
   const c10::Half* zp = zero.data_ptr<c10::Half>();
   const c10::Half* bp = basis.data_ptr<c10::Half>();
@@ -145,25 +191,37 @@ State pca_quant_attention(const at::Tensor& q, const at::Tensor& codes, const at
     widen_row(bp + ck.col * D, bk.data(), ck.count * D);
     widen_row(bp + cv.col * D, bv.data(), cv.count * D);
     const int64_t widest = std::max(ck.count, cv.count);
-    std::vector<float> raw(G * widest), sz(2 * widest), coef(G * widest), keys(G * D), p(M * G);
+    std::vector<float> coef(G * widest), keys(G * D), p(M * G);
     RowsState sv(M, cv.count);  // the state over the value coefficients
     const int64_t b0 = s * bps, b1 = std::min(NB, b0 + bps);
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* row = cp + b * bytes;
-      block_coefficients(ck, row, sp + b * cols, zp + b * cols, G, raw, sz, coef.data());
-      for (int64_t t = 0; t < G; ++t) {
-        float* k = keys.data() + t * D;
-        std::memcpy(k, mk, sizeof(float) * D);
-        combine(coef.data() + t * ck.count, bk.data(), ck.count, D, k);
-        if (W) {
-          const int64_t pos = first_position + b * G + t;
-          rotate_row(k, cosp + pos * W, sinp + pos * W, D, W);
-        }
+      // Keys: coefficients code * scale + zero, one component's G tokens at a time, then rebuilt.
+      block_codes(ck, row, G, end, coef.data());
+      for (int64_t j = 0; j < ck.count; ++j) {
+        const float a = widen(sp[b * cols + ck.col + j]), z = widen(zp[b * cols + ck.col + j]);
+        float* cj = coef.data() + j * G;
+#pragma omp simd
+        for (int64_t t = 0; t < G; ++t) cj[t] = cj[t] * a + z;
       }
+      rebuild_rows(coef.data(), G, ck.count, bk.data(), D, mk, keys.data());
+      if (W)
+        for (int64_t t = 0; t < G; ++t) {
+          const int64_t pos = first_position + b * G + t;
+          rotate_row(keys.data() + t * D, cosp + pos * W, sinp + pos * W, D, W);
+        }
       scores_block(qh, keys.data(), M, G, D, float(scaling), p.data(), G);
       sv.absorb(p.data(), G, G);
-      block_coefficients(cv, row, sp + b * cols, zp + b * cols, G, raw, sz, coef.data());
-      accumulate_values(p.data(), G, coef.data(), M, G, cv.count, sv.o.data());
+      // Values in the basis, from the codes: sum_t p_t c_tj = scale_j sum_t p_t code_tj + zero_j sum_t p_t.
+      block_codes(cv, row, G, end, coef.data());
+      for (int64_t i = 0; i < M; ++i) {
+        const float* pi = p.data() + i * G;
+        const float psum = sum(pi, G);
+        float* o = sv.o.data() + i * cv.count;
+        for (int64_t j = 0; j < cv.count; ++j)
+          o[j] += widen(sp[b * cols + cv.col + j]) * dot(pi, coef.data() + j * G, G) +
+                  widen(zp[b * cols + cv.col + j]) * psum;
+      }
     }
     // Back from coefficients to values: o_i = l_i mean + sum_j o_ij b_j.
     for (int64_t i = 0; i < M; ++i) {
