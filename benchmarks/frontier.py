@@ -52,9 +52,7 @@ BUDGETS = (0.5, 0.28, 0.15, 0.1, 0.0625)
 # continuation, so its long length is the longest that fits (the runner refuses a longer one by name).
 LENGTHS = {"smollm2": (4096, 7936), "qwen2.5-0.5b": (4096, 8192)}
 SAMPLES_PER_TASK_AND_LENGTH = 3  # 8 tasks x 2 lengths x 3 = 48 samples a cell
-# pca_quant joins when it has a native kernel: its PyTorch path decodes every block each step (about
-# 0.2 s a layer at 8K on one core), which the frontier's thousands of decode steps cannot afford.
-BUDGETED = ("puzzle", "puzzle_plus", "anchor", "anchor_plus", "kivi", "snapkv", "streaming")
+BUDGETED = ("puzzle", "puzzle_plus", "anchor", "anchor_plus", "kivi", "pca_quant", "snapkv", "streaming")
 KVTC_RATIOS = (4, 8, 16)
 
 

@@ -69,8 +69,8 @@ class PCAQuantConfig(MethodConfig):
 
     budget: float | None = option(0.28, number(0.0, 1.0, low_open=True), "target fraction of the dense bf16 KV bytes")
     sinks: int = option(4, integer(minimum=0), "leading tokens kept dense")
-    residual: int = option(32, integer(minimum=0), "recent tokens kept dense at least")
-    block: int = option(128, integer(minimum=8), "tokens coded together (a multiple of 8)")
+    residual: int = option(0, integer(minimum=0), "recent tokens kept dense at least")
+    block: int = option(64, integer(minimum=8), "tokens coded together (a multiple of 8)")
     max_bits: int = option(8, integer(minimum=2, maximum=8), "widest code of a component")
     key_rope: str = option("auto", choice("auto", "pre", "post"), "basis of keys before or after RoPE")
     tile_blocks: int = option(64, integer(minimum=1), "blocks decoded per attention tile (the PyTorch path)")
