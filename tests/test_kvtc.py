@@ -10,7 +10,7 @@ import torch
 
 from kvpack.hf.dense import to_dynamic_cache
 from kvpack.ops.bitalloc import Allocation, aligned_group_errors, allocate_bits, group_cost
-from kvpack.ops.bitpack import pack_bitstream, unpack_bitstream, unpack_bitstream_fast
+from kvpack.ops.bitpack import pack_bitstream, pack_bitstream_fast, unpack_bitstream, unpack_bitstream_fast
 from kvpack.ops.group_quant import dequantize_groups, quantize_groups
 from kvpack.storage.kvtc.calibration import Calibration, CalibrationSettings, calibrate
 from kvpack.storage.kvtc.coder import compress_cache, decompress_cache, iter_decompressed_layers
@@ -74,13 +74,15 @@ def test_dp_error_falls_as_budget_grows_and_widths_follow_variance():
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
-@pytest.mark.parametrize("n", [1, 7, 13, 64])
+@pytest.mark.parametrize("n", [1, 7, 13, 64, 8 * 257])
 def test_bitstream_roundtrip_exact(bits, n):
     codes = torch.randint(0, 1 << bits, (n,), dtype=torch.uint8)
     packed = pack_bitstream(codes, bits)
     assert packed.numel() == (n * bits + 7) // 8
     assert torch.equal(unpack_bitstream(packed, bits, n), codes)
     assert torch.equal(unpack_bitstream_fast(packed, bits, n), codes)  # the torch-only decoder, same codes
+    if n % 8 == 0:
+        assert torch.equal(pack_bitstream_fast(codes, bits), packed)  # the torch-only encoder, same bytes
 
 
 @pytest.mark.parametrize("width", [1, 3, 8])

@@ -30,7 +30,7 @@ def _snr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:
 def test_water_filling_buys_bits_where_the_variance_is():
     # one head: keys with variances 16, 4, 1, 0; values flat
     var = torch.tensor([[[16.0, 4.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]]])
-    order = water_fill_order(var, max_bits=8, block=128, first_cost=0.25)
+    order = water_fill_order(var, max_bits=8, block=128, first_cost=0.25).tolist()
     keys = [(j, w) for h, side, j, w in order if side == 0]
     assert keys[0] == (0, 2) and all(j != 3 for j, _ in keys)  # the largest first, at 2 bits; zero never
     assert {w for _, w in keys} == set(range(2, 9))  # 2 bits first, then one at a time up to max_bits
@@ -40,6 +40,21 @@ def test_water_filling_buys_bits_where_the_variance_is():
         widths[j] = w
         assert widths[0] >= widths[1] >= widths[2], widths
     assert len(order) == 3 * 7 + 4 * 7  # every coded component: one purchase of 2 bits, then 6 of 1
+
+
+def test_a_costly_first_purchase_still_comes_before_the_next_and_gains_fall():
+    # first_cost so large that a component's first purchase gains less per bit than its second: the
+    # second follows the first at once (a heap would offer it only then), never before it
+    var = torch.rand(3, 2, 16, generator=torch.Generator().manual_seed(0)) ** 4
+    order = water_fill_order(var, max_bits=6, block=64, first_cost=6.0).tolist()
+    seen: dict[tuple, int] = {}
+    for h, side, j, w in order:
+        assert w == (2 if (h, side, j) not in seen else seen[(h, side, j)] + 1)
+        seen[(h, side, j)] = w
+    assert len(order) == 3 * 2 * 16 * 5
+    share = var / var.sum(-1, keepdim=True)
+    firsts = [share[h, s, j].item() for h, s, j, w in order if w == 2]
+    assert firsts == sorted(firsts, reverse=True)  # first purchases in decreasing share
 
 
 def test_one_bit_min_max_is_no_better_than_dropping_the_component():

@@ -33,7 +33,6 @@ Bytes (``nbytes()``: the tensors held): the sink and tail in ``storage_dtype``; 
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 
@@ -43,7 +42,7 @@ from ..attention.cpu import NATIVE_CHOICES, use_native
 from ..attention.pca_blocks import PCABlocks, pca_blocks_partial, pca_blocks_partials, width_groups
 from ..config import MethodConfig, choice, integer, number, option
 from ..ops.accounting import dense_bf16_bytes
-from ..ops.bitpack import pack_bitstream
+from ..ops.bitpack import pack_bitstream_fast
 from ..ops.rope import unrope_at
 from ..registry import register_method
 from .base import LayerLayout
@@ -95,9 +94,9 @@ def minmax_distortion(width: int, block: int) -> float:
     return min(1.0, step * step / 12.0)
 
 
-def water_fill_order(variances: torch.Tensor, max_bits: int, block: int,
-                     first_cost: float) -> list[tuple[int, int, int, int]]:
-    """The order in which bits are bought: ``(head, side, component, new width)``, best gain per bit first.
+def water_fill_order(variances: torch.Tensor, max_bits: int, block: int, first_cost: float) -> torch.Tensor:
+    """The order in which bits are bought: ``[K, 4]`` int64 rows ``(head, side, component, new width)``, best
+    gain per bit first.
 
     Args:
         variances: ``[H, 2, d]`` component variances (keys then values).
@@ -109,26 +108,25 @@ def water_fill_order(variances: torch.Tensor, max_bits: int, block: int,
     A component is bought at 2 bits first, then one bit at a time; the gain of a purchase is the share of
     the (head, side)'s variance it removes (:func:`minmax_distortion`), so heads and sides compete on the
     share of their own energy they keep. Components of zero variance are never coded.
+
+    This is greedy water-filling (a heap that offers a component's next purchase once its previous one is
+    bought), computed as one sort: each purchase keyed by its gain per bit, lowered to the smallest key of
+    the component's earlier purchases (where a first purchase, which also pays ``first_cost``, gains less
+    per bit than the next one, the heap buys the next one right after it, as the lowered key does); ties
+    fall in (head, side, component, width) order, as the heap's tuples do.
     """
-    share = variances / variances.sum(dim=-1, keepdim=True).clamp_min(1e-30)
-    dist = [minmax_distortion(w, block) for w in range(max_bits + 1)]
-
-    def entry(s: float, h: int, side: int, j: int, w: int):
-        new = 2 if w == 0 else w + 1
-        cost = (new - w) + (first_cost if w == 0 else 0.0)
-        return (-s * (dist[w] - dist[new]) / cost, h, side, j, new)
-
+    share = variances.double() / variances.double().sum(dim=-1, keepdim=True).clamp_min(1e-30)
+    dist = torch.tensor([minmax_distortion(w, block) for w in range(max_bits + 1)], dtype=torch.float64)
+    new = torch.arange(2, max_bits + 1)  # the purchases of one component: 0 -> 2, 2 -> 3, ..., -> max_bits
+    prev = torch.cat([new.new_zeros(1), new[:-1]])
+    cost = (new - prev).double() + first_cost * (prev == 0).double()
+    gain = share[..., None] * ((dist[prev] - dist[new]) / cost)  # [H, 2, d, purchases]
+    key = torch.cummin(gain, dim=-1).values
     H, S, d = share.shape
-    heap = [entry(float(share[h, side, j]), h, side, j, 0)
-            for h in range(H) for side in range(S) for j in range(d) if share[h, side, j] > 0]
-    heapq.heapify(heap)
-    order = []
-    while heap:
-        _, h, side, j, new = heapq.heappop(heap)
-        order.append((h, side, j, new))
-        if new < max_bits:
-            heapq.heappush(heap, entry(float(share[h, side, j]), h, side, j, new))
-    return order
+    index = torch.stack(torch.meshgrid(torch.arange(H), torch.arange(S), torch.arange(d), new, indexing="ij"), dim=-1)
+    coded = (share > 0)[..., None].expand_as(key)
+    key, index = key[coded], index[coded]  # [K], [K, 4] in (head, side, component, width) order
+    return index[torch.sort(key, descending=True, stable=True).indices]
 
 
 @register_method("pca_quant")
@@ -196,7 +194,8 @@ class PCAQuantStore(SegmentedStore):
 
     def _solve_widths(self, variances: torch.Tensor) -> torch.Tensor:
         """Widths ``[2, H, d]`` uint8 for component variances ``[2, H, d]``: the most bits of
-        :func:`water_fill_order` whose bytes stay within the budget over the coming block cycle."""
+        :func:`water_fill_order` whose bytes (:meth:`_bytes`) stay within the budget over the coming block
+        cycle."""
         cfg = self.config
         H, d = self.layout.kv_heads, self.layout.head_dim
         seq = self.seq_len
@@ -204,26 +203,30 @@ class PCAQuantStore(SegmentedStore):
         # tokens coded now), in bits per token.
         first_cost = 8.0 * PARAM_BYTES / cfg.block + 16.0 * d / max(1, seq)
         order = water_fill_order(variances.permute(1, 0, 2), cfg.max_bits, cfg.block, first_cost)
-
-        def widths_after(k: int) -> torch.Tensor:
-            w = torch.zeros(2, H, d, dtype=torch.int64)
-            for h, side, j, new in order[:k]:
-                w[side, h, j] = new
-            return w
-
-        def fits(w: torch.Tensor) -> bool:
-            return all(self._bytes(s, w) <= cfg.budget * dense_bf16_bytes(s, H, d)
-                       for s in range(seq, seq + cfg.block))
-
-        if not fits(widths_after(0)):
-            need = max(self._bytes(s, widths_after(0)) / dense_bf16_bytes(s, H, d) for s in range(seq, seq + cfg.block))
+        # The bytes after the first k purchases, k = 0..K, at every length of the cycle (_bytes, for all k at
+        # once: it depends on the widths only through their sum and the coded count).
+        first = order[:, 3] == 2
+        bits = torch.cat([order.new_zeros(1), torch.cumsum(torch.where(first, 2, 1), 0)])  # [K + 1]
+        coded = torch.cat([order.new_zeros(1), torch.cumsum(first.long(), 0)])
+        fits = torch.ones(len(bits), dtype=torch.bool)
+        worst = 0.0  # the most any length needs with no code at all, for the refusal
+        for s in range(seq, seq + cfg.block):
+            sink = min(cfg.sinks, s)
+            blocks = max(0, (s - sink - cfg.residual) // cfg.block)
+            need = (s - blocks * cfg.block) * 2 * H * d * self.storage_dtype.itemsize + torch.where(
+                torch.tensor(blocks > 0), 2 * H * (4 * d + d) + 2 * d * coded
+                + blocks * (bits * cfg.block // 8 + PARAM_BYTES * coded), 0)
+            limit = cfg.budget * dense_bf16_bytes(s, H, d)
+            fits &= need <= limit
+            worst = max(worst, float(need[0]) / dense_bf16_bytes(s, H, d))
+        if not fits[0]:
             raise ValueError(f"pca_quant: budget {cfg.budget} cannot be reached at {seq} tokens: the dense sink "
-                             f"and tail, the bases and no code at all need {need:.3f} of the dense bytes")
-        lo, hi = 0, len(order)  # bytes grow with every bit bought: the most that fit, by bisection
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(widths_after(mid)) else (lo, mid - 1)
-        return widths_after(lo).to(torch.uint8)
+                             f"and tail, the bases and no code at all need {worst:.3f} of the dense bytes")
+        k = int(fits.nonzero().max())  # bytes grow with every purchase: the fitting ones are a prefix
+        widths = torch.zeros(2 * H * d, dtype=torch.int64)
+        h, side, j, w = order[:k].unbind(1)
+        widths.scatter_reduce_(0, (side * H + h) * d + j, w, "amax")
+        return widths.reshape(2, H, d).to(torch.uint8)
 
     # -- coding ---------------------------------------------------------------------------------
 
@@ -233,10 +236,12 @@ class PCAQuantStore(SegmentedStore):
     def _fit(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Bases, means and widths from the tail's tokens ``k`` (pre-RoPE where configured), ``v``
         ``[H, n, d]`` fp32."""
-        x = torch.stack([k, v]).double()  # [2, H, n, d]
+        x = torch.stack([k, v])  # [2, H, n, d]
         mean = x.mean(dim=2)
         xc = x - mean[:, :, None]
-        cov = xc.transpose(-1, -2) @ xc / x.shape[2]
+        # the covariance accumulated in fp32 (centred data: a relative error near 1e-6 at 8K tokens, far below
+        # what moves a basis), decomposed in fp64
+        cov = (xc.transpose(-1, -2) @ xc / x.shape[2]).double()
         lam, vec = torch.linalg.eigh(cov)  # ascending
         lam, vec = lam.flip(-1).clamp_min(0), vec.flip(-1)
         widths = self._solve_widths(lam.float())
@@ -261,29 +266,33 @@ class PCAQuantStore(SegmentedStore):
         n_new = max(0, (self.tail_k.shape[1] - cfg.residual) // cfg.block)
         if n_new == 0:
             return
-        if self.basis is None:
-            self.history_start = self.tail_start
-            self._fit(self._pre_rope(self.tail_k.float(), self.tail_start), self.tail_v.float())
         first = self.tail_start
-        k, v = self.pop_tail(n_new * cfg.block)
-        x = torch.stack([self._pre_rope(k.float(), first), v.float()]) - self.mean[:, :, None]  # [2, H, n, d]
+        tail_pre = self._pre_rope(self.tail_k.float(), first)  # [H, T, d], rotated back once
+        if self.basis is None:
+            self.history_start = first
+            self._fit(tail_pre, self.tail_v.float())
+        n = n_new * cfg.block
+        _, v = self.pop_tail(n)
+        x = torch.stack([tail_pre[:, :n], v.float()]) - self.mean[:, :, None]  # [2, H, n, d]
         H = self.layout.kv_heads
         runs, scales, zeros = [], [], []
         col = 0
         for i, groups in enumerate(self.groups):
             side, h = divmod(i, H)
-            coded = sum(n for _, n in groups)
+            coded = sum(count for _, count in groups)
             basis = self.basis[col:col + coded].float()  # [coded, d]
             c = (x[side, h] @ basis.T).reshape(n_new, cfg.block, coded)  # [blocks, block, coded]
+            bits = torch.tensor([w for w, count in groups for _ in range(count)], device=c.device)
+            codes, scale, zero = quantize_minmax(c, dim=1, bits=bits)  # every width at once: bits per column
+            codes = codes.transpose(1, 2)  # [blocks, coded, block]: component-major, the layout PCABlocks reads
             j = 0
             for width, count in groups:
-                codes, scale, zero = quantize_minmax(c[:, :, j:j + count], dim=1, bits=width)
-                # packed per block, component-major ([blocks, count, block]: the layout PCABlocks reads); each
-                # block's stream is whole bytes (block % 8 == 0)
-                runs.append(pack_bitstream(codes.transpose(1, 2).contiguous(), width).reshape(n_new, -1).to(x.device))
-                scales.append(scale[:, 0].to(torch.float16))
-                zeros.append(zero[:, 0].to(torch.float16))
+                # each block's stream is whole bytes (block % 8 == 0)
+                stream = pack_bitstream_fast(codes[:, j:j + count].contiguous(), width)
+                runs.append(stream.reshape(n_new, -1))
                 j += count
+            scales.append(scale[:, 0])
+            zeros.append(zero[:, 0])
             col += coded
         codes = torch.cat(runs, dim=1) if runs else x.new_empty(n_new, 0, dtype=torch.uint8)
         scale = torch.cat(scales, dim=1) if scales else x.new_empty(n_new, 0, dtype=torch.float16)

@@ -51,16 +51,20 @@ class KIVIConfig(MethodConfig):
     attention_backend: str = option("auto", choice(*NATIVE_CHOICES), "attention path for stored tokens")
 
 
-def quantize_minmax(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_minmax(x: torch.Tensor, dim: int,
+                    bits: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric quantization with fp16 scale/zero reduced over ``dim`` (kept as size 1).
 
     The fp16 zero point is rounded down and the fp16 scale up, so every value lies in
-    ``[zero, zero + (2**bits - 1) * scale]`` and the error is at most ``scale / 2``.
+    ``[zero, zero + (2**bits - 1) * scale]`` and the error is at most ``scale / 2``. ``bits`` is one width,
+    or a tensor of widths that broadcasts against ``x`` (e.g. one per column of the last axis).
 
     Returns:
         ``(codes uint8, scale fp16, zero fp16)``.
     """
     levels = (1 << bits) - 1
+    if isinstance(levels, torch.Tensor):
+        levels = levels.to(device=x.device, dtype=torch.float32)
     xf = x.float()
     lo, hi = xf.amin(dim=dim, keepdim=True), xf.amax(dim=dim, keepdim=True)
     zero = lo.half()
@@ -69,7 +73,9 @@ def quantize_minmax(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor,
     scale = step.half()
     scale = torch.where(scale.float() < step, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
     safe = torch.where(scale > 0, scale.float(), torch.ones_like(step))
-    codes = torch.round((xf - zero.float()) / safe).clamp(0, levels).to(torch.uint8)
+    codes = torch.round((xf - zero.float()) / safe).clamp_min(0)
+    codes = torch.minimum(codes, levels) if isinstance(levels, torch.Tensor) else codes.clamp_max(levels)
+    codes = codes.to(torch.uint8)
     return codes, scale, zero
 
 
