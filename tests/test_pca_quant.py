@@ -57,6 +57,30 @@ def test_a_costly_first_purchase_still_comes_before_the_next_and_gains_fall():
     assert firsts == sorted(firsts, reverse=True)  # first purchases in decreasing share
 
 
+def test_staggered_layers_code_their_blocks_at_different_decode_steps():
+    from dataclasses import replace
+
+    base = anchor_layout(H=1, d=32, rope=False)
+    k, v = correlated_kv(1, 600, 32, seed=3)
+    coded_at: dict[int, list[int]] = {}
+    for stagger in (True, False):
+        stores = [PCAQuantStore(replace(base, layer_idx=i), PCAQuantConfig(budget=0.4, block=16, stagger=stagger))
+                  for i in range(12)]
+        for st in stores:
+            st.append(k[:, :500], v[:, :500])
+        per_step = []
+        for t in range(500, 600):  # decode: how many layers code a block at each step
+            before = [st.n_blocks for st in stores]
+            for st in stores:
+                st.append(k[:, t:t + 1], v[:, t:t + 1])
+            per_step.append(sum(st.n_blocks != b for st, b in zip(stores, before)))
+        coded_at[stagger] = per_step
+        for st in stores:
+            assert st.nbytes() <= 0.4 * dense_bf16_bytes(st.seq_len, 1, 32)
+    assert max(coded_at[False]) == 12  # every layer at the same step
+    assert max(coded_at[True]) <= 2 and sum(coded_at[True]) >= 12 * (100 // 16)  # as many blocks, spread
+
+
 def test_one_bit_min_max_is_no_better_than_dropping_the_component():
     assert minmax_distortion(0, 128) == 1.0 and minmax_distortion(1, 128) == 1.0
     assert minmax_distortion(2, 128) < 0.4 and minmax_distortion(8, 128) < 1e-4
@@ -94,7 +118,8 @@ def test_the_sink_and_the_tail_are_exact_and_the_history_is_decoded_in_order():
     tail = store.tail_k.shape[1]
     bf16 = lambda x: x.to(torch.bfloat16).float()  # noqa: E731 - the dense regions' storage dtype
     assert torch.equal(k_hat[:, :4], bf16(k[:, :4])) and torch.equal(v_hat[:, -tail:], bf16(v[:, -tail:]))
-    assert 32 <= tail < 32 + 128 and store.n_blocks * 128 + 4 + tail == 2000
+    lag = store.kept_recent - 32  # this layer's stagger
+    assert 0 < lag < 128 and 32 + lag <= tail < 32 + lag + 128 and store.n_blocks * 128 + 4 + tail == 2000
 
 
 def test_a_pre_rope_basis_keeps_rotated_keys_better_than_a_post_rope_one():

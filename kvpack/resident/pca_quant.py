@@ -40,7 +40,7 @@ import torch
 
 from ..attention.cpu import NATIVE_CHOICES, use_native
 from ..attention.pca_blocks import PCABlocks, pca_blocks_partial, pca_blocks_partials, width_groups
-from ..config import MethodConfig, choice, integer, number, option
+from ..config import MethodConfig, boolean, choice, integer, number, option
 from ..ops.accounting import dense_bf16_bytes
 from ..ops.bitpack import pack_bitstream_fast
 from ..ops.rope import unrope_at
@@ -50,6 +50,7 @@ from .quant import quantize_minmax
 from .segmented import SegmentedStore
 
 PARAM_BYTES = 4  # fp16 scale and zero point of one coded component in one block
+GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # layer i's stagger is frac(i · GOLDEN) of a block: evenly spread for any count
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,10 @@ class PCAQuantConfig(MethodConfig):
         block: tokens coded together (one scale and zero point per component per block); a multiple of 8.
         max_bits: the widest code of a component.
         key_rope: ``auto`` (pre-RoPE keys where the layer has RoPE), ``pre`` or ``post``.
+        stagger: each layer keeps ``lag`` more recent tokens dense (``lag`` in ``[0, block)``, spread over
+            the layers by the golden ratio), so the layers code their blocks at different decode steps:
+            one step codes a block in one or two layers rather than in all of them (a decode step that
+            coded every layer's block took 2x the median).
         tile_blocks: blocks decoded per attention tile (the PyTorch path).
         attention_backend: ``auto`` (the native CPU kernel for CPU tensors where it is built, else
             PyTorch), ``native`` or ``torch`` (the reference path).
@@ -72,6 +77,7 @@ class PCAQuantConfig(MethodConfig):
     block: int = option(64, integer(minimum=8), "tokens coded together (a multiple of 8)")
     max_bits: int = option(8, integer(minimum=2, maximum=8), "widest code of a component")
     key_rope: str = option("auto", choice("auto", "pre", "post"), "basis of keys before or after RoPE")
+    stagger: bool = option(True, boolean(), "spread the layers' block boundaries over the decode steps")
     tile_blocks: int = option(64, integer(minimum=1), "blocks decoded per attention tile (the PyTorch path)")
     attention_backend: str = option("auto", choice(*NATIVE_CHOICES), "attention path for stored tokens")
 
@@ -150,6 +156,9 @@ class PCAQuantStore(SegmentedStore):
         self.scale: torch.Tensor | None = None  # [blocks, C] fp16
         self.zero: torch.Tensor | None = None
         self.history_start = 0  # position of the first coded token
+        # recent tokens the tail keeps before a block is coded: the residual, plus this layer's stagger
+        lag = int((layout.layer_idx * GOLDEN) % 1.0 * config.block) if config.stagger else 0
+        self.kept_recent = config.residual + lag
 
     @property
     def n_blocks(self) -> int:
@@ -185,7 +194,7 @@ class PCAQuantStore(SegmentedStore):
         H, d = self.layout.kv_heads, self.layout.head_dim
         cfg, elem = self.config, self.storage_dtype.itemsize
         sink = min(cfg.sinks, seq)
-        blocks = max(0, (seq - sink - cfg.residual) // cfg.block)
+        blocks = max(0, (seq - sink - self.kept_recent) // cfg.block)
         dense = (seq - blocks * cfg.block) * 2 * H * d * elem
         coded = int((bits > 0).sum())
         fixed = 2 * H * (4 * d + d) + 2 * d * coded  # means, widths; fp16 basis columns of coded components
@@ -212,7 +221,7 @@ class PCAQuantStore(SegmentedStore):
         worst = 0.0  # the most any length needs with no code at all, for the refusal
         for s in range(seq, seq + cfg.block):
             sink = min(cfg.sinks, s)
-            blocks = max(0, (s - sink - cfg.residual) // cfg.block)
+            blocks = max(0, (s - sink - self.kept_recent) // cfg.block)
             need = (s - blocks * cfg.block) * 2 * H * d * self.storage_dtype.itemsize + torch.where(
                 torch.tensor(blocks > 0), 2 * H * (4 * d + d) + 2 * d * coded
                 + blocks * (bits * cfg.block // 8 + PARAM_BYTES * coded), 0)
@@ -263,7 +272,7 @@ class PCAQuantStore(SegmentedStore):
 
     def compress(self) -> None:
         cfg = self.config
-        n_new = max(0, (self.tail_k.shape[1] - cfg.residual) // cfg.block)
+        n_new = max(0, (self.tail_k.shape[1] - self.kept_recent) // cfg.block)
         if n_new == 0:
             return
         first = self.tail_start
