@@ -18,13 +18,15 @@ resident: the cache stays in this form while the model attends over it. Per laye
   bf16`` at the worst point of the coming block cycle (reverse water-filling, greedily). Components
   left at 0 bits are dropped (their mean remains).
 * **Blocks.** Tokens stay dense in a sink (the first ``sinks``) and a tail (the most recent, at least
-  ``residual``); whenever the tail holds ``block`` more, the oldest ``block`` are coded: coefficients
-  per component over the block's tokens, asymmetric min/max with an fp16 scale and zero point (per
-  channel, as KIVI quantizes keys; in this basis values are per channel too), codes bit-packed per width.
-  Tokens generated later are coded in the prompt's basis at the prompt's widths.
-* **Attention** (the PyTorch path): blocks decoded a tile at a time, keys rotated by RoPE at their
-  positions, the tile's softmax state merged with the sink's, the tail's and the chunk's; the dense
-  history never exists as a whole.
+  ``residual`` plus this layer's stagger lag); whenever the tail holds ``block`` more, the oldest
+  ``block`` are coded: coefficients per component over the block's tokens, asymmetric min/max with an
+  fp16 scale and zero point (per channel, as KIVI quantizes keys; in this basis values are per channel
+  too), codes bit-packed per width in :class:`~kvpack.attention.pca_blocks.PCABlocks`' layout. Tokens
+  generated later are coded in the prompt's basis at the prompt's widths. With ``stagger`` the layers'
+  lags differ, so their blocks are coded at different decode steps.
+* **Attention**: ``kvpack::pca_quant_attention`` over the blocks (native CPU kernel: keys rebuilt from the
+  codes, values accumulated in the basis; reference: blocks decoded a tile at a time), its state merged
+  with the sink's, the tail's and the chunk's; the dense history never exists as a whole.
 
 Bytes (``nbytes()``: the tensors held): the sink and tail in ``storage_dtype``; per (head, side) the mean
 ``4 d``, the widths ``d`` and ``2 d`` per coded component (its basis column); per block and (head, side)
