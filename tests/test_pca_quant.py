@@ -163,6 +163,28 @@ def test_native_kernel_matches_an_fp64_reference(d, H, M, block, T, pre):
     torch.testing.assert_close(got.m, want.m.float(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("d,H,M,block,T,pre", [(64, 2, 3, 64, 1200, True), (80, 3, 7, 24, 500, True),
+                                              (48, 1, 1, 16, 300, False)])
+def test_triton_kernel_matches_an_fp64_reference(d, H, M, block, T, pre):
+    """The Triton kernel (under the interpreter on CPU) against the PyTorch path in fp64, the same odd
+    shapes as the native kernel's test."""
+    import os
+
+    from kvpack.attention.pca_blocks import pca_blocks_partials
+    from kvpack.attention.softmax_merge import merge_partials
+
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("no CUDA device and TRITON_INTERPRET is not set")
+    store, _, _ = _store(H=H, d=d, T=T, rope=pre, budget=0.3, block=block, residual=8, attention_backend="triton")
+    assert store.n_blocks > 4 and len({w for runs in store.groups for w, _ in runs}) >= 3
+    qg = torch.randn(H, M, d, generator=torch.Generator().manual_seed(1))
+    (got,) = store.history_partials(qg, d ** -0.5)
+    want = merge_partials(pca_blocks_partials(store.blocks_view(), qg.double(), d ** -0.5))
+    torch.testing.assert_close(got.o / got.l[..., None], (want.o / want.l[..., None]).float(), rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(got.m, want.m.float(), rtol=1e-5, atol=1e-5)
+
+
 def test_native_kernel_refuses_a_layout_that_does_not_match_the_widths():
     from kvpack.attention.pca_blocks import pca_quant_attention
 

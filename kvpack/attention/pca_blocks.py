@@ -168,13 +168,15 @@ def _(q, codes, scale, zero, basis, mean, widths, cos, sin, block, pre_rope, fir
     return q.new_empty(H, M), q.new_empty(H, M), q.new_empty(H, M, D)
 
 
-def pca_blocks_partial(blocks: PCABlocks, qg: torch.Tensor, scaling: float) -> PartialAttention:
-    """State of ``qg [H, M, d]`` over the coded blocks in one call of ``kvpack::pca_quant_attention``."""
+def pca_blocks_partial(blocks: PCABlocks, qg: torch.Tensor, scaling: float, op=None) -> PartialAttention:
+    """State of ``qg [H, M, d]`` over the coded blocks in one call of ``kvpack::pca_quant_attention`` (or of
+    ``op``, a function with its signature: the Triton launcher under the interpreter)."""
     if blocks.rope is not None:
         cos, sin = blocks.rope.table(blocks.first_position + blocks.n_blocks * blocks.block, qg.device)
     else:
         cos = sin = torch.empty(0, device=qg.device)
-    m, l, o = pca_quant_attention(qg.float().contiguous(), blocks.codes, blocks.scale, blocks.zero, blocks.basis,
-                                  blocks.mean, blocks.widths, cos, sin, blocks.block, blocks.rope is not None,
-                                  blocks.first_position, float(scaling), BLOCKS_PER_SPLIT)
+    m, l, o = (op or pca_quant_attention)(qg.float().contiguous(), blocks.codes, blocks.scale, blocks.zero,
+                                          blocks.basis, blocks.mean, blocks.widths, cos, sin, blocks.block,
+                                          blocks.rope is not None, blocks.first_position, float(scaling),
+                                          BLOCKS_PER_SPLIT)
     return PartialAttention(m, l, o)

@@ -40,8 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.cpu import NATIVE_CHOICES, use_native
+from ..attention import pca_blocks
+from ..attention.cpu import use_native
 from ..attention.pca_blocks import PCABlocks, pca_blocks_partial, pca_blocks_partials, width_groups
+from ..attention.triton import KERNEL_CHOICES, use_triton
 from ..config import MethodConfig, boolean, choice, integer, number, option
 from ..ops.accounting import dense_bf16_bytes
 from ..ops.bitpack import pack_bitstream_fast
@@ -69,8 +71,9 @@ class PCAQuantConfig(MethodConfig):
             one step codes a block in one or two layers rather than in all of them (a decode step that
             coded every layer's block took 2x the median).
         tile_blocks: blocks decoded per attention tile (the PyTorch path).
-        attention_backend: ``auto`` (the native CPU kernel for CPU tensors where it is built, else
-            PyTorch), ``native`` or ``torch`` (the reference path).
+        attention_backend: ``auto`` (Triton for CUDA tensors where Triton is installed, the native CPU
+            kernel for CPU tensors where it is built, else PyTorch), ``triton`` (on CPU tensors only under
+            ``TRITON_INTERPRET=1``), ``native`` or ``torch`` (the reference path).
     """
 
     budget: float | None = option(0.28, number(0.0, 1.0, low_open=True), "target fraction of the dense bf16 KV bytes")
@@ -81,7 +84,7 @@ class PCAQuantConfig(MethodConfig):
     key_rope: str = option("auto", choice("auto", "pre", "post"), "basis of keys before or after RoPE")
     stagger: bool = option(True, boolean(), "spread the layers' block boundaries over the decode steps")
     tile_blocks: int = option(64, integer(minimum=1), "blocks decoded per attention tile (the PyTorch path)")
-    attention_backend: str = option("auto", choice(*NATIVE_CHOICES), "attention path for stored tokens")
+    attention_backend: str = option("auto", choice(*KERNEL_CHOICES), "attention path for stored tokens")
 
     def check(self) -> None:
         if self.block % 8:
@@ -333,6 +336,13 @@ class PCAQuantStore(SegmentedStore):
     def history_partials(self, qg, scaling):
         if not self.n_blocks:
             return []
-        if qg.dtype != torch.float64 and use_native(self.config.attention_backend, qg.device):  # fp64: the reference
+        backend = self.config.attention_backend
+        if use_triton(backend, qg.device):
+            # imports Triton (and registers the op's CUDA kernel); under the interpreter, the launcher itself
+            from ..attention.triton.pca_quant_decode import _triton_pca_quant_attention
+
+            run = _triton_pca_quant_attention if qg.device.type == "cpu" else pca_blocks.pca_quant_attention
+            return [pca_blocks_partial(self.blocks_view(), qg, scaling, run)]
+        if qg.dtype != torch.float64 and use_native(backend, qg.device):  # fp64: the reference
             return [pca_blocks_partial(self.blocks_view(), qg, scaling)]
         return pca_blocks_partials(self.blocks_view(), qg, scaling)
