@@ -12,7 +12,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kvpack"
 # Function-level imports of kvpack modules are allowed only where the imported module needs Triton
 # (an optional dependency): the launchers stay importable without it.
-TRITON_MODULES = {"anchor_decode", "puzzle_decode", "puzzle_ragged_decode", "split_merge", "chunk_attend"}
+TRITON_MODULES = {"anchor_decode", "puzzle_decode", "puzzle_ragged_decode", "split_merge", "chunk_attend",
+                  "pca_quant_decode"}  # modules that import Triton: imported where a Triton path runs
 
 
 def _modules():

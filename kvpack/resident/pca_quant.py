@@ -40,10 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import pca_blocks
 from ..attention.cpu import use_native
 from ..attention.pca_blocks import PCABlocks, pca_blocks_partial, pca_blocks_partials, width_groups
 from ..attention.triton import KERNEL_CHOICES, use_triton
+from ..attention.triton.pca_quant_op import pca_quant_triton_partial
 from ..config import MethodConfig, boolean, choice, integer, number, option
 from ..ops.accounting import dense_bf16_bytes
 from ..ops.bitpack import pack_bitstream_fast
@@ -338,11 +338,7 @@ class PCAQuantStore(SegmentedStore):
             return []
         backend = self.config.attention_backend
         if use_triton(backend, qg.device):
-            # imports Triton (and registers the op's CUDA kernel); under the interpreter, the launcher itself
-            from ..attention.triton.pca_quant_decode import _triton_pca_quant_attention
-
-            run = _triton_pca_quant_attention if qg.device.type == "cpu" else pca_blocks.pca_quant_attention
-            return [pca_blocks_partial(self.blocks_view(), qg, scaling, run)]
+            return [pca_quant_triton_partial(self.blocks_view(), qg, scaling)]
         if qg.dtype != torch.float64 and use_native(backend, qg.device):  # fp64: the reference
             return [pca_blocks_partial(self.blocks_view(), qg, scaling)]
         return pca_blocks_partials(self.blocks_view(), qg, scaling)

@@ -140,7 +140,7 @@ def component_tables(widths: torch.Tensor, block: int) -> tuple[torch.Tensor, to
     return torch.tensor(heads, dtype=torch.int32, device=dev), start.to(dev), width.to(dev)
 
 
-def _triton_pca_quant_attention(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+def triton_pca_quant_attention(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                                 basis: torch.Tensor, mean: torch.Tensor, widths: torch.Tensor, cos: torch.Tensor,
                                 sin: torch.Tensor, block: int, pre_rope: bool, first_position: int, scaling: float,
                                 blocks_per_split: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -163,4 +163,4 @@ def _triton_pca_quant_attention(q: torch.Tensor, codes: torch.Tensor, scale: tor
     return merge_splits(m, l, o)
 
 
-pca_quant_attention.register_kernel("cuda")(_triton_pca_quant_attention)
+pca_quant_attention.register_kernel("cuda")(triton_pca_quant_attention)
