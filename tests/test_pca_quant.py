@@ -81,6 +81,22 @@ def test_staggered_layers_code_their_blocks_at_different_decode_steps():
     assert max(coded_at[True]) <= 2 and sum(coded_at[True]) >= 12 * (100 // 16)  # as many blocks, spread
 
 
+def test_measured_distortion_charges_heavy_tails_and_keeps_the_budget():
+    g = torch.Generator().manual_seed(5)
+    gauss = torch.randn(1024, generator=g)
+    spiky = 0.1 * torch.randn(1024, generator=g)  # small noise and one spike of 8 a block: variance near 1,
+    spiky[::64] = 8.0  # but a range of 8 that the min/max code spends its levels on
+    c = torch.stack([gauss, spiky], dim=-1).expand(2, 1, 1024, 2).contiguous()
+    store = PCAQuantStore(anchor_layout(H=1, d=2, rope=False), PCAQuantConfig(block=64, distortion="measured"))
+    table = store._measured_distortion(c)  # [H, 2, d, widths]
+    assert table.shape == (1, 2, 2, 9) and torch.all(table[..., 0] == 1)
+    assert abs(float(table[0, 0, 0, 4]) - minmax_distortion(4, 64)) < 0.01  # Gaussian: as the model says
+    assert float(table[0, 0, 1, 4]) > 1.5 * float(table[0, 0, 0, 4])  # the spiky one keeps more error a bit
+    for budget in (0.28, 0.15):
+        st, _, _ = _store(budget=budget, distortion="measured")
+        assert st.nbytes() <= budget * dense_bf16_bytes(st.seq_len, 2, 64)
+
+
 def test_one_bit_min_max_is_no_better_than_dropping_the_component():
     assert minmax_distortion(0, 128) == 1.0 and minmax_distortion(1, 128) == 1.0
     assert minmax_distortion(2, 128) < 0.4 and minmax_distortion(8, 128) < 1e-4

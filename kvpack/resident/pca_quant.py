@@ -66,6 +66,10 @@ class PCAQuantConfig(MethodConfig):
         block: tokens coded together (one scale and zero point per component per block); a multiple of 8.
         max_bits: the widest code of a component.
         key_rope: ``auto`` (pre-RoPE keys where the layer has RoPE), ``pre`` or ``post``.
+        distortion: what a width's purchase is worth to the water-filling: ``gaussian``
+            (:func:`minmax_distortion`, the same for every component) or ``measured`` (each component's own
+            min/max error at each width over the prompt's blocks: heavy-tailed components, whose ranges
+            waste levels, buy fewer bits).
         stagger: each layer keeps ``lag`` more recent tokens dense (``lag`` in ``[0, block)``, spread over
             the layers by the golden ratio), so the layers code their blocks at different decode steps:
             one step codes a block in one or two layers rather than in all of them (a decode step that
@@ -82,6 +86,8 @@ class PCAQuantConfig(MethodConfig):
     block: int = option(64, integer(minimum=8), "tokens coded together (a multiple of 8)")
     max_bits: int = option(8, integer(minimum=2, maximum=8), "widest code of a component")
     key_rope: str = option("auto", choice("auto", "pre", "post"), "basis of keys before or after RoPE")
+    distortion: str = option("gaussian", choice("gaussian", "measured"),
+                             "the water-filling's error per width: Gaussian model or measured on the prompt")
     stagger: bool = option(True, boolean(), "spread the layers' block boundaries over the decode steps")
     tile_blocks: int = option(64, integer(minimum=1), "blocks decoded per attention tile (the PyTorch path)")
     attention_backend: str = option("auto", choice(*KERNEL_CHOICES), "attention path for stored tokens")
@@ -105,7 +111,8 @@ def minmax_distortion(width: int, block: int) -> float:
     return min(1.0, step * step / 12.0)
 
 
-def water_fill_order(variances: torch.Tensor, max_bits: int, block: int, first_cost: float) -> torch.Tensor:
+def water_fill_order(variances: torch.Tensor, max_bits: int, block: int, first_cost: float,
+                     distortion: torch.Tensor | None = None) -> torch.Tensor:
     """The order in which bits are bought: ``[K, 4]`` int64 rows ``(head, side, component, new width)``, best
     gain per bit first.
 
@@ -115,6 +122,8 @@ def water_fill_order(variances: torch.Tensor, max_bits: int, block: int, first_c
         block: tokens per block (the quantizer's range, :func:`minmax_distortion`).
         first_cost: the extra cost, in bits per token, of coding a component at all (its block scale and
             zero point, its basis column), added to its first purchase.
+        distortion: the relative error left at each width, ``[max_bits + 1]`` for every component (default:
+            :func:`minmax_distortion`) or ``[H, 2, d, max_bits + 1]`` per component.
 
     A component is bought at 2 bits first, then one bit at a time; the gain of a purchase is the share of
     the (head, side)'s variance it removes (:func:`minmax_distortion`), so heads and sides compete on the
@@ -127,11 +136,13 @@ def water_fill_order(variances: torch.Tensor, max_bits: int, block: int, first_c
     fall in (head, side, component, width) order, as the heap's tuples do.
     """
     share = variances.double() / variances.double().sum(dim=-1, keepdim=True).clamp_min(1e-30)
-    dist = torch.tensor([minmax_distortion(w, block) for w in range(max_bits + 1)], dtype=torch.float64)
+    if distortion is None:
+        distortion = torch.tensor([minmax_distortion(w, block) for w in range(max_bits + 1)], dtype=torch.float64)
+    dist = distortion.double().expand(*share.shape, max_bits + 1)  # [H, 2, d, widths 0..max_bits]
     new = torch.arange(2, max_bits + 1)  # the purchases of one component: 0 -> 2, 2 -> 3, ..., -> max_bits
     prev = torch.cat([new.new_zeros(1), new[:-1]])
     cost = (new - prev).double() + first_cost * (prev == 0).double()
-    gain = share[..., None] * ((dist[prev] - dist[new]) / cost)  # [H, 2, d, purchases]
+    gain = share[..., None] * ((dist[..., prev] - dist[..., new]) / cost)  # [H, 2, d, purchases]
     key = torch.cummin(gain, dim=-1).values
     H, S, d = share.shape
     index = torch.stack(torch.meshgrid(torch.arange(H), torch.arange(S), torch.arange(d), new, indexing="ij"), dim=-1)
@@ -206,7 +217,7 @@ class PCAQuantStore(SegmentedStore):
         per_block = int(bits.sum()) * cfg.block // 8 + PARAM_BYTES * coded
         return dense + (fixed + blocks * per_block if blocks else 0)
 
-    def _solve_widths(self, variances: torch.Tensor) -> torch.Tensor:
+    def _solve_widths(self, variances: torch.Tensor, measured: torch.Tensor | None = None) -> torch.Tensor:
         """Widths ``[2, H, d]`` uint8 for component variances ``[2, H, d]``: the most bits of
         :func:`water_fill_order` whose bytes (:meth:`_bytes`) stay within the budget over the coming block
         cycle."""
@@ -216,7 +227,7 @@ class PCAQuantStore(SegmentedStore):
         # A coded component's scale and zero point per block, and its fp16 basis column once (over the
         # tokens coded now), in bits per token.
         first_cost = 8.0 * PARAM_BYTES / cfg.block + 16.0 * d / max(1, seq)
-        order = water_fill_order(variances.permute(1, 0, 2), cfg.max_bits, cfg.block, first_cost)
+        order = water_fill_order(variances.permute(1, 0, 2), cfg.max_bits, cfg.block, first_cost, measured)
         # The bytes after the first k purchases, k = 0..K, at every length of the cycle (_bytes, for all k at
         # once: it depends on the widths only through their sum and the coded count).
         first = order[:, 3] == 2
@@ -247,6 +258,27 @@ class PCAQuantStore(SegmentedStore):
     def _pre_rope(self, k: torch.Tensor, first: int) -> torch.Tensor:
         return unrope_at(self.layout.rope, k, first) if self.pre_rope else k
 
+    def _measured_distortion(self, c: torch.Tensor) -> torch.Tensor | None:
+        """``[H, 2, d, max_bits + 1]``: the squared error of each component's min/max code at each width over
+        the fitted tokens' whole blocks, relative to its variance (width 0: 1) — what the water-filling
+        buys against with ``distortion="measured"``; None with no whole block.
+
+        Args:
+            c: ``[2, H, n, d]`` the fitted tokens' coefficients (centred).
+        """
+        G, top = self.config.block, self.config.max_bits
+        nb = c.shape[2] // G
+        if not nb:
+            return None
+        blocks = c[:, :, :nb * G].reshape(c.shape[0], c.shape[1], nb, G, -1)
+        var = blocks.var(dim=(2, 3), correction=0).clamp_min(1e-30)
+        out = torch.ones(*var.shape, top + 1)
+        for w in range(1, top + 1):
+            codes, scale, zero = quantize_minmax(blocks, dim=3, bits=w)
+            err = ((codes.float() * scale.float() + zero.float() - blocks) ** 2).mean(dim=(2, 3))
+            out[..., w] = (err / var).clamp(max=1.0)
+        return out.permute(1, 0, 2, 3)
+
     def _fit(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Bases, means and widths from the tail's tokens ``k`` (pre-RoPE where configured), ``v``
         ``[H, n, d]`` fp32."""
@@ -258,7 +290,8 @@ class PCAQuantStore(SegmentedStore):
         cov = (xc.transpose(-1, -2) @ xc / x.shape[2]).double()
         lam, vec = torch.linalg.eigh(cov)  # ascending
         lam, vec = lam.flip(-1).clamp_min(0), vec.flip(-1)
-        widths = self._solve_widths(lam.float())
+        measured = self._measured_distortion(xc.float() @ vec.float()) if self.config.distortion == "measured" else None
+        widths = self._solve_widths(lam.float(), measured)
         # Components in decreasing width (stable: decreasing variance within a width), so each (side, head)'s
         # coded components lead and group by width — the layout the attention paths read. Water-filling
         # already gives more variance no fewer bits within a (side, head); the sort makes it a guarantee.
