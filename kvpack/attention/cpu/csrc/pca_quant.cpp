@@ -3,9 +3,10 @@
 //
 // Per (KV head, split of blocks), per block of G tokens:
 //   keys:   the codes of the head's Ck key components are widened and dequantized into coefficients
-//           c [Ck, G] (component-major, as the codes are stored: c = code * scale + zero), the keys rebuilt as mean + c @ basis
-//           (`rebuild_rows`: four keys at a time in registers over the Ck basis rows), rotated by RoPE at
-//           their positions where the basis is pre-RoPE, then scored against the M query rows;
+//           c [Ck, G] (component-major, as the codes are stored: c = code * scale + zero), the keys rebuilt
+//           as mean + cᵀ @ basis (`rebuild_rows`: four keys at a time in registers over the Ck basis rows),
+//           rotated by RoPE at their positions where the basis is pre-RoPE, then scored against the M
+//           query rows;
 //   values: never rebuilt, nor dequantized. sum_t p_t v_t = mean sum_t p_t + sum_j (sum_t p_t c_tj) b_j and
 //           sum_t p_t c_tj = scale_j sum_t p_t code_tj + zero_j sum_t p_t, so the split's online-softmax
 //           state is kept over the Cv coefficients ([M, Cv]) from the codes, and turned into [M, D] once,
@@ -51,14 +52,16 @@ inline void widen_codes_any(int w, const uint8_t* src, int64_t n, const uint8_t*
 }
 
 // out [4, D] = base [D] + coefᵀ @ rows [C, D] for D-columns [0, NCH L) of four tokens, the coefficients
-// given component-major (token r's coefficient j at coef[j ld + r]; out's row stride D): 4 x NCH accumulators stay in registers over the C basis rows, so the FMAs of four tokens
-// interleave instead of each token's chain waiting on its previous FMA (one token at a time was bound
-// by the FMA latency, measured 2x slower).
+// given component-major (token r's coefficient j at coef[j ld + r]; out's row stride D). 4 x NCH
+// accumulators stay in registers over the C basis rows, so the FMAs of four tokens interleave instead of
+// each token's chain of C dependent FMAs waiting on the FMA latency.
 template <int NCH, bool TAIL>
 inline void rebuild4(const float* __restrict coef, int64_t ld, int64_t C, const float* __restrict rows, int64_t D,
                      const float* __restrict base, Vec::Mask last, float* __restrict out) {
   constexpr int L = Vec::kLanes;
-  auto load = [&](const float* p, int k) { return TAIL && k + 1 == NCH ? Vec::load(p + L * k, last) : Vec::load(p + L * k); };
+  auto load = [&](const float* p, int k) {
+    return TAIL && k + 1 == NCH ? Vec::load(p + L * k, last) : Vec::load(p + L * k);
+  };
   Vec acc[4][NCH];
   for (int k = 0; k < NCH; ++k) acc[0][k] = acc[1][k] = acc[2][k] = acc[3][k] = load(base, k);
   for (int64_t j = 0; j < C; ++j) {
@@ -77,6 +80,13 @@ inline void rebuild4(const float* __restrict coef, int64_t ld, int64_t C, const 
     }
 }
 
+template <int NCH>
+inline void rebuild4_any(bool tail, const float* coef, int64_t ld, int64_t C, const float* rows, int64_t D,
+                         const float* base, Vec::Mask last, float* out) {
+  if (tail) rebuild4<NCH, true>(coef, ld, C, rows, D, base, last, out);
+  else rebuild4<NCH, false>(coef, ld, C, rows, D, base, last, out);
+}
+
 // keys [n, D] = base [D] + coefᵀ @ rows [C, D] for coefficients coef [C, n] (component-major), n a
 // multiple of 4 (a block: G % 8 == 0).
 inline void rebuild_rows(const float* coef, int64_t n, int64_t C, const float* rows, int64_t D, const float* base,
@@ -93,10 +103,12 @@ inline void rebuild_rows(const float* coef, int64_t n, int64_t C, const float* r
       const float* b = base + v0 * L;
       float* o = keys + t * D + v0 * L;
       const float* c = coef + t;
-      if (nch == 4) tail ? rebuild4<4, true>(c, n, C, r, D, b, last, o) : rebuild4<4, false>(c, n, C, r, D, b, last, o);
-      else if (nch == 3) tail ? rebuild4<3, true>(c, n, C, r, D, b, last, o) : rebuild4<3, false>(c, n, C, r, D, b, last, o);
-      else if (nch == 2) tail ? rebuild4<2, true>(c, n, C, r, D, b, last, o) : rebuild4<2, false>(c, n, C, r, D, b, last, o);
-      else tail ? rebuild4<1, true>(c, n, C, r, D, b, last, o) : rebuild4<1, false>(c, n, C, r, D, b, last, o);
+      switch (nch) {
+        case 4: rebuild4_any<4>(tail, c, n, C, r, D, b, last, o); break;
+        case 3: rebuild4_any<3>(tail, c, n, C, r, D, b, last, o); break;
+        case 2: rebuild4_any<2>(tail, c, n, C, r, D, b, last, o); break;
+        default: rebuild4_any<1>(tail, c, n, C, r, D, b, last, o);
+      }
     }
 }
 
