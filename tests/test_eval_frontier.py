@@ -123,3 +123,16 @@ def test_peer_rows_from_their_scripts_join_the_frontier_as_peers(monkeypatch, ro
     assert _cell(cells, "anchor_plus", 0.28)["best_peer"] == "hf_quantized-quanto4"
     aware = _cell(cells, "llamacpp-q4_0", setting="query_aware")  # the same run counted in the other setting
     assert aware["n"] == 12 and aware["vs_full"] is None  # the synthetic rows have no query-aware FullKV
+
+
+def test_a_method_whose_rows_are_still_coming_does_not_headline_the_summary():
+    from kvpack.eval.frontier import best_per_budget
+
+    base = {"setting": "query_agnostic", "budget": 0.28, "peer": False, "family": "pca_quant", "bytes_ratio": 0.27,
+            "score": 0.2, "score_ci": (0.1, 0.3)}
+    complete = {**base, "method": "pca_quant", "n": 48, "kl": 0.006}
+    partial = {**base, "method": "pca_quant-measured", "n": 12, "kl": 0.004}  # lower KL, on a quarter of the samples
+    best, _, _ = best_per_budget([complete, partial], "query_agnostic", 0.28)
+    assert best["method"] == "pca_quant"
+    best, _, _ = best_per_budget([complete, {**partial, "n": 48}], "query_agnostic", 0.28)
+    assert best["method"] == "pca_quant-measured"  # once it has caught up, it ranks
