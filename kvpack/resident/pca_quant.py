@@ -207,15 +207,21 @@ class PCAQuantStore(SegmentedStore):
 
     def _bytes(self, seq: int, bits: torch.Tensor) -> int:
         """Bytes held at ``seq`` tokens with widths ``bits [2, H, d]`` (the block policy of :meth:`compress`)."""
+        return self._bytes_at(seq, int(bits.sum()), int((bits > 0).sum()))
+
+    def _bytes_at(self, seq: int, total_bits, coded):
+        """:meth:`_bytes` from the widths' sum ``total_bits`` and the coded count ``coded``: ints, or int tensors
+        of candidates (the bytes of every prefix of the water-filling at once)."""
         H, d = self.layout.kv_heads, self.layout.head_dim
         cfg, elem = self.config, self.storage_dtype.itemsize
         sink = min(cfg.sinks, seq)
         blocks = max(0, (seq - sink - self.kept_recent) // cfg.block)
         dense = (seq - blocks * cfg.block) * 2 * H * d * elem
-        coded = int((bits > 0).sum())
+        if not blocks:  # nothing coded yet: no means, bases or codes held
+            return dense + 0 * coded
         fixed = 2 * H * (4 * d + d) + 2 * d * coded  # means, widths; fp16 basis columns of coded components
-        per_block = int(bits.sum()) * cfg.block // 8 + PARAM_BYTES * coded
-        return dense + (fixed + blocks * per_block if blocks else 0)
+        per_block = total_bits * cfg.block // 8 + PARAM_BYTES * coded
+        return dense + fixed + blocks * per_block
 
     def _solve_widths(self, variances: torch.Tensor, measured: torch.Tensor | None = None) -> torch.Tensor:
         """Widths ``[2, H, d]`` uint8 for component variances ``[2, H, d]``: the most bits of
@@ -228,19 +234,15 @@ class PCAQuantStore(SegmentedStore):
         # tokens coded now), in bits per token.
         first_cost = 8.0 * PARAM_BYTES / cfg.block + 16.0 * d / max(1, seq)
         order = water_fill_order(variances.permute(1, 0, 2), cfg.max_bits, cfg.block, first_cost, measured)
-        # The bytes after the first k purchases, k = 0..K, at every length of the cycle (_bytes, for all k at
-        # once: it depends on the widths only through their sum and the coded count).
+        # The bytes after the first k purchases, k = 0..K, at every length of the cycle (_bytes_at, for all k
+        # at once: the bytes depend on the widths only through their sum and the coded count).
         first = order[:, 3] == 2
         bits = torch.cat([order.new_zeros(1), torch.cumsum(torch.where(first, 2, 1), 0)])  # [K + 1]
         coded = torch.cat([order.new_zeros(1), torch.cumsum(first.long(), 0)])
         fits = torch.ones(len(bits), dtype=torch.bool)
         worst = 0.0  # the most any length needs with no code at all, for the refusal
         for s in range(seq, seq + cfg.block):
-            sink = min(cfg.sinks, s)
-            blocks = max(0, (s - sink - self.kept_recent) // cfg.block)
-            need = (s - blocks * cfg.block) * 2 * H * d * self.storage_dtype.itemsize + torch.where(
-                torch.tensor(blocks > 0), 2 * H * (4 * d + d) + 2 * d * coded
-                + blocks * (bits * cfg.block // 8 + PARAM_BYTES * coded), 0)
+            need = self._bytes_at(s, bits, coded)
             limit = cfg.budget * dense_bf16_bytes(s, H, d)
             fits &= need <= limit
             worst = max(worst, float(need[0]) / dense_bf16_bytes(s, H, d))

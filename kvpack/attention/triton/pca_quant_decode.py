@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pca_blocks import pca_quant_attention, width_groups
+from ..pca_blocks import pca_quant_attention
 from ._common import dot, online_softmax_step, rotated_scores, store_split_state
 from ._launch import ROW_BLOCK, kernel_arg, launch, pow2, row_blocks, split_state_buffers
 from .split_merge import merge_splits
@@ -119,25 +119,23 @@ def pca_quant_split_kernel(
 
 
 def component_tables(widths: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The layout the kernel reads, from ``widths [2, H, d]``: ``heads [2H, 3]`` int32 (coded count, first
-    column, first byte of each (side, head)), ``start, width [2H, d]`` int32 (each component's stream's
-    first bit within its (side, head)'s run of a block, and its width)."""
-    S, H, d = widths.shape
-    heads, start, width = [], torch.zeros(S * H, d, dtype=torch.int32), torch.zeros(S * H, d, dtype=torch.int32)
-    col = byte = 0
-    for i, runs in enumerate(width_groups(widths)):
-        count, bit, j = 0, 0, 0
-        for w, n in runs:
-            for k in range(n):  # component-major: component k of this width's stream starts k · block codes in
-                start[i, j + k] = bit + k * block * w
-                width[i, j + k] = w
-            bit += n * block * w
-            j += n
-            count += n
-        heads.append((count, col, byte))
-        col, byte = col + count, byte + bit // 8
-    dev = widths.device
-    return torch.tensor(heads, dtype=torch.int32, device=dev), start.to(dev), width.to(dev)
+    """The layout the kernel reads, from ``widths [2, H, d]`` (non-increasing per (side, head)), on their
+    device: ``heads [2H, 3]`` int32 (coded count, first column, first byte of each (side, head)), ``start,
+    width [2H, d]`` int32 (each component's stream's first bit within its (side, head)'s run of a block, and
+    its width). The streams are component-major and widest first, so component ``j`` starts after the
+    ``block`` codes of every component before it: ``block · Σ_{i<j} w_i`` bits.
+
+    Raises:
+        ValueError: widths that increase along a component axis (codes would not be grouped).
+    """
+    w = widths.reshape(-1, widths.shape[-1]).to(torch.int64)  # [2H, d]
+    if bool((w[:, 1:] > w[:, :-1]).any()):
+        raise ValueError(f"pca blocks: component widths must be non-increasing, got {w.tolist()}")
+    start = block * (torch.cumsum(w, dim=1) - w)
+    count = (w > 0).sum(dim=1)
+    run_bytes = block * w.sum(dim=1) // 8
+    heads = torch.stack([count, torch.cumsum(count, 0) - count, torch.cumsum(run_bytes, 0) - run_bytes], dim=1)
+    return heads.to(torch.int32), start.to(torch.int32), w.to(torch.int32)
 
 
 def triton_pca_quant_attention(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
