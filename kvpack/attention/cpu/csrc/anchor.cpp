@@ -10,22 +10,20 @@
 // split) and sum_t p_t y_t in the codecs' shared rotated domain (unrotated once per split).
 //
 // The rotation: the identity (the naive ablation) is skipped; the paper's Sylvester-Hadamard matrix is
-// applied as a fast Walsh-Hadamard transform held in registers (D / 16 vectors: butterflies 16 or more
-// apart between vectors, 1, 2, 4 and 8 apart as a lane permute plus one FMA with a +-1 vector), about
-// D log2(D) / 16 vector operations; any other 0/+-1 matrix as a D x D product (`combine`: the output row
-// held in registers).
-// Profiled at D = 128, the D x D product was 70% of the kernel's time.
+// applied as a fast Walsh-Hadamard transform held in registers (fwht_inplace: D / kLanes vectors,
+// about D log2(D) / kLanes vector operations); any other 0/+-1 matrix as a D x D product (`combine`: the
+// output row held in registers). Profiled at D = 128, the D x D product was 70% of the kernel's time.
 //
-// With AVX-512 and D = 32 / 64 / 128 / 256 (identity or Sylvester rotation) each key lives in registers
-// from its anchor row to its dot products (block_key_scores_regs); the value residuals of a block are
-// decoded into a small buffer and summed per query row with the accumulator in registers (`combine`),
-// as are the anchor bins at the end of a split. Profiled at SmolLM2's shape (D = 64, anchor_plus@0.25,
-// 8K tokens) before: the row passes through memory between scale, residual, RoPE and dot (store then
-// load, each step) and the value axpys were most of the time; 2.06 -> 1.01 ms per layer call.
-// With AVX2 and D = 32 / 64 the same register path on 8-lane vectors (block_key_scores_regs8; at
-// D = 128 a key's 16 vectors would fill all 16 registers, so larger heads keep the buffered path).
-// SmolLM2's shape on a Zen 1 EPYC (bench_decode_attention.py --shape smollm2, 8K): anchor_plus@0.25
-// 3.85 / 4.75 -> 3.02 / 3.76 ms per layer call (two alternating runs each).
+// Where a key's D / kLanes vectors fill at most half the register file (AVX-512: D = 32 .. 256; AVX2:
+// D = 32 and 64) and the rotation is the identity or Sylvester's, each key lives in registers from its
+// anchor row to its dot products (block_key_scores_regs); the value residuals of a block are decoded
+// into a small buffer and summed per query row with the accumulator in registers (`combine`), as are the
+// anchor bins at the end of a split. Profiled at SmolLM2's shape (D = 64, anchor_plus@0.25, 8K tokens)
+// before: the row passes through memory between scale, residual, RoPE and dot (store then load, each
+// step) and the value axpys were most of the time; 2.06 -> 1.01 ms per layer call (AVX-512); on a Zen 1
+// EPYC (AVX2, bench_decode_attention.py --shape smollm2, 8K) 3.85 / 4.75 -> 3.02 / 3.76 ms.
+// Written once on Vec (simd.h): its code lookup (Vec::decode) and in-vector Hadamard stages are the
+// only ISA-specific pieces.
 #include "common.h"
 
 namespace kvpack {
@@ -49,91 +47,34 @@ Rotation classify(const at::Tensor& hmat, std::vector<float>& m) {
     return true;
   };
   if (equals([](int64_t i, int64_t j) { return i == j ? 1.f : 0.f; })) return Rotation::Identity;
-#if defined(__AVX512F__) || defined(KVPACK_AVX2)
   if ((D == 16 || D == 32 || D == 64 || D == 128 || D == 256) && equals(sylvester)) return Rotation::Sylvester;
-#endif
   return Rotation::Matrix;
 }
 
-#if defined(__AVX512F__)
-constexpr int LANES = 16;  // floats per vector register
-
-// One in-vector butterfly stage `stride` apart (1, 2, 4, 8): lane i becomes x[i ^ stride] + sign_i x[i],
-// sign_i = -1 where bit `stride` of i is set (the pair's difference), +1 where clear (its sum).
-template <int STRIDE>
-inline __m512 lane_butterfly(__m512 x) {
-  __m512 partner;
-  if constexpr (STRIDE == 1) partner = _mm512_permute_ps(x, 0xB1);
-  else if constexpr (STRIDE == 2) partner = _mm512_permute_ps(x, 0x4E);
-  else if constexpr (STRIDE == 4) partner = _mm512_shuffle_f32x4(x, x, 0xB1);
-  else partner = _mm512_shuffle_f32x4(x, x, 0x4E);
-  alignas(64) static const float sign[16] = {
-      (0 & STRIDE) ? -1.f : 1.f, (1 & STRIDE) ? -1.f : 1.f, (2 & STRIDE) ? -1.f : 1.f, (3 & STRIDE) ? -1.f : 1.f,
-      (4 & STRIDE) ? -1.f : 1.f, (5 & STRIDE) ? -1.f : 1.f, (6 & STRIDE) ? -1.f : 1.f, (7 & STRIDE) ? -1.f : 1.f,
-      (8 & STRIDE) ? -1.f : 1.f, (9 & STRIDE) ? -1.f : 1.f, (10 & STRIDE) ? -1.f : 1.f, (11 & STRIDE) ? -1.f : 1.f,
-      (12 & STRIDE) ? -1.f : 1.f, (13 & STRIDE) ? -1.f : 1.f, (14 & STRIDE) ? -1.f : 1.f, (15 & STRIDE) ? -1.f : 1.f};
-  return _mm512_fmadd_ps(x, _mm512_load_ps(sign), partner);
-}
-
-// out = H y for the unnormalised Sylvester-Hadamard H of order 16 NCH (H is symmetric: y H = H y).
+// out = H y for the unnormalised Sylvester-Hadamard H of order NCH kLanes, y in NCH vectors (H is
+// symmetric: y H = H y): butterflies kLanes or more apart between vectors, then the in-vector ones
+// (Vec::hadamard: 1, 2, 4 and 8 apart as a lane permute plus one FMA with a +-1 vector each), about
+// D log2(D) / kLanes vector operations. At D = 128 and 256 on AVX2 the 16 / 32 vectors exceed the
+// registers and the compiler keeps some on the stack: still far fewer operations than the D x D product.
 template <int NCH>
-inline void fwht_inplace(__m512* v) {
-  for (int span = 1; span < NCH; span *= 2)  // butterflies 16 span apart: between vectors
-    for (int j = 0; j < NCH; ++j)
-      if (!(j & span)) {
-        const __m512 a = v[j], b = v[j + span];
-        v[j] = _mm512_add_ps(a, b);
-        v[j + span] = _mm512_sub_ps(a, b);
-      }
-  for (int j = 0; j < NCH; ++j)
-    v[j] = lane_butterfly<8>(lane_butterfly<4>(lane_butterfly<2>(lane_butterfly<1>(v[j]))));
-}
-
-template <int NCH>
-inline void fwht_regs(const float* y, float* out) {
-  __m512 v[NCH];
-  for (int j = 0; j < NCH; ++j) v[j] = _mm512_loadu_ps(y + 16 * j);
-  fwht_inplace<NCH>(v);
-  for (int j = 0; j < NCH; ++j) _mm512_storeu_ps(out + 16 * j, v[j]);
-}
-#elif defined(KVPACK_AVX2)
-constexpr int LANES = 8;
-
-// The same transform on 8-lane vectors: butterflies 8 or more apart between vectors, 1, 2 and 4 apart
-// in-vector (at D = 128 and 256 the 16 / 32 vectors exceed AVX2's registers and the compiler keeps some
-// on the stack: still ~D log2(D) / 8 vector operations against the D x D product's D^2 / 8).
-template <int STRIDE>
-inline __m256 lane_butterfly8(__m256 x) {
-  __m256 partner;
-  if constexpr (STRIDE == 1) partner = _mm256_permute_ps(x, 0xB1);
-  else if constexpr (STRIDE == 2) partner = _mm256_permute_ps(x, 0x4E);
-  else partner = _mm256_permute2f128_ps(x, x, 0x01);
-  alignas(32) static const float sign[8] = {
-      (0 & STRIDE) ? -1.f : 1.f, (1 & STRIDE) ? -1.f : 1.f, (2 & STRIDE) ? -1.f : 1.f, (3 & STRIDE) ? -1.f : 1.f,
-      (4 & STRIDE) ? -1.f : 1.f, (5 & STRIDE) ? -1.f : 1.f, (6 & STRIDE) ? -1.f : 1.f, (7 & STRIDE) ? -1.f : 1.f};
-  return _mm256_fmadd_ps(x, _mm256_load_ps(sign), partner);
-}
-
-template <int NCH>
-inline void fwht_inplace(__m256* v) {
+inline void fwht_inplace(Vec* v) {
   for (int span = 1; span < NCH; span *= 2)
     for (int j = 0; j < NCH; ++j)
       if (!(j & span)) {
-        const __m256 a = v[j], b = v[j + span];
-        v[j] = _mm256_add_ps(a, b);
-        v[j + span] = _mm256_sub_ps(a, b);
+        const Vec a = v[j], b = v[j + span];
+        v[j] = a + b;
+        v[j + span] = a - b;
       }
-  for (int j = 0; j < NCH; ++j) v[j] = lane_butterfly8<4>(lane_butterfly8<2>(lane_butterfly8<1>(v[j])));
+  for (int j = 0; j < NCH; ++j) v[j] = v[j].hadamard();
 }
 
 template <int NCH>
 inline void fwht_regs(const float* y, float* out) {
-  __m256 v[NCH];
-  for (int j = 0; j < NCH; ++j) v[j] = _mm256_loadu_ps(y + 8 * j);
+  Vec v[NCH];
+  for (int j = 0; j < NCH; ++j) v[j] = Vec::load(y + Vec::kLanes * j);
   fwht_inplace<NCH>(v);
-  for (int j = 0; j < NCH; ++j) _mm256_storeu_ps(out + 8 * j, v[j]);
+  for (int j = 0; j < NCH; ++j) v[j].store(out + Vec::kLanes * j);
 }
-#endif
 
 struct Codec {
   Rotation rotation;
@@ -159,16 +100,15 @@ struct Codec {
   // out = y M. The output row stays in registers across the D row updates (a row buffer in memory
   // made every update wait on the previous one's store: the hot spot of the first version).
   void matvec(const float* y, float* out) const {
-#if defined(__AVX512F__) || defined(KVPACK_AVX2)
+    constexpr int L = Vec::kLanes;
     if (rotation == Rotation::Sylvester) switch (D) {  // fwht_regs' template argument: vectors per row
-        case 16: return fwht_regs<16 / LANES>(y, out);
-        case 32: return fwht_regs<32 / LANES>(y, out);
-        case 64: return fwht_regs<64 / LANES>(y, out);
-        case 128: return fwht_regs<128 / LANES>(y, out);
-        case 256: return fwht_regs<256 / LANES>(y, out);
+        case 16: return fwht_regs<16 / L>(y, out);
+        case 32: return fwht_regs<32 / L>(y, out);
+        case 64: return fwht_regs<64 / L>(y, out);
+        case 128: return fwht_regs<128 / L>(y, out);
+        case 256: return fwht_regs<256 / L>(y, out);
         default: break;  // classify() admits no other order
       }
-#endif
     std::fill(out, out + D, 0.f);
     combine(y, matrix.data(), D, D, out);  // sum_r y[r] M[r] with the output row in registers
   }
@@ -215,127 +155,14 @@ Tier make_tier(const at::Tensor& mask, const at::Tensor& prefix, const at::Tenso
   return t;
 }
 
-#if defined(__AVX512F__)
-// y = levels[codes] for the D codes of one residual (`bits` 2 or 4, little-end first within a byte),
-// `levels` already times the residual's scale (4 or 16 lanes used). Output vector m, lane l holds code
-// 16 m + l: its byte is broadcast to the lane (one permute of the zero-extended bytes), shifted by
-// its place in the byte (a variable shift), masked, and looked up in the levels (a lane permute), so
-// 16 codes cost five vector operations and come out in order.
-template <int BITS>
-inline void decode_codes(const uint8_t* r, int64_t D, __m512 levels, float* y) {
-  constexpr int PER_BYTE = 8 / BITS;
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i byte_of_lane = _mm512_srli_epi32(lane, BITS == 2 ? 2 : 1);  // l / PER_BYTE
-  const __m512i shift = _mm512_slli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(PER_BYTE - 1)),
-                                          BITS == 2 ? 1 : 2);           // BITS * (l % PER_BYTE)
-  const __m512i code_mask = _mm512_set1_epi32((1 << BITS) - 1);
-  const int64_t bytes = D * BITS / 8;
-  for (int64_t b0 = 0; b0 < bytes; b0 += 16) {  // 16 bytes: 16 PER_BYTE codes
-    const int64_t nb = std::min<int64_t>(16, bytes - b0);
-    const __m512i wide = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(__mmask16((1u << nb) - 1), r + b0));
-    for (int64_t m = 0; m < nb * PER_BYTE / 16; ++m) {
-      const __m512i idx = _mm512_add_epi32(byte_of_lane, _mm512_set1_epi32(int(m * 16 / PER_BYTE)));
-      const __m512i code = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(idx, wide), shift), code_mask);
-      _mm512_storeu_ps(y + b0 * PER_BYTE + 16 * m, _mm512_permutexvar_ps(code, levels));
-    }
-  }
-}
-
-// The same into registers: y[m] = the residual's codes 16 m .. 16 m + 15 (D = 16 NCH, all compile-time).
+// y[m] = the residual's codes m kLanes .. (m + 1) kLanes - 1 looked up in `table` (the levels times the
+// residual's scale), NCH vectors (D = NCH kLanes, all compile-time): Vec::decode reads each vector's 2 or
+// 4 bytes of codes and looks them up with lane permutes, so the codes come out in order, in registers.
 template <int BITS, int NCH>
-inline void decode_regs(const uint8_t* r, __m512 levels, __m512* y) {
-  constexpr int PER_BYTE = 8 / BITS, BYTES = 16 * NCH / PER_BYTE;
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i byte_of_lane = _mm512_srli_epi32(lane, BITS == 2 ? 2 : 1);
-  const __m512i shift = _mm512_slli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(PER_BYTE - 1)),
-                                          BITS == 2 ? 1 : 2);
-  const __m512i code_mask = _mm512_set1_epi32((1 << BITS) - 1);
+inline void decode_regs(const uint8_t* r, const Vec::Table& table, Vec* y) {
 #pragma GCC unroll 16
-  for (int b0 = 0; b0 < BYTES; b0 += 16) {
-    const int nb = BYTES - b0 < 16 ? BYTES - b0 : 16;
-    const __m512i wide = _mm512_cvtepu8_epi32(
-        nb == 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + b0))
-                 : _mm_maskz_loadu_epi8(__mmask16((1u << nb) - 1), r + b0));
-#pragma GCC unroll 4
-    for (int m = 0; m < nb * PER_BYTE / 16; ++m) {
-      const __m512i idx = _mm512_add_epi32(byte_of_lane, _mm512_set1_epi32(m * 16 / PER_BYTE));
-      const __m512i code = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(idx, wide), shift), code_mask);
-      y[b0 * PER_BYTE / 16 + m] = _mm512_permutexvar_ps(code, levels);
-    }
-  }
+  for (int m = 0; m < NCH; ++m) y[m] = Vec::decode<BITS>(r, m, table);
 }
-
-// 16 consecutive elements widened to fp32.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-#elif defined(KVPACK_AVX2)
-// The same on 8 lanes: 8 bytes zero-extended to 8 int32 lanes, each output vector's bytes broadcast
-// to its lanes by a lane permute, shifted, masked, and looked up; 16 levels (4-bit) are two 8-entry
-// permutes blended on the code's bit 3. Needs D % 8 == 0.
-// Output vector m of an 8-byte chunk's codes (`wide`: its bytes zero-extended to the 8 lanes): each
-// lane's byte permuted in, shifted to its code, masked, and looked up in the levels.
-template <int BITS>
-inline __m256 lookup_codes8(__m256i wide, int m, __m256 levels_lo, __m256 levels_hi) {
-  constexpr int PER_BYTE = 8 / BITS;
-  const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
-  const __m256i byte_of_lane = _mm256_srli_epi32(lane, BITS == 2 ? 2 : 1);
-  const __m256i shift = _mm256_slli_epi32(_mm256_and_si256(lane, _mm256_set1_epi32(PER_BYTE - 1)), BITS == 2 ? 1 : 2);
-  const __m256i idx = _mm256_add_epi32(byte_of_lane, _mm256_set1_epi32(m * 8 / PER_BYTE));
-  const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_permutevar8x32_epi32(wide, idx), shift),
-                                        _mm256_set1_epi32((1 << BITS) - 1));
-  __m256 v = _mm256_permutevar8x32_ps(levels_lo, code);
-  if constexpr (BITS == 4)
-    v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(levels_hi, code), _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
-  return v;
-}
-
-// Up to 8 bytes from r, zero-extended to the 8 int32 lanes (no read past the nb bytes).
-inline __m256i load_bytes8(const uint8_t* r, int64_t nb) {
-  uint64_t chunk = 0;
-  std::memcpy(&chunk, r, size_t(nb));
-  return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(chunk)));
-}
-
-template <int BITS>
-inline void decode_codes8(const uint8_t* r, int64_t D, __m256 levels_lo, __m256 levels_hi, float* y) {
-  constexpr int PER_BYTE = 8 / BITS;
-  const int64_t bytes = D * BITS / 8;
-  for (int64_t b0 = 0; b0 < bytes; b0 += 8) {  // 8 bytes: 8 PER_BYTE codes
-    const int64_t nb = std::min<int64_t>(8, bytes - b0);
-    const __m256i wide = load_bytes8(r + b0, nb);
-    for (int64_t m = 0; m < nb * PER_BYTE / 8; ++m)
-      _mm256_storeu_ps(y + b0 * PER_BYTE + 8 * m, lookup_codes8<BITS>(wide, int(m), levels_lo, levels_hi));
-  }
-}
-
-// The same into registers: y[m] = the residual's codes 8 m .. 8 m + 7 (D = 8 NCH, all compile-time).
-template <int BITS, int NCH>
-inline void decode_regs8(const uint8_t* r, __m256 levels_lo, __m256 levels_hi, __m256* y) {
-  constexpr int PER_BYTE = 8 / BITS, BYTES = 8 * NCH / PER_BYTE;
-#pragma GCC unroll 16
-  for (int b0 = 0; b0 < BYTES; b0 += 8) {
-    const int nb = BYTES - b0 < 8 ? BYTES - b0 : 8;
-    const __m256i wide = load_bytes8(r + b0, nb);
-#pragma GCC unroll 4
-    for (int m = 0; m < nb * PER_BYTE / 8; ++m)
-      y[b0 * PER_BYTE / 8 + m] = lookup_codes8<BITS>(wide, m, levels_lo, levels_hi);
-  }
-}
-
-// 8 consecutive elements widened to fp32.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
-  return _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-#endif
 
 // y = scale * levels[codes] of residual `slot` of a tier.
 inline void residual_codes(const Tier& t, const Codec& c, int64_t slot, float* y) {
@@ -343,22 +170,16 @@ inline void residual_codes(const Tier& t, const Codec& c, int64_t slot, float* y
               t.slots, "): corrupted mask or prefix");
   const float s = t.scale[slot];
   const int64_t D = c.D;
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    const __m512 sv = _mm512_set1_ps(s);
+  constexpr int L = Vec::kLanes;
+  if (D % L == 0) {
+    const Vec::Table table = Vec::table(t.bits == 2 ? c.levels2 : c.levels4, s);
+    const uint8_t* r = t.res + slot * (D * t.bits / 8);
     if (t.bits == 2)
-      return decode_codes<2>(t.res + slot * (D / 4), D, _mm512_mul_ps(_mm512_loadu_ps(c.levels2), sv), y);
-    return decode_codes<4>(t.res + slot * (D / 2), D, _mm512_mul_ps(_mm512_loadu_ps(c.levels4), sv), y);
+      for (int64_t m = 0; m < D / L; ++m) Vec::decode<2>(r, m, table).store(y + m * L);
+    else
+      for (int64_t m = 0; m < D / L; ++m) Vec::decode<4>(r, m, table).store(y + m * L);
+    return;
   }
-#elif defined(KVPACK_AVX2)
-  if (D % 8 == 0) {
-    const __m256 sv = _mm256_set1_ps(s);
-    if (t.bits == 2)
-      return decode_codes8<2>(t.res + slot * (D / 4), D, _mm256_mul_ps(_mm256_loadu_ps(c.levels2), sv), sv, y);
-    return decode_codes8<4>(t.res + slot * (D / 2), D, _mm256_mul_ps(_mm256_loadu_ps(c.levels4), sv),
-                            _mm256_mul_ps(_mm256_loadu_ps(c.levels4 + 8), sv), y);
-  }
-#endif
   if (t.bits == 2) {
     const uint8_t* r = t.res + slot * (D / 4);
     for (int64_t j = 0; j < D / 4; ++j) {
@@ -423,110 +244,57 @@ void block_key_scores(const float* q, int64_t M, int64_t h, int64_t n, int64_t K
   scores_block(q, keys.data(), M, t1 - t0, D, scaling, s, 32);
 }
 
-#if defined(__AVX512F__)
-// The same with each key held in NCH registers (D = 16 NCH, NCH even: RoPE's halves are whole vectors)
-// from its anchor row to its dot products: widened, scaled, its residual decoded, Hadamard-transformed
-// (or not: the identity) and added, rotated, dotted with the query rows, never stored. The buffered
-// version spent most of its time on the store-then-load between those steps (perf: the scale, RoPE and
-// dot loops, each a pass over the row in memory).
+// The same with each key held in NCH vectors (D = NCH kLanes, NCH even: RoPE's halves are whole vectors)
+// from its anchor row to its dot products: its residual decoded into them, Hadamard-transformed (or not:
+// the identity), times the factor signs plus the scaled anchor row (both loaded from L1, so the key's NCH
+// vectors are the only ones held across the steps: D = 32 and 64 stay in AVX2's 16 registers), rotated,
+// dotted with the query rows, never stored. The buffered version spent most of its time on the
+// store-then-load between those steps (perf: the scale, RoPE and dot loops, each a pass over the row in
+// memory).
 template <int NCH, typename E>
 void block_key_scores_regs(const float* q, int64_t M, int64_t h, int64_t n, int64_t K, const E* anchor_k,
                            const Side& ks, const BlockSlots& slots, const Codec& codec, const float* cos,
                            const float* sin, int64_t W, int64_t first_position, float scaling, int64_t t0, int64_t t1,
                            float* s) {
   static_assert(NCH % 2 == 0, "RoPE's halves must be whole vectors");
-  constexpr int64_t D = 16 * NCH;
-  constexpr int HALF = NCH / 2;
-  __m512 fs[NCH];
-  for (int j = 0; j < NCH; ++j) fs[j] = _mm512_loadu_ps(codec.factor_signs.data() + 16 * j);
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t e = h * n + t;
-    const E* a = anchor_k + (h * K + ks.anchor_of(e)) * D;
-    const __m512 g = _mm512_set1_ps(widen(ks.coef[e]));
-    __m512 x[NCH];
-    for (int j = 0; j < NCH; ++j) x[j] = _mm512_mul_ps(g, load16(a + 16 * j));
-    if (slots.tier[t - t0] >= 0) {
-      const Tier& tier = ks.tiers[slots.tier[t - t0]];
-      const int64_t slot = slots.slot[t - t0];
-      TORCH_CHECK(slot >= 0 && slot < tier.slots, "anchor_segment_attention: residual slot ", slot, " outside [0, ",
-                  tier.slots, "): corrupted mask or prefix");
-      const __m512 sv = _mm512_set1_ps(tier.scale[slot]);
-      __m512 y[NCH];
-      if (tier.bits == 2) decode_regs<2, NCH>(tier.res + slot * (D / 4), _mm512_mul_ps(_mm512_loadu_ps(codec.levels2), sv), y);
-      else decode_regs<4, NCH>(tier.res + slot * (D / 2), _mm512_mul_ps(_mm512_loadu_ps(codec.levels4), sv), y);
-      if (codec.rotation == Rotation::Sylvester) fwht_inplace<NCH>(y);
-      for (int j = 0; j < NCH; ++j) x[j] = _mm512_fmadd_ps(fs[j], y[j], x[j]);
-    }
-    const float* c = cos + (first_position + t) * W;
-    const float* sn = sin + (first_position + t) * W;
-    const float* c2 = W == D ? c + D / 2 : c;
-    const float* s2 = W == D ? sn + D / 2 : sn;
-    for (int j = 0; j < HALF; ++j) {  // rotate_row's rotate_half convention
-      const __m512 k1 = x[j], k2 = x[j + HALF];
-      x[j] = _mm512_fmsub_ps(k1, _mm512_loadu_ps(c + 16 * j), _mm512_mul_ps(k2, _mm512_loadu_ps(sn + 16 * j)));
-      x[j + HALF] = _mm512_fmadd_ps(k1, _mm512_loadu_ps(s2 + 16 * j), _mm512_mul_ps(k2, _mm512_loadu_ps(c2 + 16 * j)));
-    }
-    for (int64_t i = 0; i < M; ++i) {
-      const float* qi = q + i * D;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qi), x[0]);
-      for (int j = 1; j < NCH; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * j), x[j], acc);
-      s[i * 32 + (t - t0)] = _mm512_reduce_add_ps(acc) * scaling;
-    }
-  }
-}
-#elif defined(KVPACK_AVX2)
-// block_key_scores_regs on 8-lane vectors (D = 8 NCH, NCH even). AVX2 has 16 registers: the key's NCH
-// vectors are the only ones held across the steps (the residual is decoded into them, then the scaled
-// anchor and the factor signs, both loaded from L1, are added), so D = 32 and 64 stay in registers.
-template <int NCH, typename E>
-void block_key_scores_regs8(const float* q, int64_t M, int64_t h, int64_t n, int64_t K, const E* anchor_k,
-                            const Side& ks, const BlockSlots& slots, const Codec& codec, const float* cos,
-                            const float* sin, int64_t W, int64_t first_position, float scaling, int64_t t0,
-                            int64_t t1, float* s) {
-  static_assert(NCH % 2 == 0, "RoPE's halves must be whole vectors");
-  constexpr int64_t D = 8 * NCH;
+  constexpr int L = Vec::kLanes;
+  constexpr int64_t D = L * NCH;
   constexpr int HALF = NCH / 2;
   const float* fs = codec.factor_signs.data();
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t e = h * n + t;
     const E* a = anchor_k + (h * K + ks.anchor_of(e)) * D;
-    const __m256 g = _mm256_set1_ps(widen(ks.coef[e]));
-    __m256 x[NCH];
+    const Vec g = Vec::splat(widen(ks.coef[e]));
+    Vec x[NCH];
     if (slots.tier[t - t0] >= 0) {
       const Tier& tier = ks.tiers[slots.tier[t - t0]];
       const int64_t slot = slots.slot[t - t0];
       TORCH_CHECK(slot >= 0 && slot < tier.slots, "anchor_segment_attention: residual slot ", slot, " outside [0, ",
                   tier.slots, "): corrupted mask or prefix");
-      const __m256 sv = _mm256_set1_ps(tier.scale[slot]);
-      if (tier.bits == 2)
-        decode_regs8<2, NCH>(tier.res + slot * (D / 4), _mm256_mul_ps(_mm256_loadu_ps(codec.levels2), sv), sv, x);
-      else
-        decode_regs8<4, NCH>(tier.res + slot * (D / 2), _mm256_mul_ps(_mm256_loadu_ps(codec.levels4), sv),
-                             _mm256_mul_ps(_mm256_loadu_ps(codec.levels4 + 8), sv), x);
+      if (tier.bits == 2) decode_regs<2, NCH>(tier.res + slot * (D / 4), Vec::table(codec.levels2, tier.scale[slot]), x);
+      else decode_regs<4, NCH>(tier.res + slot * (D / 2), Vec::table(codec.levels4, tier.scale[slot]), x);
       if (codec.rotation == Rotation::Sylvester) fwht_inplace<NCH>(x);
-      for (int j = 0; j < NCH; ++j)
-        x[j] = _mm256_fmadd_ps(_mm256_loadu_ps(fs + 8 * j), x[j], _mm256_mul_ps(g, load8(a + 8 * j)));
+      for (int j = 0; j < NCH; ++j) x[j] = fma(Vec::load(fs + L * j), x[j], g * Vec::load(a + L * j));
     } else {
-      for (int j = 0; j < NCH; ++j) x[j] = _mm256_mul_ps(g, load8(a + 8 * j));
+      for (int j = 0; j < NCH; ++j) x[j] = g * Vec::load(a + L * j);
     }
     const float* c = cos + (first_position + t) * W;
     const float* sn = sin + (first_position + t) * W;
     const float* c2 = W == D ? c + D / 2 : c;
     const float* s2 = W == D ? sn + D / 2 : sn;
     for (int j = 0; j < HALF; ++j) {  // rotate_row's rotate_half convention
-      const __m256 k1 = x[j], k2 = x[j + HALF];
-      x[j] = _mm256_fmsub_ps(k1, _mm256_loadu_ps(c + 8 * j), _mm256_mul_ps(k2, _mm256_loadu_ps(sn + 8 * j)));
-      x[j + HALF] = _mm256_fmadd_ps(k1, _mm256_loadu_ps(s2 + 8 * j), _mm256_mul_ps(k2, _mm256_loadu_ps(c2 + 8 * j)));
+      const Vec k1 = x[j], k2 = x[j + HALF];
+      x[j] = fms(k1, Vec::load(c + L * j), k2 * Vec::load(sn + L * j));
+      x[j + HALF] = fma(k1, Vec::load(s2 + L * j), k2 * Vec::load(c2 + L * j));
     }
     for (int64_t i = 0; i < M; ++i) {
       const float* qi = q + i * D;
-      __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qi), x[0]);
-      for (int j = 1; j < NCH; ++j) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + 8 * j), x[j], acc);
-      s[i * 32 + (t - t0)] = hsum8(acc) * scaling;
+      Vec acc = Vec::load(qi) * x[0];
+      for (int j = 1; j < NCH; ++j) acc = fma(Vec::load(qi + L * j), x[j], acc);
+      s[i * 32 + (t - t0)] = acc.reduce_add() * scaling;
     }
   }
 }
-#endif
 
 template <typename E>
 void segment_blocks(const float* q, int64_t h, int64_t b0, int64_t b1, int64_t n, int64_t K, int64_t D,
@@ -542,27 +310,20 @@ void segment_blocks(const float* q, int64_t h, int64_t b0, int64_t b1, int64_t n
   bool any_value_residual = false;
   BlockSlots slots{};
   auto key_scores = [&](int64_t t0, int64_t t1) {
-#if defined(__AVX512F__)
-    if (codec.rotation != Rotation::Matrix) switch (D) {
-        case 32: return block_key_scores_regs<2>(q, M, h, n, K, anchor_k, ks, slots, codec, cos, sin, W, first_position,
-                                                 scaling, t0, t1, s.data());
-        case 64: return block_key_scores_regs<4>(q, M, h, n, K, anchor_k, ks, slots, codec, cos, sin, W, first_position,
-                                                 scaling, t0, t1, s.data());
-        case 128: return block_key_scores_regs<8>(q, M, h, n, K, anchor_k, ks, slots, codec, cos, sin, W,
-                                                  first_position, scaling, t0, t1, s.data());
-        case 256: return block_key_scores_regs<16>(q, M, h, n, K, anchor_k, ks, slots, codec, cos, sin, W,
-                                                   first_position, scaling, t0, t1, s.data());
-        default: break;
-      }
-#elif defined(KVPACK_AVX2)
-    if (codec.rotation != Rotation::Matrix) switch (D) {
-        case 32: return block_key_scores_regs8<4>(q, M, h, n, K, anchor_k, ks, slots, codec, cos, sin, W,
-                                                  first_position, scaling, t0, t1, s.data());
-        case 64: return block_key_scores_regs8<8>(q, M, h, n, K, anchor_k, ks, slots, codec, cos, sin, W,
+    // Keys in registers where a key's vectors fill at most half the register file (AVX-512: D <= 256;
+    // AVX2: D <= 64; the scalar build: never).
+    constexpr int L = Vec::kLanes;
+    if (codec.rotation != Rotation::Matrix && D % L == 0 && D / L <= Vec::kRegisters / 2) switch (D / L) {
+        case 2: return block_key_scores_regs<2>(q, M, h, n, K, anchor_k, ks, slots, codec, cos, sin, W, first_position,
+                                                scaling, t0, t1, s.data());
+        case 4: return block_key_scores_regs<4>(q, M, h, n, K, anchor_k, ks, slots, codec, cos, sin, W, first_position,
+                                                scaling, t0, t1, s.data());
+        case 8: return block_key_scores_regs<8>(q, M, h, n, K, anchor_k, ks, slots, codec, cos, sin, W, first_position,
+                                                scaling, t0, t1, s.data());
+        case 16: return block_key_scores_regs<16>(q, M, h, n, K, anchor_k, ks, slots, codec, cos, sin, W,
                                                   first_position, scaling, t0, t1, s.data());
         default: break;
       }
-#endif
     block_key_scores(q, M, h, n, K, D, anchor_k, ks, slots, codec, cos, sin, W, first_position, scaling, t0, t1,
                      s.data());
   };

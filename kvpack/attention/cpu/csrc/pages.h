@@ -35,126 +35,63 @@ inline void transpose(const float* src, int64_t rows, int64_t cols, float* dst) 
     for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
 }
 
-// Every byte's two nibbles minus 8, as floats.
-struct NibbleTable {
-  float v[256][2];
-  NibbleTable() {
-    for (int b = 0; b < 256; ++b) {
-      v[b][0] = float((b & 0xF) - 8);
-      v[b][1] = float((b >> 4) - 8);
-    }
-  }
-};
-
-// n codes (two per byte, low nibble first) minus 8 as floats, n even.
-inline void widen_nibbles(const uint8_t* __restrict src, int64_t n, float* __restrict dst) {
-  static const NibbleTable table;
-  int64_t c = 0;
-#if defined(__AVX512F__)
-  // 16 bytes -> 32 codes: low and high nibbles interleaved at byte level, widened 16 at a time.
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  const __m512 eight = _mm512_set1_ps(8.f);
-  for (; c + 32 <= n; c += 32) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c / 2));
-    const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-    const __m128i first = _mm_unpacklo_epi8(lo, hi), second = _mm_unpackhi_epi8(lo, hi);
-    _mm512_storeu_ps(dst + c, _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first)), eight));
-    _mm512_storeu_ps(dst + c + 16, _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(second)), eight));
-  }
-#elif defined(KVPACK_AVX2)
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  const __m256 eight = _mm256_set1_ps(8.f);
-  auto store8 = [&](float* d, __m128i bytes) {  // the low 8 bytes as 8 floats minus 8
-    _mm256_storeu_ps(d, _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), eight));
-  };
-  for (; c + 32 <= n; c += 32) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c / 2));
-    const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-    const __m128i first = _mm_unpacklo_epi8(lo, hi), second = _mm_unpackhi_epi8(lo, hi);
-    store8(dst + c, first);
-    store8(dst + c + 8, _mm_srli_si128(first, 8));
-    store8(dst + c + 16, second);
-    store8(dst + c + 24, _mm_srli_si128(second, 8));
-  }
-#endif
-  for (; c < n; c += 2) std::memcpy(dst + c, table.v[src[c / 2]], 8);
-}
-
-// rows x cols INT4 matrix (packed rows of ceil(cols / 2) bytes) -> fp32 [rows, cols], times an fp16
-// scale per column (col_scales, [cols]) or per row (row_scales, [rows]).
+// rows x cols INT4 matrix (packed rows of ceil(cols / 2) bytes, low nibble first) -> fp32 [rows, cols]:
+// each code minus 8 times an fp16 scale per column (col_scales, [cols]) or per row (row_scales, [rows]).
+// One pass, a vector of codes at a time straight from the packed bytes (Vec::decode looks each code up
+// in the 16 values code - 8, exact in fp32), times the scales: one product, as a scalar loop computes it.
+// (Widening first and scaling in a second pass was 21% of a perf profile of puzzle_plus's INT4 decode on
+// a Zen 1 core.)
 inline void widen_int4(const uint8_t* src, const c10::Half* col_scales, const c10::Half* row_scales, int64_t rows,
-                int64_t cols, float* dst, std::vector<float>& scale_buf) {
-  static const NibbleTable table;
+                       int64_t cols, float* dst, std::vector<float>& scale_buf) {
+  static constexpr float kMinus8[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+  constexpr int L = Vec::kLanes;
+  const Vec::Table codes = Vec::table(kMinus8, 1.f);
   const int64_t stride = (cols + 1) / 2;
-#if defined(KVPACK_AVX2)
-  if (col_scales && cols % 2 == 0) {
-    // One pass: each row's codes minus 8 times the column scales, 16 (then 8) codes a step, straight
-    // from the packed bytes (the two passes below, widening then scaling, were 21% of a perf profile of
-    // puzzle_plus's INT4 decode on a Zen 1 core). The same fp32 values: (code - 8) exact, one product.
+  const float* sc = nullptr;
+  if (col_scales) {
     scale_buf.resize(cols);
     widen_row(col_scales, scale_buf.data(), cols);
-    const float* sc = scale_buf.data();
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    const __m256 eight = _mm256_set1_ps(8.f);
-    auto put8 = [&](float* d, __m128i codes, const float* scale) {  // the low 8 code bytes
-      const __m256 x = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), eight);
-      _mm256_storeu_ps(d, _mm256_mul_ps(x, _mm256_loadu_ps(scale)));
-    };
+    sc = scale_buf.data();
+  }
+  auto code = [](const uint8_t* p, int64_t c) { return kMinus8[(p[c / 2] >> (4 * (c % 2))) & 15]; };
+  if (cols % 2 == 0 && cols < 2 * L) {
+    // Short rows (a rank of 14 fills less than a vector): the rows are back to back, so their codes are
+    // widened in one flat pass, then scaled row by row.
+    const int64_t n = rows * cols;
+    int64_t c = 0;
+    for (; c + L <= n; c += L) Vec::decode<4>(src, c / L, codes).store(dst + c);
+    for (; c < n; ++c) dst[c] = code(src, c);
     for (int64_t r = 0; r < rows; ++r) {
-      const uint8_t* row = src + r * stride;
       float* out = dst + r * cols;
-      int64_t c = 0;
-      for (; c + 16 <= cols; c += 16) {  // 8 bytes -> 16 codes in order
-        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c / 2));
-        const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4));
-        put8(out + c, codes, sc + c);
-        put8(out + c + 8, _mm_srli_si128(codes, 8), sc + c + 8);
-      }
-      if (c + 8 <= cols) {  // 4 bytes -> 8 codes
-        int32_t word;
-        std::memcpy(&word, row + c / 2, 4);
-        const __m128i b = _mm_cvtsi32_si128(word);
-        put8(out + c, _mm_unpacklo_epi8(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4)), sc + c);
-        c += 8;
-      }
-      for (; c < cols; c += 2) {
-        const float* v = table.v[row[c / 2]];
-        out[c] = v[0] * sc[c];
-        out[c + 1] = v[1] * sc[c + 1];
+      if (sc) {
+#pragma omp simd
+        for (int64_t k = 0; k < cols; ++k) out[k] *= sc[k];
+      } else {
+        const float a = widen(row_scales[r]);
+#pragma omp simd
+        for (int64_t k = 0; k < cols; ++k) out[k] *= a;
       }
     }
     return;
   }
-#endif
-  if (cols % 2 == 0) {
-    widen_nibbles(src, rows * cols, dst);  // even rows are back to back: one flat pass
-  } else {
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint8_t* row = src + r * stride;
-      float* out = dst + r * cols;
-      widen_nibbles(row, cols - 1, out);
-      out[cols - 1] = table.v[row[cols / 2]][0];
-    }
-  }
-  // Scales in a second pass (after the copies above have left the store buffer).
-  if (col_scales) {
-    scale_buf.resize(cols);
-    widen_row(col_scales, scale_buf.data(), cols);
-    const float* sc = scale_buf.data();
-    for (int64_t r = 0; r < rows; ++r) {
-      float* out = dst + r * cols;
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) out[c] *= sc[c];
-    }
-  } else {
-    for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = src + r * stride;
+    float* out = dst + r * cols;
+    int64_t c = 0;
+    if (sc) {
+      for (; c + L <= cols; c += L) (Vec::decode<4>(row, c / L, codes) * Vec::load(sc + c)).store(out + c);
+      for (; c < cols; ++c) out[c] = code(row, c) * sc[c];
+    } else {
       const float a = widen(row_scales[r]);
-      float* out = dst + r * cols;
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) out[c] *= a;
+      const Vec av = Vec::splat(a);
+      for (; c + L <= cols; c += L) (Vec::decode<4>(row, c / L, codes) * av).store(out + c);
+      for (; c < cols; ++c) out[c] = code(row, c) * a;
     }
   }
 }
+
+// Tokens a rotation-pair tile holds: 2 TT accumulators + 2 R_K vectors + a broadcast fill the registers.
+constexpr int kGroupTokens = Vec::kRegisters >= 5 ? (Vec::kRegisters - 3) / 2 : 1;
 
 struct Geometry {
   int64_t M, D, P, RK, RV;
@@ -169,59 +106,69 @@ struct Geometry {
 // Per-job buffers of fold_page: qr [M, RK] (queries in rank space), s [M, P] (logits, then
 // probabilities), u [M, RV] (probabilities in rank space), keys [P, D] (the generic pre-RoPE path's
 // rebuilt keys), lkT [RK, P] (post-RoPE: L_K transposed, so that its inner loop runs over the tokens),
-// dots [6, M, 8] (pre-RoPE, AVX2: the register tiles' lane-wise dot products).
+// dots [kGroupTokens, M, kLanes] (pre-RoPE: the rotation-pair tiles' lane-wise dot products).
 struct PageScratch {
   std::vector<float> qr, s, u, keys, lkT, dots;
   explicit PageScratch(const Geometry& g)
       : qr(g.M * g.RK), s(g.M * g.P), u(g.M * g.RV), keys(g.pre_rope ? g.P * g.D : 0),
-        lkT(g.pre_rope ? 0 : g.RK * g.P), dots(g.pre_rope ? 6 * g.M * 8 : 0) {}
+        lkT(g.pre_rope ? 0 : g.RK * g.P), dots(g.pre_rope ? kGroupTokens * g.M * Vec::kLanes : 0) {}
 };
 
-#if defined(__AVX512F__)
+// Pre-RoPE keys rebuilt in registers, two tilings written once on Vec and chosen by the register file
+// (pre_rope_scores):
+// - full-row tiles (32 registers, AVX-512): TT tokens x the key's NV = D / kLanes vectors, NV TT = 16
+//   accumulators; per rank NV loads of R_K and TT broadcasts feed NV TT multiply-adds;
+// - rotation-pair groups (16 registers, AVX2): TT tokens x one group of kLanes rotation pairs (channels
+//   c0 + [0, kLanes) and their partners D / 2 + c0 + [0, kLanes)): 2 TT accumulators, the group's 2 R_K
+//   vectors and a broadcast (15 at TT = 6). Per rank 2 TT multiply-adds against 2 loads and TT
+//   broadcasts, so the FMA units, not the loads, set the pace (full-row tiles at this register count,
+//   4 vectors and 2 tokens, were load-bound at about half the FMA rate on a Zen 1 core). Each group's
+//   keys are rotated in registers and their products with the queries added, lane-wise, into dots
+//   [TT][M] vectors, summed across lanes once at the end.
+
 // The tile's rebuilt keys acc [TT][NV] (token t at the tables' row t) rotated in registers, then
 // s[i * stride + t] = q_i . key_t for the M query rows.
 template <int NV, int TT>
-inline void rotate_and_score(__m512 (&acc)[TT][NV], const float* __restrict q, int64_t M, const float* cos,
+inline void rotate_and_score(Vec (&acc)[TT][NV], const float* __restrict q, int64_t M, const float* cos,
                              const float* sin, int64_t W, float* s, int64_t stride) {
-  constexpr int D = 16 * NV, HV = NV / 2;
+  constexpr int L = Vec::kLanes, D = L * NV, HV = NV / 2;
   for (int t = 0; t < TT; ++t) {
     const float* c = cos + t * W;
     const float* sn = sin + t * W;
     const float* c2 = W == D ? c + D / 2 : c;
     const float* s2 = W == D ? sn + D / 2 : sn;
-    for (int v = 0; v < HV; ++v) {
-      const __m512 k1 = acc[t][v], k2 = acc[t][v + HV];
-      acc[t][v] = _mm512_fmsub_ps(k1, _mm512_loadu_ps(c + 16 * v), _mm512_mul_ps(k2, _mm512_loadu_ps(sn + 16 * v)));
-      acc[t][v + HV] =
-          _mm512_fmadd_ps(k2, _mm512_loadu_ps(c2 + 16 * v), _mm512_mul_ps(k1, _mm512_loadu_ps(s2 + 16 * v)));
+    for (int v = 0; v < HV; ++v) {  // rotate_row's rotate_half convention
+      const Vec k1 = acc[t][v], k2 = acc[t][v + HV];
+      acc[t][v] = fms(k1, Vec::load(c + L * v), k2 * Vec::load(sn + L * v));
+      acc[t][v + HV] = fma(k2, Vec::load(c2 + L * v), k1 * Vec::load(s2 + L * v));
     }
     for (int64_t i = 0; i < M; ++i) {
       const float* qi = q + i * D;
-      __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qi), acc[t][0]);
-      for (int v = 1; v < NV; ++v) d = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * v), acc[t][v], d);
-      s[i * stride + t] = _mm512_reduce_add_ps(d);
+      Vec d = Vec::load(qi) * acc[t][0];
+      for (int v = 1; v < NV; ++v) d = fma(Vec::load(qi + L * v), acc[t][v], d);
+      s[i * stride + t] = d.reduce_add();
     }
   }
 }
 
-// Logits of M query rows against TT consecutive pre-RoPE keys of a page, rebuilt in registers:
-// key t = sum_r lk[t, r] R[r] (lk rows of `rank` coefficients, R [rank, 16 NV]), rotated at position
-// pos + t, then s[i * stride + t] = q_i . key_t. TT x NV accumulators (<= 16 at the instantiations).
+// Full-row tile: logits of M query rows against TT consecutive pre-RoPE keys of a page, rebuilt in
+// registers: key t = sum_r lk[t, r] R[r] (lk rows of `rank` coefficients, R [rank, kLanes NV]), rotated
+// at position pos + t, then s[i * stride + t] = q_i . key_t.
 template <int NV, int TT>
 inline void rope_scores_tile(const float* __restrict q, int64_t M, const float* __restrict lk, int64_t rank,
                              const float* __restrict R, const float* cos, const float* sin, int64_t W, float* s,
                              int64_t stride) {
-  constexpr int D = 16 * NV;
-  __m512 acc[TT][NV];
+  constexpr int L = Vec::kLanes, D = L * NV;
+  Vec acc[TT][NV];
   for (int t = 0; t < TT; ++t)
-    for (int v = 0; v < NV; ++v) acc[t][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[t][v] = Vec::zero();
   for (int64_t r = 0; r < rank; ++r) {
     const float* row = R + r * D;
-    __m512 rv[NV];
-    for (int v = 0; v < NV; ++v) rv[v] = _mm512_loadu_ps(row + 16 * v);
+    Vec rv[NV];
+    for (int v = 0; v < NV; ++v) rv[v] = Vec::load(row + L * v);
     for (int t = 0; t < TT; ++t) {
-      const __m512 a = _mm512_set1_ps(lk[t * rank + r]);
-      for (int v = 0; v < NV; ++v) acc[t][v] = _mm512_fmadd_ps(a, rv[v], acc[t][v]);
+      const Vec a = Vec::splat(lk[t * rank + r]);
+      for (int v = 0; v < NV; ++v) acc[t][v] = fma(a, rv[v], acc[t][v]);
     }
   }
   rotate_and_score<NV, TT>(acc, q, M, cos, sin, W, s, stride);
@@ -240,6 +187,67 @@ inline void rope_scores(const float* q, int64_t M, const float* lk, int64_t rank
                             s + p, P);
 }
 
+// Rotation-pair groups: the same logits, TT tokens at a time (dots: TT M kLanes floats of scratch).
+// Needs D % (2 kLanes) == 0.
+template <int TT>
+inline void rope_scores_group_tile(const float* __restrict q, int64_t M, int64_t D, const float* __restrict lk,
+                                   int64_t rank, const float* __restrict R, const float* cos, const float* sin,
+                                   int64_t W, float* s, int64_t stride, float* __restrict dots) {
+  constexpr int L = Vec::kLanes;
+  const int64_t half = D / 2;
+  std::fill(dots, dots + TT * M * L, 0.f);
+  for (int64_t c0 = 0; c0 < half; c0 += L) {
+    Vec acc[TT][2];
+    for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = Vec::zero();
+    const float* row = R + c0;
+    for (int64_t r = 0; r < rank; ++r, row += D) {
+      Vec r0 = Vec::load(row), r1 = Vec::load(row + half);
+      r0.pin();  // kept from being folded into (and reloaded by) every multiply-add
+      r1.pin();
+      for (int t = 0; t < TT; ++t) {
+        const Vec a = Vec::splat(lk[t * rank + r]);
+        acc[t][0] = fma(a, r0, acc[t][0]);
+        acc[t][1] = fma(a, r1, acc[t][1]);
+      }
+    }
+    for (int t = 0; t < TT; ++t) {
+      const float* c = cos + t * W + c0;
+      const float* sn = sin + t * W + c0;
+      const float* c2 = W == D ? c + half : c;
+      const float* s2 = W == D ? sn + half : sn;
+      const Vec k1 = acc[t][0], k2 = acc[t][1];  // k1' = k1 c - k2 s, k2' = k2 c2 + k1 s2
+      const Vec k1r = fms(k1, Vec::load(c), k2 * Vec::load(sn));
+      const Vec k2r = fma(k2, Vec::load(c2), k1 * Vec::load(s2));
+      for (int64_t i = 0; i < M; ++i) {
+        const float* qi = q + i * D + c0;
+        float* di = dots + (t * M + i) * L;
+        fma(Vec::load(qi + half), k2r, fma(Vec::load(qi), k1r, Vec::load(di))).store(di);
+      }
+    }
+  }
+  for (int t = 0; t < TT; ++t)
+    for (int64_t i = 0; i < M; ++i) s[i * stride + t] = Vec::load(dots + (t * M + i) * L).reduce_add();
+}
+
+inline void rope_scores_grouped(const float* q, int64_t M, const float* lk, int64_t rank, const float* R, int64_t P,
+                                int64_t pos, const Geometry& g, float* s, float* dots) {
+  int64_t p = 0;
+  auto at = [&](int64_t p) { return std::make_pair(g.cos + (pos + p) * g.W, g.sin + (pos + p) * g.W); };
+  for (; p + kGroupTokens <= P; p += kGroupTokens) {
+    const auto [c, sn] = at(p);
+    rope_scores_group_tile<kGroupTokens>(q, M, g.D, lk + p * rank, rank, R, c, sn, g.W, s + p, P, dots);
+  }
+  for (; p + 2 <= P; p += 2) {
+    const auto [c, sn] = at(p);
+    rope_scores_group_tile<2>(q, M, g.D, lk + p * rank, rank, R, c, sn, g.W, s + p, P, dots);
+  }
+  for (; p < P; ++p) {
+    const auto [c, sn] = at(p);
+    rope_scores_group_tile<1>(q, M, g.D, lk + p * rank, rank, R, c, sn, g.W, s + p, P, dots);
+  }
+}
+
+#if defined(__AVX512F__)
 // ---- The same rebuild with bf16 products (AVX-512 BF16: vdpbf16ps, two ranks per 16-lane instruction) ----
 //
 // Numerics: the factors are rounded to bf16 (round to nearest even) and their products accumulated in
@@ -301,9 +309,9 @@ KVPACK_BF16_TARGET inline void rope_scores_tile_bf16(const float* __restrict q, 
                                                      const float* cos, const float* sin, int64_t W, float* s,
                                                      int64_t stride) {
   constexpr int D = 16 * NV;
-  __m512 acc[TT][NV];
+  Vec acc[TT][NV];
   for (int t = 0; t < TT; ++t)
-    for (int v = 0; v < NV; ++v) acc[t][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[t][v] = Vec::zero();
   const uint32_t* lk2 = reinterpret_cast<const uint32_t*>(lk);  // a token's rank pair as one 32-bit word
   for (int64_t j = 0; j < RP; ++j) {
     const uint16_t* row = R + j * 2 * D;
@@ -311,13 +319,13 @@ KVPACK_BF16_TARGET inline void rope_scores_tile_bf16(const float* __restrict q, 
     for (int v = 0; v < NV; ++v) rv[v] = (__m512bh)_mm512_loadu_si512(row + 32 * v);
     for (int t = 0; t < TT; ++t) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(int(lk2[t * RP + j]));
-      for (int v = 0; v < NV; ++v) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], a, rv[v]);
+      for (int v = 0; v < NV; ++v) acc[t][v].v = _mm512_dpbf16_ps(acc[t][v].v, a, rv[v]);
     }
   }
   if (col_scale)  // INT4 keys: R_K's column scales, applied to the rebuilt keys in fp32
     for (int v = 0; v < NV; ++v) {
-      const __m512 sc = _mm512_loadu_ps(col_scale + 16 * v);
-      for (int t = 0; t < TT; ++t) acc[t][v] = _mm512_mul_ps(acc[t][v], sc);
+      const Vec sc = Vec::load(col_scale + 16 * v);
+      for (int t = 0; t < TT; ++t) acc[t][v] = acc[t][v] * sc;
     }
   rotate_and_score<NV, TT>(acc, q, M, cos, sin, W, s, stride);
 }
@@ -418,76 +426,6 @@ KVPACK_BF16_TARGET inline void pre_rope_scores_bf16(const float* q, Page& pg, in
     default: rope_scores_bf16<16, 1>(q, M, L, RP, R, sc, P, pos, g, w.s.data()); break;
   }
 }
-#elif defined(KVPACK_AVX2)
-// AVX2's 16 registers hold a tile of TT tokens x one group of 8 rotation pairs (channels c0 + [0, 8) and
-// their partners D / 2 + c0 + [0, 8)): 2 TT accumulators, the group's 2 R_K vectors and a broadcast (15
-// at TT = 6). Per rank that is 2 TT multiply-adds against 2 loads and TT broadcasts, so the FMA units,
-// not the loads, set the pace (with 4 vectors a group and TT = 2, 8 FMAs came with 8 folded loads of R:
-// load-bound at about half the FMA rate on a Zen 1 core). Each group's keys are rotated in registers and
-// their products with the queries added, lane-wise, into dots [TT][M] vectors, summed across lanes once
-// at the end into s[i * stride + t] (dots: the caller's TT * M * 8 floats). Needs D % 16 == 0.
-
-// An empty asm that takes v in a register: keeps the compiler from folding the group's R_K loads into
-// every multiply-add (which it otherwise does, reloading them TT times a rank).
-inline void in_register(__m256& v) { asm("" : "+x"(v)); }
-
-template <int TT>
-inline void rope_scores_tile8(const float* __restrict q, int64_t M, int64_t D, const float* __restrict lk,
-                              int64_t rank, const float* __restrict R, const float* cos, const float* sin, int64_t W,
-                              float* s, int64_t stride, float* __restrict dots) {
-  const int64_t half = D / 2;
-  std::fill(dots, dots + TT * M * 8, 0.f);
-  for (int64_t c0 = 0; c0 < half; c0 += 8) {
-    __m256 acc[TT][2];
-    for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-    const float* row = R + c0;
-    for (int64_t r = 0; r < rank; ++r, row += D) {
-      __m256 r0 = _mm256_loadu_ps(row), r1 = _mm256_loadu_ps(row + half);
-      in_register(r0);
-      in_register(r1);
-      for (int t = 0; t < TT; ++t) {
-        const __m256 a = _mm256_set1_ps(lk[t * rank + r]);
-        acc[t][0] = _mm256_fmadd_ps(a, r0, acc[t][0]);
-        acc[t][1] = _mm256_fmadd_ps(a, r1, acc[t][1]);
-      }
-    }
-    for (int t = 0; t < TT; ++t) {
-      const float* c = cos + t * W + c0;
-      const float* sn = sin + t * W + c0;
-      const float* c2 = W == D ? c + half : c;
-      const float* s2 = W == D ? sn + half : sn;
-      const __m256 k1 = acc[t][0], k2 = acc[t][1];  // k1' = k1 c - k2 s, k2' = k2 c2 + k1 s2
-      const __m256 k1r = _mm256_fmsub_ps(k1, _mm256_loadu_ps(c), _mm256_mul_ps(k2, _mm256_loadu_ps(sn)));
-      const __m256 k2r = _mm256_fmadd_ps(k2, _mm256_loadu_ps(c2), _mm256_mul_ps(k1, _mm256_loadu_ps(s2)));
-      for (int64_t i = 0; i < M; ++i) {
-        const float* qi = q + i * D + c0;
-        float* di = dots + (t * M + i) * 8;
-        __m256 d = _mm256_fmadd_ps(_mm256_loadu_ps(qi), k1r, _mm256_loadu_ps(di));
-        _mm256_storeu_ps(di, _mm256_fmadd_ps(_mm256_loadu_ps(qi + half), k2r, d));
-      }
-    }
-  }
-  for (int t = 0; t < TT; ++t)
-    for (int64_t i = 0; i < M; ++i) s[i * stride + t] = hsum8(_mm256_loadu_ps(dots + (t * M + i) * 8));
-}
-
-inline void rope_scores8(const float* q, int64_t M, const float* lk, int64_t rank, const float* R, int64_t P,
-                         int64_t pos, const Geometry& g, float* s, float* dots) {
-  int64_t p = 0;
-  auto at = [&](int64_t p) { return std::make_pair(g.cos + (pos + p) * g.W, g.sin + (pos + p) * g.W); };
-  for (; p + 6 <= P; p += 6) {
-    const auto [c, sn] = at(p);
-    rope_scores_tile8<6>(q, M, g.D, lk + p * rank, rank, R, c, sn, g.W, s + p, P, dots);
-  }
-  for (; p + 2 <= P; p += 2) {
-    const auto [c, sn] = at(p);
-    rope_scores_tile8<2>(q, M, g.D, lk + p * rank, rank, R, c, sn, g.W, s + p, P, dots);
-  }
-  for (; p < P; ++p) {
-    const auto [c, sn] = at(p);
-    rope_scores_tile8<1>(q, M, g.D, lk + p * rank, rank, R, c, sn, g.W, s + p, P, dots);
-  }
-}
 #endif
 
 // Whether pre-RoPE pages of head size D are rebuilt with bf16 products when `requested`: the AVX-512
@@ -521,17 +459,19 @@ inline void pre_rope_scores(const float* q, Page& pg, int64_t rank, int64_t pos,
   const int64_t M = g.M, D = g.D, P = g.P;
 #if defined(__AVX512F__)
   if (g.bf16_products) return pre_rope_scores_bf16(q, pg, rank, pos, g, w);
-  // Register tiles for the head sizes models use (the halves must be whole vectors).
-  switch (D) {
-    case 32: return rope_scores<2, 8>(q, M, pg.lk.data(), rank, pg.rk.data(), P, pos, g, w.s.data());
-    case 64: return rope_scores<4, 4>(q, M, pg.lk.data(), rank, pg.rk.data(), P, pos, g, w.s.data());
-    case 128: return rope_scores<8, 2>(q, M, pg.lk.data(), rank, pg.rk.data(), P, pos, g, w.s.data());
-    case 256: return rope_scores<16, 1>(q, M, pg.lk.data(), rank, pg.rk.data(), P, pos, g, w.s.data());
-    default: break;
-  }
-#elif defined(KVPACK_AVX2)
-  if (D % 16 == 0) return rope_scores8(q, M, pg.lk.data(), rank, pg.rk.data(), P, pos, g, w.s.data(), w.dots.data());
 #endif
+  constexpr int L = Vec::kLanes;
+  if (Vec::kRegisters >= 32 && D % (2 * L) == 0) {  // full-row tiles, 16 accumulators
+    switch (D / L) {
+      case 2: return rope_scores<2, 8>(q, M, pg.lk.data(), rank, pg.rk.data(), P, pos, g, w.s.data());
+      case 4: return rope_scores<4, 4>(q, M, pg.lk.data(), rank, pg.rk.data(), P, pos, g, w.s.data());
+      case 8: return rope_scores<8, 2>(q, M, pg.lk.data(), rank, pg.rk.data(), P, pos, g, w.s.data());
+      case 16: return rope_scores<16, 1>(q, M, pg.lk.data(), rank, pg.rk.data(), P, pos, g, w.s.data());
+      default: break;
+    }
+  }
+  if (Vec::kRegisters > 0 && Vec::kRegisters < 32 && D % (2 * L) == 0)
+    return rope_scores_grouped(q, M, pg.lk.data(), rank, pg.rk.data(), P, pos, g, w.s.data(), w.dots.data());
   // Any other D: each key row rebuilt in a buffer (combine), rotated, then dotted with the queries.
   std::fill(w.keys.begin(), w.keys.end(), 0.f);
   for (int64_t p = 0; p < P; ++p) {

@@ -6,9 +6,17 @@
 // Interface (every ISA): Vec::kLanes; Vec::zero(), Vec::splat(x); Vec::load(p) and Vec::load(p, mask)
 // (masked-off lanes read as 0 and are never touched: no fault past the end of a buffer); v.store(p) and
 // v.store(p, mask); Vec::first(n), the mask of lanes [0, n) for n in [0, kLanes], and Vec::all();
-// fma(a, b, c) = a * b + c (one rounding); + - * and max; v.reduce_add(), v.reduce_max(); v.round()
+// fma(a, b, c) = a * b + c and fms(a, b, c) = a * b - c (one rounding each); + - * and max; v.reduce_add(), v.reduce_max(); v.round()
 // (to nearest, ties to even); scale_pow2(x, e) = x * 2^e for integral e >= -126; keep_ge(x, a, b) = x
 // where a >= b (ordered), else 0.
+// Widening loads: Vec::load(p) of kLanes consecutive bf16 / fp16 elements as fp32.
+// Code lookups: Vec::Table, up to 16 fp32 entries held for lookup (Vec::table(entries, scale): the entries
+// times scale); Vec::decode<BITS>(codes, m, table) = table[code] for codes m kLanes .. (m + 1) kLanes - 1
+// of a packed row (BITS 2 or 4, the first code in a byte's lowest bits), reading only their bytes.
+// v.hadamard(): the unnormalised Walsh-Hadamard transform across the lanes (lane i becomes
+// sum_j (-1)^popcount(i & j) v_j; the identity for one lane), the in-vector stages of a transform whose
+// other stages run between vectors. v.pin(): an empty asm that takes v in a register (keeps the compiler
+// from folding a hoisted load into, and repeating it in, every use). Vec::kRegisters: the ISA's vector registers (0: scalar, none).
 //
 // Code that uses an instruction with no counterpart on the other ISAs (AVX-512's lane permutes, its bf16
 // dot products) stays ISA-specific beside this, under #if, with the generic path as its fallback.
@@ -19,19 +27,30 @@
 #include <cstdint>
 #include <cstring>
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
 namespace kvpack {
 
+// The sign of lane i in an in-vector butterfly STRIDE apart: -1 where it takes the pair's difference.
+template <int STRIDE>
+constexpr float butterfly_sign(int i) { return (i & STRIDE) ? -1.f : 1.f; }
+
 #if defined(__AVX512F__)
 inline __mmask16 tail_mask(int64_t n) { return __mmask16((1u << n) - 1); }
 
 struct Vec {
   static constexpr int kLanes = 16;
+  static constexpr int kRegisters = 32;
   using Mask = __mmask16;
   __m512 v;
+  struct Table {
+    __m512 t;
+  };
 
   static Vec zero() { return {_mm512_setzero_ps()}; }
   static Vec splat(float x) { return {_mm512_set1_ps(x)}; }
@@ -39,18 +58,64 @@ struct Vec {
   static Mask all() { return Mask(0xFFFF); }
   static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
   static Vec load(const float* p, Mask m) { return {_mm512_maskz_loadu_ps(m, p)}; }
+  static Vec load(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+    return {_mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16))};
+  }
+  static Vec load(const c10::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+  static Table table(const float* entries, float scale) {
+    return {_mm512_mul_ps(_mm512_loadu_ps(entries), _mm512_set1_ps(scale))};
+  }
+  // The 16 codes' 4 or 8 bytes as one word; lane l takes the 32-bit half holding its code (2-bit: the
+  // only one), shifts it down to the code, masks it and looks it up (a lane permute).
+  template <int BITS>
+  static Vec decode(const uint8_t* codes, int64_t m, const Table& table) {
+    static_assert(BITS == 2 || BITS == 4, "codes of 2 or 4 bits");
+    constexpr int BYTES = 2 * BITS;
+    uint64_t word = 0;
+    std::memcpy(&word, codes + m * BYTES, BYTES);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512i w;
+    if constexpr (BITS == 2) w = _mm512_set1_epi32(int32_t(word));
+    else w = _mm512_permutexvar_epi32(_mm512_srli_epi32(lane, 3), _mm512_castsi128_si512(_mm_cvtsi64_si128(int64_t(word))));
+    const __m512i shift = BITS == 2 ? _mm512_slli_epi32(lane, 1)
+                                    : _mm512_slli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(7)), 2);
+    const __m512i code = _mm512_and_si512(_mm512_srlv_epi32(w, shift), _mm512_set1_epi32((1 << BITS) - 1));
+    return {_mm512_permutexvar_ps(code, table.t)};
+  }
+  void pin() { asm("" : "+v"(v)); }
+  Vec hadamard() const { return butterfly<8>(butterfly<4>(butterfly<2>(butterfly<1>(*this)))); }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void store(float* p, Mask m) const { _mm512_mask_storeu_ps(p, m, v); }
   float reduce_add() const { return _mm512_reduce_add_ps(v); }
   float reduce_max() const { return _mm512_reduce_max_ps(v); }
   Vec round() const { return {_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
   friend Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  friend Vec fms(Vec a, Vec b, Vec c) { return {_mm512_fmsub_ps(a.v, b.v, c.v)}; }
   friend Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
   friend Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
   friend Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
   friend Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
   friend Vec scale_pow2(Vec x, Vec e) { return {_mm512_scalef_ps(x.v, e.v)}; }
   friend Vec keep_ge(Vec x, Vec a, Vec b) { return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a.v, b.v, _CMP_GE_OQ), x.v)}; }
+
+ private:
+  // One in-vector butterfly stage STRIDE apart: lane i becomes x[i ^ STRIDE] + sign_i x[i], sign_i = -1
+  // where bit STRIDE of i is set (the pair's difference), +1 where clear (its sum).
+  template <int STRIDE>
+  static Vec butterfly(Vec x) {
+    __m512 partner;
+    if constexpr (STRIDE == 1) partner = _mm512_permute_ps(x.v, 0xB1);
+    else if constexpr (STRIDE == 2) partner = _mm512_permute_ps(x.v, 0x4E);
+    else if constexpr (STRIDE == 4) partner = _mm512_shuffle_f32x4(x.v, x.v, 0xB1);
+    else partner = _mm512_shuffle_f32x4(x.v, x.v, 0x4E);
+    alignas(64) static const float sign[16] = {
+        butterfly_sign<STRIDE>(0), butterfly_sign<STRIDE>(1), butterfly_sign<STRIDE>(2), butterfly_sign<STRIDE>(3),
+        butterfly_sign<STRIDE>(4), butterfly_sign<STRIDE>(5), butterfly_sign<STRIDE>(6), butterfly_sign<STRIDE>(7),
+        butterfly_sign<STRIDE>(8), butterfly_sign<STRIDE>(9), butterfly_sign<STRIDE>(10), butterfly_sign<STRIDE>(11),
+        butterfly_sign<STRIDE>(12), butterfly_sign<STRIDE>(13), butterfly_sign<STRIDE>(14), butterfly_sign<STRIDE>(15)};
+    return {_mm512_fmadd_ps(x.v, _mm512_load_ps(sign), partner)};
+  }
 };
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -77,8 +142,12 @@ inline float hmax8(__m256 v) {
 
 struct Vec {
   static constexpr int kLanes = 8;
+  static constexpr int kRegisters = 16;
   using Mask = __m256i;
   __m256 v;
+  struct Table {
+    __m256 lo, hi;  // entries 0-7 and 8-15
+  };
 
   static Vec zero() { return {_mm256_setzero_ps()}; }
   static Vec splat(float x) { return {_mm256_set1_ps(x)}; }
@@ -86,12 +155,40 @@ struct Vec {
   static Mask all() { return _mm256_set1_epi32(-1); }
   static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
   static Vec load(const float* p, Mask m) { return {_mm256_maskload_ps(p, m)}; }
+  static Vec load(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+    return {_mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16))};
+  }
+  static Vec load(const c10::Half* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+  static Table table(const float* entries, float scale) {
+    const __m256 s = _mm256_set1_ps(scale);
+    return {_mm256_mul_ps(_mm256_loadu_ps(entries), s), _mm256_mul_ps(_mm256_loadu_ps(entries + 8), s)};
+  }
+  // The 8 codes' 2 or 4 bytes as one 32-bit word in every lane, shifted down to lane l's code, masked and
+  // looked up: two 8-entry lane permutes blended on the code's bit 3 where there are 16 entries.
+  template <int BITS>
+  static Vec decode(const uint8_t* codes, int64_t m, const Table& table) {
+    static_assert(BITS == 2 || BITS == 4, "codes of 2 or 4 bits");
+    constexpr int BYTES = BITS;
+    uint32_t word = 0;
+    std::memcpy(&word, codes + m * BYTES, BYTES);
+    const __m256i shift = _mm256_set_epi32(7 * BITS, 6 * BITS, 5 * BITS, 4 * BITS, 3 * BITS, 2 * BITS, BITS, 0);
+    const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int32_t(word)), shift),
+                                          _mm256_set1_epi32((1 << BITS) - 1));
+    __m256 out = _mm256_permutevar8x32_ps(table.lo, code);
+    if constexpr (BITS == 4)
+      out = _mm256_blendv_ps(out, _mm256_permutevar8x32_ps(table.hi, code), _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
+    return {out};
+  }
+  void pin() { asm("" : "+x"(v)); }
+  Vec hadamard() const { return butterfly<4>(butterfly<2>(butterfly<1>(*this))); }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void store(float* p, Mask m) const { _mm256_maskstore_ps(p, m, v); }
   float reduce_add() const { return hsum8(v); }
   float reduce_max() const { return hmax8(v); }
   Vec round() const { return {_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
   friend Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  friend Vec fms(Vec a, Vec b, Vec c) { return {_mm256_fmsub_ps(a.v, b.v, c.v)}; }
   friend Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
   friend Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
   friend Vec operator*(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
@@ -102,13 +199,30 @@ struct Vec {
                                    _mm256_add_epi32(_mm256_cvtps_epi32(e.v), _mm256_set1_epi32(127)), 23)))};
   }
   friend Vec keep_ge(Vec x, Vec a, Vec b) { return {_mm256_and_ps(_mm256_cmp_ps(a.v, b.v, _CMP_GE_OQ), x.v)}; }
+
+ private:
+  template <int STRIDE>  // as the AVX-512 Vec's
+  static Vec butterfly(Vec x) {
+    __m256 partner;
+    if constexpr (STRIDE == 1) partner = _mm256_permute_ps(x.v, 0xB1);
+    else if constexpr (STRIDE == 2) partner = _mm256_permute_ps(x.v, 0x4E);
+    else partner = _mm256_permute2f128_ps(x.v, x.v, 0x01);
+    alignas(32) static const float sign[8] = {
+        butterfly_sign<STRIDE>(0), butterfly_sign<STRIDE>(1), butterfly_sign<STRIDE>(2), butterfly_sign<STRIDE>(3),
+        butterfly_sign<STRIDE>(4), butterfly_sign<STRIDE>(5), butterfly_sign<STRIDE>(6), butterfly_sign<STRIDE>(7)};
+    return {_mm256_fmadd_ps(x.v, _mm256_load_ps(sign), partner)};
+  }
 };
 
 #else
 struct Vec {
   static constexpr int kLanes = 1;
+  static constexpr int kRegisters = 0;
   using Mask = bool;
   float v;
+  struct Table {
+    float t[16];
+  };
 
   static Vec zero() { return {0.f}; }
   static Vec splat(float x) { return {x}; }
@@ -116,6 +230,20 @@ struct Vec {
   static Mask all() { return true; }
   static Vec load(const float* p) { return {*p}; }
   static Vec load(const float* p, Mask m) { return {m ? *p : 0.f}; }
+  static Vec load(const c10::BFloat16* p) { return {static_cast<float>(*p)}; }
+  static Vec load(const c10::Half* p) { return {static_cast<float>(*p)}; }
+  static Table table(const float* entries, float scale) {
+    Table t;
+    for (int i = 0; i < 16; ++i) t.t[i] = entries[i] * scale;
+    return t;
+  }
+  template <int BITS>
+  static Vec decode(const uint8_t* codes, int64_t m, const Table& table) {
+    static_assert(BITS == 2 || BITS == 4, "codes of 2 or 4 bits");
+    return {table.t[(codes[m * BITS / 8] >> (m * BITS % 8)) & ((1 << BITS) - 1)]};
+  }
+  void pin() {}
+  Vec hadamard() const { return *this; }
   void store(float* p) const { *p = v; }
   void store(float* p, Mask m) const {
     if (m) *p = v;
@@ -124,6 +252,7 @@ struct Vec {
   float reduce_max() const { return v; }
   Vec round() const { return {std::nearbyint(v)}; }
   friend Vec fma(Vec a, Vec b, Vec c) { return {std::fma(a.v, b.v, c.v)}; }
+  friend Vec fms(Vec a, Vec b, Vec c) { return {std::fma(a.v, b.v, -c.v)}; }
   friend Vec operator+(Vec a, Vec b) { return {a.v + b.v}; }
   friend Vec operator-(Vec a, Vec b) { return {a.v - b.v}; }
   friend Vec operator*(Vec a, Vec b) { return {a.v * b.v}; }
