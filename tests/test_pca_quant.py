@@ -9,6 +9,7 @@ import torch
 from kvpack.ops.accounting import dense_bf16_bytes
 from kvpack.ops.rope import rope_at
 from kvpack.resident.pca_quant import PCAQuantConfig, PCAQuantStore, minmax_distortion, water_fill_order
+from kvpack.resident.quant import quantize_minmax
 
 from .helpers import anchor_layout, correlated_kv
 
@@ -95,6 +96,23 @@ def test_measured_distortion_charges_heavy_tails_and_keeps_the_budget():
     for budget in (0.28, 0.15):
         st, _, _ = _store(budget=budget, distortion="measured")
         assert st.nbytes() <= budget * dense_bf16_bytes(st.seq_len, 2, 64)
+
+
+def test_measured_distortion_is_the_error_of_the_min_max_codes():
+    """The measured table against its definition: quantize_minmax's codes, dequantized, per block."""
+    g = torch.Generator().manual_seed(6)
+    c = torch.randn(2, 2, 200, 8, generator=g) * torch.linspace(2.0, 0.05, 8)  # 3 whole blocks + a rest
+    c[0, 1, 17, 3] = 9.0  # an outlier
+    store = PCAQuantStore(anchor_layout(H=2, d=8, rope=False), PCAQuantConfig(block=64, distortion="measured"))
+    table = store._measured_distortion(c)  # [H, 2, d, widths]
+    blocks = c[:, :, :192].reshape(2, 2, 3, 64, 8)
+    var = blocks.var(dim=(2, 3), correction=0)
+    for w in range(2, 9):
+        codes, scale, zero = quantize_minmax(blocks, dim=3, bits=w)
+        err = ((codes.float() * scale.float() + zero.float() - blocks) ** 2).mean(dim=(2, 3))
+        expected = (err / var).clamp(max=1.0).permute(1, 0, 2)  # [H, 2, d]
+        torch.testing.assert_close(table[..., w], expected, rtol=1e-4, atol=1e-7)
+    assert torch.all(table[..., 1] == 1)  # never bought: left at "no better than dropping it"
 
 
 def test_one_bit_min_max_is_no_better_than_dropping_the_component():

