@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 
 import pytest
 import torch
 
-from kvpack.attention import cpu
+from kvpack.attention import anchor, cpu, pages, ragged_pages
 from kvpack.attention.dense import dense_attention, dense_state
 from kvpack.attention.pages import puzzle_pages_partials
 from kvpack.attention.quantized import kivi_attention, kivi_partial, quantized_blocks_partials
 from kvpack.attention.softmax_merge import PartialAttention, dense_partial, finalize, merge_partials
+from kvpack.attention.triton import anchor_op, puzzle_ragged_op  # noqa: F401  (declare the ops' schemas)
 from kvpack.attention.triton.puzzle_op import puzzle_partial
 from kvpack.ops.rope import LlamaRotary, RotaryTable
 from kvpack.resident.base import LayerLayout
@@ -534,3 +536,20 @@ def test_every_op_has_its_cpu_kernel_bound_in_cpp():
         table = torch._C._dispatch_dump_table(f"kvpack::{op}")
         cpu_line = next(line for line in table.splitlines() if line.startswith("CPU:"))
         assert "csrc/bindings.cpp" in cpu_line, cpu_line  # not custom_ops.py (a Python kernel)
+
+
+@pytest.mark.parametrize("op, names, extra", [
+    ("puzzle_attention", "PAGES_OPERANDS", (16, 5, 5, 0.2, False, False, 0, 2, 16, False)),
+    ("puzzle_ragged_attention", "RAGGED_OPERANDS", (16, 5, 0.2, False, False, 0, 2, 16, False)),
+    ("anchor_segment_attention", "SEGMENT_OPERANDS", ([0.0, 1.0, 2.0, 3.0], 1.0, 0.2, 0, 2)),
+])
+def test_a_stored_form_is_one_operand_list_whose_length_both_sides_agree_on(op, names, extra):
+    """The big forms pass their tensors as one Tensor[] operand; the C++ kernel refuses a list of another
+    length by naming the Python tuple that orders it, and counts as many tensors as that tuple names."""
+    expected = len(getattr({"PAGES_OPERANDS": pages, "RAGGED_OPERANDS": ragged_pages,
+                            "SEGMENT_OPERANDS": anchor}[names], names))
+    q = torch.zeros(1, 1, 8)
+    assert cpu.native() is not None
+    with pytest.raises(RuntimeError, match=names) as err:
+        getattr(torch.ops.kvpack, op)(q, [q] * (expected - 1), *extra)
+    assert int(re.search(r"expected the (\d+) tensors", str(err.value)).group(1)) == expected

@@ -190,11 +190,10 @@ def test_custom_op_traces_with_fake_tensors():
     with FakeTensorMode():
         q = torch.empty(2, 3, 32)
         e = torch.empty(0)
-        m, l, o = puzzle_attention(q, torch.empty(2, 4, 16, 5), torch.empty(2, 4, 5, 32), torch.empty(2, 4, 16, 5),
-                                   torch.empty(2, 4, 5, 32), e, e, e, e, e, e, e, e, e, e, e, e, e, e,
-                                   torch.empty(2, 8, 32),
-                                   torch.empty(2, 8, 32), torch.empty(2, 12, 32), torch.empty(2, 12, 32),
-                                   16, 5, 5, 0.2, False, False, 8, 2, 16, False)
+        pages = [torch.empty(2, 4, 16, 5), torch.empty(2, 4, 5, 32), torch.empty(2, 4, 16, 5),
+                 torch.empty(2, 4, 5, 32), e, e, e, e, e, e, e, e, e, e, e, e, e, e,
+                 torch.empty(2, 8, 32), torch.empty(2, 8, 32), torch.empty(2, 12, 32), torch.empty(2, 12, 32)]
+        m, l, o = puzzle_attention(q, pages, 16, 5, 5, 0.2, False, False, 8, 2, 16, False)
         assert m.shape == (2, 3) and l.shape == (2, 3) and o.shape == (2, 3, 32)
 
 

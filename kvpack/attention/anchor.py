@@ -35,6 +35,17 @@ from .softmax_merge import PartialAttention, state_from_logits
 
 PREFIX_BLOCK = 32  # tokens per prefix count (a tile must start on a multiple of it)
 
+# The tensors of ``kvpack::anchor_segment_attention``'s ``segment`` operand, in order
+# (:func:`segment_operands` flattens a segment into them; the Triton launcher reads them by these names and
+# the C++ kernel's ``AnchorOperands`` by these positions). The fine tier's nine are empty when it has none.
+SEGMENT_OPERANDS = (
+    "anchor_k", "anchor_v", "hmat", "signs", "cos", "sin",
+    "index_k", "coef_k", "mask_k", "prefix_k", "res_k", "scale_k",
+    "index_v", "coef_v", "mask_v", "prefix_v", "res_v", "scale_v",
+    "fine_mask_k", "fine_prefix_k", "fine_res_k", "fine_scale_k",
+    "fine_mask_v", "fine_prefix_v", "fine_res_v", "fine_scale_v", "fine_levels",
+)
+
 
 @dataclass(frozen=True)
 class FineResiduals:
@@ -105,6 +116,17 @@ class AnchorSegment:
 
     def side(self, name: str) -> AnchorSide:
         return self.keys if name == "k" else self.values
+
+    def operands(self, cos: torch.Tensor, sin: torch.Tensor) -> list[torch.Tensor]:
+        """The segment as ``kvpack::anchor_segment_attention``'s ``segment`` operand (:data:`SEGMENT_OPERANDS`),
+        on the anchors' device, with the shared RoPE tables ``cos``/``sin`` (``RotaryTable.table``)."""
+        dev = self.anchor_k.device
+        tables = self.codec.on(dev)
+        none = torch.empty(0, device=dev)
+        fine = [*self.keys.fine.tensors(), *self.values.fine.tensors(), self.fine_codec.on(dev).levels] \
+            if self.fine_codec is not None else [none] * 9
+        return [self.anchor_k, self.anchor_v, tables.kernel_matrix, tables.signs, cos, sin, *self.keys.tensors(),
+                *self.values.tensors(), *fine]
 
     def tier_codecs(self) -> list[ResidualCodec]:
         """The codec of each tier :meth:`AnchorSide.tiers` lists (2-bit, then the fine one)."""

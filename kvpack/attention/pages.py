@@ -69,6 +69,18 @@ def factorized_pages_partial(
 FACTOR_NAMES = ("lk", "rk", "lv", "rv")
 
 
+# The tensors of ``kvpack::puzzle_attention``'s ``pages`` operand, in order (:meth:`PuzzlePages.operands`
+# flattens a view into them; the Triton launcher reads them by these names and the C++ kernel's
+# ``PagesOperands`` by these positions): two page sets' factors (``lk``..``rvs``: INT4 scales empty in
+# float form; the second set, the pages factorized since the main set, empty when there is none), the RoPE
+# tables (empty for post-RoPE keys), the dense sink and tail.
+PAGES_OPERANDS = (
+    "lk", "rk", "lv", "rv", "lks", "rks", "lvs", "rvs",
+    "lk2", "rk2", "lv2", "rv2", "lks2", "rks2", "lvs2", "rvs2",
+    "cos", "sin", "sink_k", "sink_v", "tail_k", "tail_v",
+)
+
+
 @dataclass(frozen=True)
 class PageSet:
     """Factors of consecutive factorized pages of one layer (``N`` pages, ``H`` KV heads).
@@ -137,6 +149,23 @@ class PuzzlePages:
     def first_position(self) -> int:
         """Position of the first page's first token."""
         return self.sink_k.shape[1]
+
+    def operands(self, device: torch.device) -> list[torch.Tensor]:
+        """This view as ``kvpack::puzzle_attention``'s ``pages`` operand (:data:`PAGES_OPERANDS`), with the
+        RoPE tables made on ``device`` for pre-RoPE keys."""
+        if len(self.sets) > 2:
+            raise ValueError(f"the PuzzleKV kernels read at most two page sets, got {len(self.sets)}")
+        empty = torch.empty(0, device=self.sink_k.device)
+
+        def factors(s: PageSet | None) -> list[torch.Tensor]:  # one set's 8 operands
+            mats = list(s.matrices()) if s is not None else []
+            return mats + [empty] * (8 - len(mats))
+
+        sets = list(self.sets) + [None] * (2 - len(self.sets))
+        cos = sin = empty
+        if self.n_pages and self.rope is not None:
+            cos, sin = self.rope.table(self.first_position + self.n_pages * self.page_size, device)
+        return [*factors(sets[0]), *factors(sets[1]), cos, sin, self.sink_k, self.sink_v, self.tail_k, self.tail_v]
 
     def float_factors(self, lo: int, hi: int) -> tuple[torch.Tensor, ...]:
         """``(lk, rk, lv, rv)`` of pages ``[lo, hi)`` as floats (dequantized in INT4 form; a tile that

@@ -134,6 +134,17 @@ def make_buckets(rank_in_order: torch.Tensor) -> tuple[tuple[Bucket, ...], torch
     return tuple(Bucket(*row) for row in table.tolist()), table
 
 
+# The tensors of ``kvpack::puzzle_ragged_attention``'s ``pages`` operand, in order
+# (:meth:`RaggedPuzzlePages.operands` flattens a view into them; the Triton launcher reads them by these names
+# and the C++ kernel's ``RaggedOperands`` by these positions): the keys' and values' flat factor buffers
+# (``lk``, ``rk``, ``lv``, ``rv``) and their INT4 scales (empty in float form), the per-position rank and
+# rank-offset tables, the RoPE tables (empty for post-RoPE keys), the dense sink and tail.
+RAGGED_OPERANDS = (
+    "lk", "rk", "lv", "rv", "lks", "rks", "lvs", "rvs", "k_rank", "k_offset", "v_rank", "v_offset",
+    "cos", "sin", "sink_k", "sink_v", "tail_k", "tail_v",
+)
+
+
 @dataclass(frozen=True)
 class RaggedPuzzlePages:
     """Everything a ``puzzle_plus`` layer store holds, as attention reads it.
@@ -167,6 +178,21 @@ class RaggedPuzzlePages:
     @property
     def int4(self) -> bool:
         return self.keys is not None and self.keys.int4
+
+    def operands(self, device: torch.device) -> list[torch.Tensor]:
+        """This view as ``kvpack::puzzle_ragged_attention``'s ``pages`` operand (:data:`RAGGED_OPERANDS`), with
+        the RoPE tables made on ``device`` for pre-RoPE keys. Needs factorized pages."""
+        if self.keys is None or self.values is None:
+            raise ValueError("the puzzle_plus kernels need factorized pages (the store has none yet)")
+        keys, values = self.keys, self.values
+        empty = torch.empty(0, device=self.sink_k.device)
+        scales = [keys.left_scale, keys.right_scale, values.left_scale, values.right_scale] if self.int4 \
+            else [empty] * 4
+        cos = sin = empty
+        if self.rope is not None:
+            cos, sin = self.rope.table(self.first_position + self.n_pages * self.page_size, device)
+        return [keys.left, keys.right, values.left, values.right, *scales, keys.rank, keys.offset, values.rank,
+                values.offset, cos, sin, self.sink_k, self.sink_v, self.tail_k, self.tail_v]
 
     def dense_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(K̂, V̂)`` ``[H, N·P, d]`` fp32 of the pages (keys as stored: pre-RoPE when factorized

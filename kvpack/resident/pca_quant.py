@@ -12,12 +12,12 @@ resident: the cache stays in this form while the model attends over it. Per laye
 * **Bits.** A component coded at ``w`` bits by a block's min/max quantizer keeps a distortion
   ``λ_j D_j(w)``: its own min/max error at that width over the prompt's blocks (``distortion="measured"``)
   or a Gaussian model of it (``"gaussian"``, :func:`minmax_distortion`; ``D(1)`` is no better than
-  dropping it, so a component is first bought at 2 bits). Widths are bought across every (head, side, component) of the layer in
-  decreasing gain per bit — ``λ_j / E (D(w) - D(w'))`` with ``E`` the (head, side)'s total variance, so
-  heads and sides compete on the share of their own energy they keep; a component's first purchase also
-  pays its block scale and zero point and its basis column — until the bytes reach ``budget × dense
-  bf16`` at the worst point of the coming block cycle (reverse water-filling, greedily). Components
-  left at 0 bits are dropped (their mean remains).
+  dropping it, so a component is first bought at 2 bits). Widths are bought across every (head, side,
+  component) of the layer in decreasing gain per bit — ``λ_j / E (D(w) - D(w'))`` with ``E`` the
+  (head, side)'s total variance, so heads and sides compete on the share of their own energy they keep;
+  a component's first purchase also pays its block scale and zero point and its basis column — until the
+  bytes reach ``budget × dense bf16`` at the worst point of the coming block cycle (reverse
+  water-filling, greedily). Components left at 0 bits are dropped (their mean remains).
 * **Blocks.** Tokens stay dense in a sink (the first ``sinks``) and a tail (the most recent, at least
   ``residual`` plus this layer's stagger lag); whenever the tail holds ``block`` more, the oldest
   ``block`` are coded: coefficients per component over the block's tokens, asymmetric min/max with an

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ..anchor import PREFIX_BLOCK, AnchorSegment
+from ..anchor import PREFIX_BLOCK, SEGMENT_OPERANDS, AnchorSegment
 from ..softmax_merge import PartialAttention
 from ._launch import ROW_BLOCK, kernel_arg, launch, pow2, row_blocks, split_state_buffers
 
@@ -28,27 +28,25 @@ KERNEL_WARPS = 8
 
 
 def _triton_anchor_segment_attention(
-    q: torch.Tensor, anchor_k: torch.Tensor, anchor_v: torch.Tensor, hmat: torch.Tensor, signs: torch.Tensor,
-    cos: torch.Tensor, sin: torch.Tensor,
-    index_k: torch.Tensor, coef_k: torch.Tensor, mask_k: torch.Tensor, prefix_k: torch.Tensor,
-    res_k: torch.Tensor, scale_k: torch.Tensor,
-    index_v: torch.Tensor, coef_v: torch.Tensor, mask_v: torch.Tensor, prefix_v: torch.Tensor,
-    res_v: torch.Tensor, scale_v: torch.Tensor,
-    fine_mask_k: torch.Tensor, fine_prefix_k: torch.Tensor, fine_res_k: torch.Tensor, fine_scale_k: torch.Tensor,
-    fine_mask_v: torch.Tensor, fine_prefix_v: torch.Tensor, fine_res_v: torch.Tensor, fine_scale_v: torch.Tensor,
-    fine_levels: torch.Tensor,
-    levels: list[float], hfactor: float, scaling: float, first_position: int, blocks_per_split: int,
+    q: torch.Tensor, segment: list[torch.Tensor], levels: list[float], hfactor: float, scaling: float,
+    first_position: int, blocks_per_split: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax state ``(m [H, M], l [H, M], o [H, M, D])`` fp32 of grouped queries ``q [H, M, D]``
-    over one AnchorKV segment of ``n = index_k.shape[1]`` tokens from position ``first_position``
-    (layouts in ``anchor_decode.anchor_split_kernel``; ``cos``/``sin`` are the shared RoPE tables of
-    ``RotaryTable.table``, half-width rows when both halves are equal). The residual codec enters as
-    its fp16 ``levels``, its rotation ``hfactor · hmat`` with ``hmat`` fp16 and exactly 0/±1
+    over one AnchorKV segment (``segment``: its tensors as :data:`~kvpack.attention.anchor.SEGMENT_OPERANDS`
+    names them, :meth:`AnchorSegment.operands`) of ``n = index_k.shape[1]`` tokens from position
+    ``first_position`` (layouts in ``anchor_decode.anchor_split_kernel``; ``cos``/``sin`` are the shared
+    RoPE tables of ``RotaryTable.table``, half-width rows when both halves are equal). The residual codec
+    enters as its fp16 ``levels``, its rotation ``hfactor · hmat`` with ``hmat`` fp16 and exactly 0/±1
     (``ResidualCodec.kernel_matrix``), and its ``signs``. The fine (4-bit) tier's eight tensors and its
     16 ``fine_levels`` (fp32) are empty when the segment has none."""
     from .anchor_decode import anchor_split_kernel
     from .split_merge import merge_splits
 
+    if len(segment) != len(SEGMENT_OPERANDS):
+        raise ValueError(f"anchor_segment_attention: expected the {len(SEGMENT_OPERANDS)} tensors of "
+                         f"SEGMENT_OPERANDS, got {len(segment)}")
+    t = dict(zip(SEGMENT_OPERANDS, segment))
+    hmat, cos, sin, index_k = t["hmat"], t["cos"], t["sin"], t["index_k"]
     H, M, D = q.shape
     if hmat.dtype != torch.float16 or hmat.shape != (D, D):
         raise ValueError(f"hmat must be the codec's [{D}, {D}] fp16 0/±1 kernel matrix "
@@ -58,14 +56,12 @@ def _triton_anchor_segment_attention(
     dev = q.device
     m, l, o = split_state_buffers(H, M, D, n_splits, dev)
     W = cos.shape[1]
-    fine = fine_mask_k.numel() > 0
+    fine = t["fine_mask_k"].numel() > 0
     launch(anchor_split_kernel, (H, n_splits, row_blocks(M)),
-        q.float().contiguous(), kernel_arg(anchor_k), kernel_arg(anchor_v), hmat, signs.float().contiguous(), cos, sin,
-        *(kernel_arg(t) for t in (index_k, coef_k, mask_k, prefix_k, res_k, scale_k)),
-        *(kernel_arg(t) for t in (index_v, coef_v, mask_v, prefix_v, res_v, scale_v)),
-        *(kernel_arg(t) for t in (fine_mask_k, fine_prefix_k, fine_res_k, fine_scale_k)),
-        *(kernel_arg(t) for t in (fine_mask_v, fine_prefix_v, fine_res_v, fine_scale_v)), kernel_arg(fine_levels),
-        m, l, o, M, anchor_k.shape[1], D, n, scaling, hfactor, first_position, W, blocks_per_split, n_splits, *levels,
+        q.float().contiguous(), kernel_arg(t["anchor_k"]), kernel_arg(t["anchor_v"]), hmat,
+        t["signs"].float().contiguous(), cos, sin, *(kernel_arg(t[name]) for name in SEGMENT_OPERANDS[6:]),
+        m, l, o, M, t["anchor_k"].shape[1], D, n, scaling, hfactor, first_position, W, blocks_per_split, n_splits,
+        *levels,
         SAME_HALVES=W != D, FINE=fine, BM=ROW_BLOCK, BD=pow2(D), BDH=pow2(D // 2), BT=_BLOCK,
         num_warps=KERNEL_WARPS,
     )
@@ -78,10 +74,7 @@ anchor_segment_attention = torch.library.custom_op("kvpack::anchor_segment_atten
 
 
 @anchor_segment_attention.register_fake
-def _(q, anchor_k, anchor_v, hmat, signs, cos, sin, index_k, coef_k, mask_k, prefix_k, res_k, scale_k,
-      index_v, coef_v, mask_v, prefix_v, res_v, scale_v, fine_mask_k, fine_prefix_k, fine_res_k, fine_scale_k,
-      fine_mask_v, fine_prefix_v, fine_res_v, fine_scale_v, fine_levels, levels, hfactor, scaling, first_position,
-      blocks_per_split):
+def _(q, segment, *args):
     H, M, D = q.shape
     return q.new_empty(H, M, dtype=torch.float32), q.new_empty(H, M, dtype=torch.float32), \
         q.new_empty(H, M, D, dtype=torch.float32)
@@ -99,21 +92,15 @@ def anchor_partials(segments: list[AnchorSegment], qg: torch.Tensor, scaling: fl
     if not segments:
         return []
     dev = qg.device
-    codec = segments[0].codec  # levels, rotation matrix and signs of the layer's residual codec
-    tables = codec.on(dev)
-    signs, hmat = tables.signs, tables.kernel_matrix
+    codec = segments[0].codec  # levels and rotation factor of the layer's residual codec
     hfactor = codec.kernel_matrix[1]
     cos, sin = segments[0].rope.table(max(seg.start + seg.length for seg in segments), dev)
-    none = torch.empty(0, device=dev)
     states = []
     for seg in segments:
         bps = blocks_per_split or max(1, math.ceil(math.ceil(seg.length / _BLOCK) / 32))
-        fine = [*seg.keys.fine.tensors(), *seg.values.fine.tensors(), seg.fine_codec.on(dev).levels] \
-            if seg.fine_codec is not None else [none] * 9
         # On CPU tensors without `native`, the Triton launcher itself (the interpreter); else the op.
         run = _triton_anchor_segment_attention if not native and dev.type == "cpu" else anchor_segment_attention
-        m, l, o = run(
-            qg.float().contiguous(), seg.anchor_k, seg.anchor_v, hmat, signs, cos, sin, *seg.keys.tensors(),
-            *seg.values.tensors(), *fine, [float(x) for x in codec.levels], hfactor, float(scaling), seg.start, bps)
+        m, l, o = run(qg.float().contiguous(), seg.operands(cos, sin), [float(x) for x in codec.levels], hfactor,
+                      float(scaling), seg.start, bps)
         states.append(PartialAttention(m=m, l=l, o=o))
     return states

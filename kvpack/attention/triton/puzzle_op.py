@@ -15,35 +15,35 @@ import math
 import torch
 
 from .. import cpu
-from ..pages import PageSet, PuzzlePages
+from ..pages import PAGES_OPERANDS, PuzzlePages
 from ..softmax_merge import PartialAttention
 from ._launch import ROW_BLOCK, empty_state, kernel_arg, launch, pow2, row_blocks, split_state_buffers
 
 
 def _triton_puzzle_attention(
-    q: torch.Tensor, lk: torch.Tensor, rk: torch.Tensor, lv: torch.Tensor, rv: torch.Tensor,
-    lks: torch.Tensor, rks: torch.Tensor, lvs: torch.Tensor, rvs: torch.Tensor,
-    lk2: torch.Tensor, rk2: torch.Tensor, lv2: torch.Tensor, rv2: torch.Tensor,
-    lks2: torch.Tensor, rks2: torch.Tensor, lvs2: torch.Tensor, rvs2: torch.Tensor,
-    cos: torch.Tensor, sin: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor,
-    tail_k: torch.Tensor, tail_v: torch.Tensor,
-    page_size: int, rank_k: int, rank_v: int, scaling: float, int4: bool, pre_rope: bool, first_position: int,
-    pages_per_split: int, tokens_per_split: int, bf16_products: bool,
+    q: torch.Tensor, pages: list[torch.Tensor], page_size: int, rank_k: int, rank_v: int, scaling: float, int4: bool,
+    pre_rope: bool, first_position: int, pages_per_split: int, tokens_per_split: int, bf16_products: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax state ``(m [H, M], l [H, M], o [H, M, D])`` fp32 of grouped queries ``q [H, M, D]``
-    over ``N`` factorized pages (``lk`` etc., layouts in ``puzzle_decode.puzzle_split_kernel``), the
-    ``N2`` pages that follow them (``lk2`` etc., the store's recent set; empty when there is none)
-    and the dense sink ``[H, TS, D]`` and tail tokens. ``cos``/``sin`` are the shared RoPE tables
-    (``RotaryTable.table``: half-width rows when both halves are equal) and ``first_position`` the
-    position of the first page's first token (pre-RoPE keys; the tables are unused otherwise).
-    ``bf16_products``: the native CPU kernel rebuilds pre-RoPE keys with bf16 products where the CPU
-    has AVX-512 BF16 (``cpu.bf16_products``); the Triton kernel ignores it."""
+    over a PuzzleKV layer (``pages``: its tensors as :data:`~kvpack.attention.pages.PAGES_OPERANDS` names
+    them, :meth:`PuzzlePages.operands`): ``N`` factorized pages (``lk`` etc., layouts in
+    ``puzzle_decode.puzzle_split_kernel``), the ``N2`` pages that follow them (``lk2`` etc., the store's
+    recent set; empty when there is none) and the dense sink ``[H, TS, D]`` and tail tokens. ``cos``/``sin``
+    are the shared RoPE tables (``RotaryTable.table``: half-width rows when both halves are equal) and
+    ``first_position`` the position of the first page's first token (pre-RoPE keys; the tables are unused
+    otherwise). ``bf16_products``: the native CPU kernel rebuilds pre-RoPE keys with bf16 products where the
+    CPU has AVX-512 BF16 (``cpu.bf16_products``); the Triton kernel ignores it."""
     from .puzzle_decode import puzzle_split_kernel
     from .split_merge import merge_splits
 
+    if len(pages) != len(PAGES_OPERANDS):
+        raise ValueError(f"puzzle_attention: expected the {len(PAGES_OPERANDS)} tensors of PAGES_OPERANDS, "
+                         f"got {len(pages)}")
+    t = dict(zip(PAGES_OPERANDS, pages))
+    sink_k, tail_k, cos = t["sink_k"], t["tail_k"], t["cos"]
     H, M, D = q.shape
-    N = lk.shape[1] if lk.numel() else 0
-    N2 = lk2.shape[1] if lk2.numel() else 0
+    N = t["lk"].shape[1] if t["lk"].numel() else 0
+    N2 = t["lk2"].shape[1] if t["lk2"].numel() else 0
     TS, T = sink_k.shape[1], sink_k.shape[1] + tail_k.shape[1]
     n_main_splits = math.ceil(N / pages_per_split)
     n_page_splits = n_main_splits + math.ceil(N2 / pages_per_split)
@@ -51,7 +51,7 @@ def _triton_puzzle_attention(
     dev = q.device
     # The kernel picks one set's pointers per split: an empty set stands in as the other set's
     # tensors (same dtypes; never read, it has no pages).
-    first, second = [lk, rk, lv, rv, lks, rks, lvs, rvs], [lk2, rk2, lv2, rv2, lks2, rks2, lvs2, rvs2]
+    first, second = pages[:8], pages[8:16]
     if not N:
         first = second
     elif not N2:
@@ -61,9 +61,8 @@ def _triton_puzzle_attention(
     m, l, o = split_state_buffers(H, M, D, n_splits, dev)
     W = cos.shape[1] if cos.numel() else D
     launch(puzzle_split_kernel, (H, n_splits, row_blocks(M)),
-        q.float().contiguous(), *(kernel_arg(t) for t in first), *(kernel_arg(t) for t in second),
-        kernel_arg(cos), kernel_arg(sin),
-        *(kernel_arg(t) for t in (sink_k, sink_v, tail_k, tail_v)), m, l, o,
+        q.float().contiguous(), *(kernel_arg(x) for x in first), *(kernel_arg(x) for x in second),
+        *(kernel_arg(t[name]) for name in ("cos", "sin", "sink_k", "sink_v", "tail_k", "tail_v")), m, l, o,
         M, N, N2, page_size, rank_k, rank_v, D, TS, T, scaling, first_position, W,
         pages_per_split, tokens_per_split, n_main_splits, n_page_splits, n_splits,
         INT4=int4, PRE_ROPE=pre_rope, SAME_HALVES=W != D,
@@ -78,9 +77,7 @@ puzzle_attention = torch.library.custom_op("kvpack::puzzle_attention", mutates_a
 
 
 @puzzle_attention.register_fake
-def _(q, lk, rk, lv, rv, lks, rks, lvs, rvs, lk2, rk2, lv2, rv2, lks2, rks2, lvs2, rvs2, cos, sin, sink_k, sink_v,
-      tail_k, tail_v, page_size, rank_k, rank_v, scaling, int4, pre_rope, first_position, pages_per_split,
-      tokens_per_split, bf16_products):
+def _(q, pages, *args):
     H, M, D = q.shape
     return q.new_empty(H, M, dtype=torch.float32), q.new_empty(H, M, dtype=torch.float32), \
         q.new_empty(H, M, D, dtype=torch.float32)
@@ -104,27 +101,12 @@ def puzzle_partial(pages: PuzzlePages, qg: torch.Tensor, scaling: float, pages_p
     pre_rope = pages.rope is not None
     if pre_rope and d % 4 and not native:
         raise ValueError(f"the Triton PuzzleKV kernel needs head_dim % 4 == 0 for pre-RoPE keys, got {d}")
-    if len(pages.sets) > 2:
-        raise ValueError(f"the Triton PuzzleKV kernel reads at most two page sets, got {len(pages.sets)}")
-    empty = qg.new_empty(0)
-
-    def page_set(s: PageSet | None) -> list[torch.Tensor]:  # the kernel's 8 factor arguments of one set
-        if s is None:
-            return [empty] * 8
-        mats = list(s.matrices())
-        return mats + [empty] * (8 - len(mats))
-
-    sets = list(pages.sets) + [None] * (2 - len(pages.sets))
-    mats = page_set(sets[0]) + page_set(sets[1])
+    operands = pages.operands(qg.device)
     N, P, first = pages.n_pages, pages.page_size, pages.first_position
-    cos = sin = empty
-    if N and pre_rope:
-        cos, sin = pages.rope.table(first + N * P, qg.device)
     pps = pages_per_split or max(1, math.ceil(N / 32))  # the recent set (<= max(8, √N) pages) adds a few
-    bf16 = cpu.bf16_products(dot_precision, pages.int4, mats[0].dtype)
+    bf16 = cpu.bf16_products(dot_precision, pages.int4, operands[0].dtype)
     # On CPU tensors without `native`, the Triton launcher itself (the interpreter); else the op.
     run = _triton_puzzle_attention if not native and qg.device.type == "cpu" else puzzle_attention
-    m, l, o = run(qg.float().contiguous(), *mats, cos, sin, pages.sink_k, pages.sink_v, pages.tail_k, pages.tail_v,
-                  P, pages.rank_k, pages.rank_v, float(scaling), pages.int4, pre_rope, first, pps, tokens_per_split,
-                  bf16)
+    m, l, o = run(qg.float().contiguous(), operands, P, pages.rank_k, pages.rank_v, float(scaling), pages.int4,
+                  pre_rope, first, pps, tokens_per_split, bf16)
     return PartialAttention(m=m, l=l, o=o)

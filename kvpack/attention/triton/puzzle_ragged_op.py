@@ -11,7 +11,7 @@ import math
 import torch
 
 from .. import cpu
-from ..ragged_pages import RaggedPuzzlePages
+from ..ragged_pages import RAGGED_OPERANDS, RaggedPuzzlePages
 from ..softmax_merge import PartialAttention
 from ._launch import ROW_BLOCK, empty_state, kernel_arg, launch, pow2, row_blocks, split_state_buffers
 
@@ -21,22 +21,24 @@ RANK_BLOCK = 32
 
 
 def _triton_puzzle_ragged_attention(
-    q: torch.Tensor, lk: torch.Tensor, rk: torch.Tensor, lv: torch.Tensor, rv: torch.Tensor,
-    lks: torch.Tensor, rks: torch.Tensor, lvs: torch.Tensor, rvs: torch.Tensor,
-    k_rank: torch.Tensor, k_offset: torch.Tensor, v_rank: torch.Tensor, v_offset: torch.Tensor,
-    cos: torch.Tensor, sin: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor,
-    tail_k: torch.Tensor, tail_v: torch.Tensor,
-    page_size: int, max_rank: int, scaling: float, int4: bool, pre_rope: bool, first_position: int,
-    pages_per_split: int, tokens_per_split: int, bf16_products: bool,
+    q: torch.Tensor, pages: list[torch.Tensor], page_size: int, max_rank: int, scaling: float, int4: bool,
+    pre_rope: bool, first_position: int, pages_per_split: int, tokens_per_split: int, bf16_products: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Softmax state ``(m [H, M], l [H, M], o [H, M, D])`` fp32 of ``q [H, M, D]`` over the ragged
-    pages (``k_rank [N, H]`` etc.; layouts in ``puzzle_ragged_decode``) and the dense sink and tail.
-    ``bf16_products``: as for ``puzzle_attention`` (native CPU kernel only)."""
+    """Softmax state ``(m [H, M], l [H, M], o [H, M, D])`` fp32 of ``q [H, M, D]`` over a ``puzzle_plus``
+    layer (``pages``: its tensors as :data:`~kvpack.attention.ragged_pages.RAGGED_OPERANDS` names them,
+    :meth:`RaggedPuzzlePages.operands`): the ragged pages (``k_rank [N, H]`` etc.; layouts in
+    ``puzzle_ragged_decode``) and the dense sink and tail. ``bf16_products``: as for ``puzzle_attention``
+    (native CPU kernel only)."""
     from .puzzle_ragged_decode import puzzle_ragged_split_kernel
     from .split_merge import merge_splits
 
+    if len(pages) != len(RAGGED_OPERANDS):
+        raise ValueError(f"puzzle_ragged_attention: expected the {len(RAGGED_OPERANDS)} tensors of RAGGED_OPERANDS, "
+                         f"got {len(pages)}")
+    t = dict(zip(RAGGED_OPERANDS, pages))
+    sink_k, tail_k, cos = t["sink_k"], t["tail_k"], t["cos"]
     H, M, D = q.shape
-    N = k_rank.shape[0]
+    N = t["k_rank"].shape[0]
     TS, T = sink_k.shape[1], sink_k.shape[1] + tail_k.shape[1]
     n_page_splits = math.ceil(N / pages_per_split)
     n_splits = n_page_splits + (math.ceil(T / tokens_per_split) if T else 0)
@@ -46,8 +48,7 @@ def _triton_puzzle_ragged_attention(
     m, l, o = split_state_buffers(H, M, D, n_splits, dev)
     W = cos.shape[1] if cos.numel() else D
     launch(puzzle_ragged_split_kernel, (H, n_splits, row_blocks(M)),
-        q.float().contiguous(), *(kernel_arg(t) for t in (lk, rk, lv, rv, lks, rks, lvs, rvs)),
-        *(kernel_arg(t) for t in (k_rank, k_offset, v_rank, v_offset, cos, sin, sink_k, sink_v, tail_k, tail_v)),
+        q.float().contiguous(), *(kernel_arg(x) for x in pages),
         m, l, o, H, M, N, page_size, D, TS, T, scaling, first_position, W,
         pages_per_split, tokens_per_split, n_page_splits, n_splits,
         INT4=int4, PRE_ROPE=pre_rope, SAME_HALVES=W != D,
@@ -62,9 +63,7 @@ puzzle_ragged_attention = torch.library.custom_op("kvpack::puzzle_ragged_attenti
 
 
 @puzzle_ragged_attention.register_fake
-def _(q, lk, rk, lv, rv, lks, rks, lvs, rvs, k_rank, k_offset, v_rank, v_offset, cos, sin, sink_k, sink_v,
-      tail_k, tail_v, page_size, max_rank, scaling, int4, pre_rope, first_position, pages_per_split,
-      tokens_per_split, bf16_products):
+def _(q, pages, *args):
     H, M, D = q.shape
     return q.new_empty(H, M, dtype=torch.float32), q.new_empty(H, M, dtype=torch.float32), \
         q.new_empty(H, M, D, dtype=torch.float32)
@@ -87,24 +86,14 @@ def ragged_puzzle_partial(pages: RaggedPuzzlePages, qg: torch.Tensor, scaling: f
     pre_rope = pages.rope is not None
     if pre_rope and d % 4 and not native:
         raise ValueError(f"the Triton puzzle_plus kernel needs head_dim % 4 == 0 for pre-RoPE keys, got {d}")
-    if pages.keys is None:
-        raise ValueError("ragged_puzzle_partial needs factorized pages (the store has none yet)")
+    operands = pages.operands(qg.device)
     keys, values = pages.keys, pages.values
-    empty = qg.new_empty(0)
-    scales = [empty] * 4 if not pages.int4 else [keys.left_scale, keys.right_scale, values.left_scale,
-                                                 values.right_scale]
     N, P, first = pages.n_pages, pages.page_size, pages.first_position
-    cos = sin = empty
-    if pre_rope:
-        cos, sin = pages.rope.table(first + N * P, qg.device)
     max_rank = max(b.rank for side in (keys, values) for b in side.buckets)
     pps = pages_per_split or max(1, math.ceil(N / 32))
     bf16 = cpu.bf16_products(dot_precision, pages.int4, keys.left.dtype)
     # On CPU tensors without `native`, the Triton launcher itself (the interpreter); else the op.
     run = _triton_puzzle_ragged_attention if not native and qg.device.type == "cpu" else puzzle_ragged_attention
-    m, l, o = run(
-        qg.float().contiguous(), keys.left, keys.right, values.left, values.right, *scales,
-        keys.rank, keys.offset, values.rank, values.offset, cos, sin,
-        pages.sink_k, pages.sink_v, pages.tail_k, pages.tail_v,
-        P, max_rank, float(scaling), pages.int4, pre_rope, first, pps, tokens_per_split, bf16)
+    m, l, o = run(qg.float().contiguous(), operands, P, max_rank, float(scaling), pages.int4, pre_rope, first, pps,
+                  tokens_per_split, bf16)
     return PartialAttention(m=m, l=l, o=o)

@@ -393,67 +393,76 @@ Side make_side(const at::Tensor& index, const at::Tensor& coef, int64_t H, int64
 
 }  // namespace
 
-State anchor_segment_attention(
-    const at::Tensor& q, const at::Tensor& anchor_k, const at::Tensor& anchor_v, const at::Tensor& hmat,
-    const at::Tensor& signs, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& index_k,
-    const at::Tensor& coef_k, const at::Tensor& mask_k, const at::Tensor& prefix_k, const at::Tensor& res_k,
-    const at::Tensor& scale_k, const at::Tensor& index_v, const at::Tensor& coef_v, const at::Tensor& mask_v,
-    const at::Tensor& prefix_v, const at::Tensor& res_v, const at::Tensor& scale_v, const at::Tensor& fine_mask_k,
-    const at::Tensor& fine_prefix_k, const at::Tensor& fine_res_k, const at::Tensor& fine_scale_k,
-    const at::Tensor& fine_mask_v, const at::Tensor& fine_prefix_v, const at::Tensor& fine_res_v,
-    const at::Tensor& fine_scale_v, const at::Tensor& fine_levels, c10::ArrayRef<double> levels, double hfactor,
-    double scaling, int64_t first_position, int64_t blocks_per_split) {
+// The `segment` operand's tensors, in the order SEGMENT_OPERANDS (kvpack/attention/anchor.py) lists them.
+struct AnchorOperands {
+  const at::Tensor &anchor_k, &anchor_v, &hmat, &signs, &cos, &sin;
+  const at::Tensor &index_k, &coef_k, &mask_k, &prefix_k, &res_k, &scale_k;
+  const at::Tensor &index_v, &coef_v, &mask_v, &prefix_v, &res_v, &scale_v;
+  const at::Tensor &fine_mask_k, &fine_prefix_k, &fine_res_k, &fine_scale_k;
+  const at::Tensor &fine_mask_v, &fine_prefix_v, &fine_res_v, &fine_scale_v, &fine_levels;
+
+  static AnchorOperands from(at::TensorList t) {
+    TORCH_CHECK(t.size() == 27, "anchor_segment_attention: expected the 27 tensors of SEGMENT_OPERANDS "
+                "(kvpack/attention/anchor.py), got ", t.size());
+    return {t[0],  t[1],  t[2],  t[3],  t[4],  t[5],  t[6],  t[7],  t[8],  t[9],  t[10], t[11], t[12], t[13],
+            t[14], t[15], t[16], t[17], t[18], t[19], t[20], t[21], t[22], t[23], t[24], t[25], t[26]};
+  }
+};
+
+State anchor_segment_attention(const at::Tensor& q, at::TensorList segment, c10::ArrayRef<double> levels,
+                               double hfactor, double scaling, int64_t first_position, int64_t blocks_per_split) {
+  const AnchorOperands o = AnchorOperands::from(segment);
   check_queries(q);
-  const int64_t H = q.size(0), D = q.size(2), n = index_k.dim() == 2 ? index_k.size(1) : 0;
+  const int64_t H = q.size(0), D = q.size(2), n = o.index_k.dim() == 2 ? o.index_k.size(1) : 0;
   TORCH_CHECK(D % 4 == 0, "anchor_segment_attention: head_dim must be a multiple of 4, got ", D);
-  for (const auto* a : {&anchor_k, &anchor_v})
+  for (const auto* a : {&o.anchor_k, &o.anchor_v})
     TORCH_CHECK(a->dim() == 3 && a->size(0) == H && a->size(2) == D && a->is_contiguous() &&
-                    a->scalar_type() == anchor_k.scalar_type(),
+                    a->scalar_type() == o.anchor_k.scalar_type(),
                 "anchor_segment_attention: anchors must be contiguous [H, k, D] of one dtype, got ", a->sizes());
-  const int64_t K = anchor_k.size(1);
-  TORCH_CHECK(anchor_v.size(1) == K, "anchor_segment_attention: key and value anchors differ in count");
-  TORCH_CHECK(hmat.scalar_type() == at::kHalf && hmat.dim() == 2 && hmat.size(0) == D && hmat.size(1) == D,
+  const int64_t K = o.anchor_k.size(1);
+  TORCH_CHECK(o.anchor_v.size(1) == K, "anchor_segment_attention: key and value anchors differ in count");
+  TORCH_CHECK(o.hmat.scalar_type() == at::kHalf && o.hmat.dim() == 2 && o.hmat.size(0) == D && o.hmat.size(1) == D,
               "anchor_segment_attention: hmat must be the codec's [D, D] fp16 0/±1 matrix");
   TORCH_CHECK(levels.size() == 4, "anchor_segment_attention: the 2-bit codec has 4 levels, got ", levels.size());
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
-                  cos.sizes() == sin.sizes() && (cos.size(1) == D || cos.size(1) == D / 2) &&
-                  cos.size(0) >= first_position + n,
+  TORCH_CHECK(o.cos.scalar_type() == at::kFloat && o.cos.is_contiguous() && o.sin.is_contiguous() && o.cos.dim() == 2 &&
+                  o.cos.sizes() == o.sin.sizes() && (o.cos.size(1) == D || o.cos.size(1) == D / 2) &&
+                  o.cos.size(0) >= first_position + n,
               "anchor_segment_attention: the RoPE tables must be fp32 [positions >= ", first_position + n,
               ", D or D / 2]");
   Codec codec;
   codec.D = D;
-  codec.rotation = classify(hmat.contiguous(), codec.matrix);
+  codec.rotation = classify(o.hmat.contiguous(), codec.matrix);
   codec.signs.resize(D);
-  widen_row(signs.contiguous().data_ptr<float>(), codec.signs.data(), D);
+  widen_row(o.signs.contiguous().data_ptr<float>(), codec.signs.data(), D);
   codec.factor = float(hfactor);
   codec.factor_signs.resize(D);
   for (int64_t c = 0; c < D; ++c) codec.factor_signs[c] = codec.factor * codec.signs[c];
   for (int i = 0; i < 4; ++i) codec.levels2[i] = float(levels[i]);
-  const bool fine = fine_mask_k.numel() > 0;
+  const bool fine = o.fine_mask_k.numel() > 0;
   if (fine) {
-    TORCH_CHECK(fine_levels.scalar_type() == at::kFloat && fine_levels.numel() == 16,
+    TORCH_CHECK(o.fine_levels.scalar_type() == at::kFloat && o.fine_levels.numel() == 16,
                 "anchor_segment_attention: the fine tier needs 16 fp32 levels");
-    std::copy(fine_levels.data_ptr<float>(), fine_levels.data_ptr<float>() + 16, codec.levels4);
+    std::copy(o.fine_levels.data_ptr<float>(), o.fine_levels.data_ptr<float>() + 16, codec.levels4);
   }
-  Side ks = make_side(index_k, coef_k, H, n, K, "key");
-  Side vs = make_side(index_v, coef_v, H, n, K, "value");
-  ks.tiers[0] = make_tier(mask_k, prefix_k, res_k, scale_k, 2, H, n, D, "key");
-  vs.tiers[0] = make_tier(mask_v, prefix_v, res_v, scale_v, 2, H, n, D, "value");
+  Side ks = make_side(o.index_k, o.coef_k, H, n, K, "key");
+  Side vs = make_side(o.index_v, o.coef_v, H, n, K, "value");
+  ks.tiers[0] = make_tier(o.mask_k, o.prefix_k, o.res_k, o.scale_k, 2, H, n, D, "key");
+  vs.tiers[0] = make_tier(o.mask_v, o.prefix_v, o.res_v, o.scale_v, 2, H, n, D, "value");
   if (fine) {
-    ks.tiers[1] = make_tier(fine_mask_k, fine_prefix_k, fine_res_k, fine_scale_k, 4, H, n, D, "fine key");
-    vs.tiers[1] = make_tier(fine_mask_v, fine_prefix_v, fine_res_v, fine_scale_v, 4, H, n, D, "fine value");
+    ks.tiers[1] = make_tier(o.fine_mask_k, o.fine_prefix_k, o.fine_res_k, o.fine_scale_k, 4, H, n, D, "fine key");
+    vs.tiers[1] = make_tier(o.fine_mask_v, o.fine_prefix_v, o.fine_res_v, o.fine_scale_v, 4, H, n, D, "fine value");
   }
   const int64_t n_blocks = (n + 31) / 32, bps = std::max<int64_t>(1, blocks_per_split);
   const float* qp = q.data_ptr<float>();
-  const int64_t W = cos.size(1);
+  const int64_t W = o.cos.size(1);
   State out;
-  with_dtype(anchor_k, "anchor_segment_attention: anchors", [&](auto* tag) {
+  with_dtype(o.anchor_k, "anchor_segment_attention: anchors", [&](auto* tag) {
     using E = std::remove_pointer_t<decltype(tag)>;
-    const E* ak = static_cast<const E*>(anchor_k.data_ptr());
-    const E* av = static_cast<const E*>(anchor_v.data_ptr());
+    const E* ak = static_cast<const E*>(o.anchor_k.data_ptr());
+    const E* av = static_cast<const E*>(o.anchor_v.data_ptr());
     out = split_k(H, n_chunks(n_blocks, bps), q.size(1), D, q.options(), [&](int64_t h, int64_t s, RowsState& st) {
       segment_blocks(qp + h * q.size(1) * D, h, s * bps, std::min(n_blocks, (s + 1) * bps), n, K, D, ak, av, ks, vs,
-                     codec, cos.data_ptr<float>(), sin.data_ptr<float>(), W, first_position, float(scaling), st);
+                     codec, o.cos.data_ptr<float>(), o.sin.data_ptr<float>(), W, first_position, float(scaling), st);
     });
   });
   return out;

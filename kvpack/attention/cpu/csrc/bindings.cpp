@@ -11,32 +11,14 @@ State kivi_attention(const at::Tensor& q, const at::Tensor& kq, const at::Tensor
                      const at::Tensor& vq, const at::Tensor& vs, const at::Tensor& vz, const at::Tensor& tail_k,
                      const at::Tensor& tail_v, int64_t bits, int64_t group, int64_t value_group, double scaling,
                      int64_t blocks_per_split, int64_t tokens_per_split);
-State puzzle_attention(const at::Tensor& q, const at::Tensor& lk, const at::Tensor& rk, const at::Tensor& lv,
-                       const at::Tensor& rv, const at::Tensor& lks, const at::Tensor& rks, const at::Tensor& lvs,
-                       const at::Tensor& rvs, const at::Tensor& lk2, const at::Tensor& rk2, const at::Tensor& lv2,
-                       const at::Tensor& rv2, const at::Tensor& lks2, const at::Tensor& rks2, const at::Tensor& lvs2,
-                       const at::Tensor& rvs2, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& sink_k,
-                       const at::Tensor& sink_v, const at::Tensor& tail_k, const at::Tensor& tail_v, int64_t page_size,
-                       int64_t rank_k, int64_t rank_v, double scaling, bool int4, bool pre_rope, int64_t first_position,
-                       int64_t pages_per_split, int64_t tokens_per_split, bool bf16_products);
-State puzzle_ragged_attention(const at::Tensor& q, const at::Tensor& lk, const at::Tensor& rk, const at::Tensor& lv,
-                              const at::Tensor& rv, const at::Tensor& lks, const at::Tensor& rks,
-                              const at::Tensor& lvs, const at::Tensor& rvs, const at::Tensor& k_rank,
-                              const at::Tensor& k_offset, const at::Tensor& v_rank, const at::Tensor& v_offset,
-                              const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& sink_k,
-                              const at::Tensor& sink_v, const at::Tensor& tail_k, const at::Tensor& tail_v,
-                              int64_t page_size, int64_t max_rank, double scaling, bool int4, bool pre_rope,
-                              int64_t first_position, int64_t pages_per_split, int64_t tokens_per_split, bool bf16_products);
-State anchor_segment_attention(
-    const at::Tensor& q, const at::Tensor& anchor_k, const at::Tensor& anchor_v, const at::Tensor& hmat,
-    const at::Tensor& signs, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& index_k,
-    const at::Tensor& coef_k, const at::Tensor& mask_k, const at::Tensor& prefix_k, const at::Tensor& res_k,
-    const at::Tensor& scale_k, const at::Tensor& index_v, const at::Tensor& coef_v, const at::Tensor& mask_v,
-    const at::Tensor& prefix_v, const at::Tensor& res_v, const at::Tensor& scale_v, const at::Tensor& fine_mask_k,
-    const at::Tensor& fine_prefix_k, const at::Tensor& fine_res_k, const at::Tensor& fine_scale_k,
-    const at::Tensor& fine_mask_v, const at::Tensor& fine_prefix_v, const at::Tensor& fine_res_v,
-    const at::Tensor& fine_scale_v, const at::Tensor& fine_levels, c10::ArrayRef<double> levels, double hfactor,
-    double scaling, int64_t first_position, int64_t blocks_per_split);
+State puzzle_attention(const at::Tensor& q, at::TensorList pages, int64_t page_size, int64_t rank_k, int64_t rank_v,
+                       double scaling, bool int4, bool pre_rope, int64_t first_position, int64_t pages_per_split,
+                       int64_t tokens_per_split, bool bf16_products);
+State puzzle_ragged_attention(const at::Tensor& q, at::TensorList pages, int64_t page_size, int64_t max_rank,
+                              double scaling, bool int4, bool pre_rope, int64_t first_position, int64_t pages_per_split,
+                              int64_t tokens_per_split, bool bf16_products);
+State anchor_segment_attention(const at::Tensor& q, at::TensorList segment, c10::ArrayRef<double> levels,
+                               double hfactor, double scaling, int64_t first_position, int64_t blocks_per_split);
 State pca_quant_attention(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scale,
                           const at::Tensor& zero, const at::Tensor& basis, const at::Tensor& mean,
                           const at::Tensor& widths, const at::Tensor& cos, const at::Tensor& sin, int64_t block,

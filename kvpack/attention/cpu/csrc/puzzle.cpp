@@ -100,45 +100,55 @@ bool bf16_products_available() {
 #endif
 }
 
-State puzzle_attention(const at::Tensor& q, const at::Tensor& lk, const at::Tensor& rk, const at::Tensor& lv,
-                       const at::Tensor& rv, const at::Tensor& lks, const at::Tensor& rks, const at::Tensor& lvs,
-                       const at::Tensor& rvs, const at::Tensor& lk2, const at::Tensor& rk2, const at::Tensor& lv2,
-                       const at::Tensor& rv2, const at::Tensor& lks2, const at::Tensor& rks2, const at::Tensor& lvs2,
-                       const at::Tensor& rvs2, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& sink_k,
-                       const at::Tensor& sink_v, const at::Tensor& tail_k, const at::Tensor& tail_v, int64_t page_size,
-                       int64_t rank_k, int64_t rank_v, double scaling, bool int4, bool pre_rope, int64_t first_position,
-                       int64_t pages_per_split, int64_t tokens_per_split, bool bf16_products) {
+// The `pages` operand's tensors, in the order PAGES_OPERANDS (kvpack/attention/pages.py) lists them.
+struct PagesOperands {
+  const at::Tensor &lk, &rk, &lv, &rv, &lks, &rks, &lvs, &rvs;          // the main set
+  const at::Tensor &lk2, &rk2, &lv2, &rv2, &lks2, &rks2, &lvs2, &rvs2;  // the recent set
+  const at::Tensor &cos, &sin, &sink_k, &sink_v, &tail_k, &tail_v;
+
+  static PagesOperands from(at::TensorList t) {
+    TORCH_CHECK(t.size() == 22, "puzzle_attention: expected the 22 tensors of PAGES_OPERANDS "
+                "(kvpack/attention/pages.py), got ", t.size());
+    return {t[0],  t[1],  t[2],  t[3],  t[4],  t[5],  t[6],  t[7],  t[8],  t[9],  t[10],
+            t[11], t[12], t[13], t[14], t[15], t[16], t[17], t[18], t[19], t[20], t[21]};
+  }
+};
+
+State puzzle_attention(const at::Tensor& q, at::TensorList pages, int64_t page_size, int64_t rank_k, int64_t rank_v,
+                       double scaling, bool int4, bool pre_rope, int64_t first_position, int64_t pages_per_split,
+                       int64_t tokens_per_split, bool bf16_products) {
+  const PagesOperands o = PagesOperands::from(pages);
   check_queries(q);
-  for (const auto* t : {&sink_k, &sink_v, &tail_k, &tail_v}) check_dense(*t, q, "puzzle_attention: dense tokens");
-  TORCH_CHECK(sink_k.scalar_type() == tail_k.scalar_type() && sink_v.scalar_type() == tail_v.scalar_type() &&
-                  sink_k.scalar_type() == sink_v.scalar_type(),
+  for (const auto* t : {&o.sink_k, &o.sink_v, &o.tail_k, &o.tail_v}) check_dense(*t, q, "puzzle_attention: dense tokens");
+  TORCH_CHECK(o.sink_k.scalar_type() == o.tail_k.scalar_type() && o.sink_v.scalar_type() == o.tail_v.scalar_type() &&
+                  o.sink_k.scalar_type() == o.sink_v.scalar_type(),
               "puzzle_attention: sink and tail must share a dtype");
   const int64_t H = q.size(0), M = q.size(1), D = q.size(2), P = page_size;
   TORCH_CHECK(P >= 1 && rank_k >= 1 && rank_v >= 1, "puzzle_attention: page size and ranks must be >= 1");
-  const FactorSet a = factor_set(lk, rk, lv, rv, lks, rks, lvs, rvs, int4, H, P, rank_k, rank_v, D, "main set");
-  const FactorSet b = factor_set(lk2, rk2, lv2, rv2, lks2, rks2, lvs2, rvs2, int4, H, P, rank_k, rank_v, D,
+  const FactorSet a = factor_set(o.lk, o.rk, o.lv, o.rv, o.lks, o.rks, o.lvs, o.rvs, int4, H, P, rank_k, rank_v, D, "main set");
+  const FactorSet b = factor_set(o.lk2, o.rk2, o.lv2, o.rv2, o.lks2, o.rks2, o.lvs2, o.rvs2, int4, H, P, rank_k, rank_v, D,
                                  "recent set");
   Geometry g{M, D, P, rank_k, rank_v, float(scaling), int4, pre_rope, nullptr, nullptr, D};
   if (pre_rope && (a.n || b.n)) {
     TORCH_CHECK(D % 2 == 0, "puzzle_attention: pre-RoPE keys need an even head_dim, got ", D);
-    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                    sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
-                    (cos.size(1) == D || cos.size(1) == D / 2) &&
-                    cos.size(0) >= first_position + (a.n + b.n) * P,
+    TORCH_CHECK(o.cos.scalar_type() == at::kFloat && o.sin.scalar_type() == at::kFloat && o.cos.is_contiguous() &&
+                    o.sin.is_contiguous() && o.cos.dim() == 2 && o.cos.sizes() == o.sin.sizes() &&
+                    (o.cos.size(1) == D || o.cos.size(1) == D / 2) &&
+                    o.cos.size(0) >= first_position + (a.n + b.n) * P,
                 "puzzle_attention: the RoPE tables must be fp32 [positions >= ", first_position + (a.n + b.n) * P,
-                ", D or D / 2], got ", cos.sizes());
-    g.cos = cos.data_ptr<float>();
-    g.sin = sin.data_ptr<float>();
-    g.W = cos.size(1);
+                ", D or D / 2], got ", o.cos.sizes());
+    g.cos = o.cos.data_ptr<float>();
+    g.sin = o.sin.data_ptr<float>();
+    g.W = o.cos.size(1);
     g.bf16_products = bf16_rebuild(bf16_products, D);
   }
-  const int64_t TS = sink_k.size(1), TT = tail_k.size(1), T = TS + TT;
+  const int64_t TS = o.sink_k.size(1), TT = o.tail_k.size(1), T = TS + TT;
   const int64_t pps = std::max<int64_t>(1, pages_per_split), tps = std::max<int64_t>(1, tokens_per_split);
   const int64_t na = n_chunks(a.n, pps), nb = n_chunks(b.n, pps), n_splits = na + nb + n_chunks(T, tps);
   const float* qp = q.data_ptr<float>();
-  const at::Tensor& factor_dtype = a.n ? lk : (b.n ? lk2 : sink_k);
+  const at::Tensor& factor_dtype = a.n ? o.lk : (b.n ? o.lk2 : o.sink_k);
   State out;
-  with_dtype(sink_k, "puzzle_attention: dense tokens", [&](auto* dense_tag) {
+  with_dtype(o.sink_k, "puzzle_attention: dense tokens", [&](auto* dense_tag) {
     using DE = std::remove_pointer_t<decltype(dense_tag)>;
     auto run = [&](auto* factor_tag) {
       using FE = std::remove_pointer_t<decltype(factor_tag)>;
@@ -151,10 +161,10 @@ State puzzle_attention(const at::Tensor& q, const at::Tensor& lk, const at::Tens
           factor_pages<FE>(qh, b, h, n0, std::min(b.n, n0 + pps), first_position + a.n * P, g, st);
         } else {  // dense tokens: the sink's, then the tail's, each read where it lives
           const int64_t t0 = (s - na - nb) * tps, t1 = std::min(T, t0 + tps);
-          const DE* sk = static_cast<const DE*>(sink_k.data_ptr()) + h * TS * D;
-          const DE* sv = static_cast<const DE*>(sink_v.data_ptr()) + h * TS * D;
-          const DE* tk = static_cast<const DE*>(tail_k.data_ptr()) + h * TT * D;
-          const DE* tv = static_cast<const DE*>(tail_v.data_ptr()) + h * TT * D;
+          const DE* sk = static_cast<const DE*>(o.sink_k.data_ptr()) + h * TS * D;
+          const DE* sv = static_cast<const DE*>(o.sink_v.data_ptr()) + h * TS * D;
+          const DE* tk = static_cast<const DE*>(o.tail_k.data_ptr()) + h * TT * D;
+          const DE* tv = static_cast<const DE*>(o.tail_v.data_ptr()) + h * TT * D;
           if (t0 < TS) dense_tokens(qh, sk, sv, t0, std::min(t1, TS), D, float(scaling), st);
           if (t1 > TS) dense_tokens(qh, tk, tv, std::max(t0, TS) - TS, t1 - TS, D, float(scaling), st);
         }

@@ -70,27 +70,37 @@ RaggedSide ragged_side(const at::Tensor& left, const at::Tensor& right, const at
 
 }  // namespace
 
-State puzzle_ragged_attention(const at::Tensor& q, const at::Tensor& lk, const at::Tensor& rk, const at::Tensor& lv,
-                              const at::Tensor& rv, const at::Tensor& lks, const at::Tensor& rks,
-                              const at::Tensor& lvs, const at::Tensor& rvs, const at::Tensor& k_rank,
-                              const at::Tensor& k_offset, const at::Tensor& v_rank, const at::Tensor& v_offset,
-                              const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& sink_k,
-                              const at::Tensor& sink_v, const at::Tensor& tail_k, const at::Tensor& tail_v,
-                              int64_t page_size, int64_t max_rank, double scaling, bool int4, bool pre_rope,
-                              int64_t first_position, int64_t pages_per_split, int64_t tokens_per_split, bool bf16_products) {
+// The `pages` operand's tensors, in the order RAGGED_OPERANDS (kvpack/attention/ragged_pages.py) lists them.
+struct RaggedOperands {
+  const at::Tensor &lk, &rk, &lv, &rv, &lks, &rks, &lvs, &rvs;
+  const at::Tensor &k_rank, &k_offset, &v_rank, &v_offset;
+  const at::Tensor &cos, &sin, &sink_k, &sink_v, &tail_k, &tail_v;
+
+  static RaggedOperands from(at::TensorList t) {
+    TORCH_CHECK(t.size() == 18, "puzzle_ragged_attention: expected the 18 tensors of RAGGED_OPERANDS "
+                "(kvpack/attention/ragged_pages.py), got ", t.size());
+    return {t[0], t[1],  t[2],  t[3],  t[4],  t[5],  t[6],  t[7],  t[8],
+            t[9], t[10], t[11], t[12], t[13], t[14], t[15], t[16], t[17]};
+  }
+};
+
+State puzzle_ragged_attention(const at::Tensor& q, at::TensorList pages, int64_t page_size, int64_t max_rank,
+                              double scaling, bool int4, bool pre_rope, int64_t first_position, int64_t pages_per_split,
+                              int64_t tokens_per_split, bool bf16_products) {
+  const RaggedOperands o = RaggedOperands::from(pages);
   check_queries(q);
-  for (const auto* t : {&sink_k, &sink_v, &tail_k, &tail_v})
+  for (const auto* t : {&o.sink_k, &o.sink_v, &o.tail_k, &o.tail_v})
     check_dense(*t, q, "puzzle_ragged_attention: dense tokens");
-  TORCH_CHECK(sink_k.scalar_type() == tail_k.scalar_type() && sink_v.scalar_type() == tail_v.scalar_type() &&
-                  sink_k.scalar_type() == sink_v.scalar_type(),
+  TORCH_CHECK(o.sink_k.scalar_type() == o.tail_k.scalar_type() && o.sink_v.scalar_type() == o.tail_v.scalar_type() &&
+                  o.sink_k.scalar_type() == o.sink_v.scalar_type(),
               "puzzle_ragged_attention: sink and tail must share a dtype");
   const int64_t H = q.size(0), M = q.size(1), D = q.size(2), P = page_size;
-  const int64_t N = k_rank.dim() == 2 ? k_rank.size(0) : 0;
+  const int64_t N = o.k_rank.dim() == 2 ? o.k_rank.size(0) : 0;
   TORCH_CHECK(P >= 1 && max_rank >= 1, "puzzle_ragged_attention: page size and max rank must be >= 1");
   RaggedSide ks{}, vs{};
   if (N) {
-    ks = ragged_side(lk, rk, lks, rks, k_rank, k_offset, int4, N, H, P, D, "key");
-    vs = ragged_side(lv, rv, lvs, rvs, v_rank, v_offset, int4, N, H, P, D, "value");
+    ks = ragged_side(o.lk, o.rk, o.lks, o.rks, o.k_rank, o.k_offset, int4, N, H, P, D, "key");
+    vs = ragged_side(o.lv, o.rv, o.lvs, o.rvs, o.v_rank, o.v_offset, int4, N, H, P, D, "value");
     for (int64_t e = 0; e < N * H; ++e)
       TORCH_CHECK(ks.rank[e] <= max_rank && vs.rank[e] <= max_rank, "puzzle_ragged_attention: a rank exceeds ",
                   max_rank);
@@ -98,22 +108,22 @@ State puzzle_ragged_attention(const at::Tensor& q, const at::Tensor& lk, const a
   Geometry g{M, D, P, max_rank, max_rank, float(scaling), int4, pre_rope, nullptr, nullptr, D};
   if (pre_rope && N) {
     TORCH_CHECK(D % 2 == 0, "puzzle_ragged_attention: pre-RoPE keys need an even head_dim, got ", D);
-    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                    sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
-                    (cos.size(1) == D || cos.size(1) == D / 2) && cos.size(0) >= first_position + N * P,
+    TORCH_CHECK(o.cos.scalar_type() == at::kFloat && o.sin.scalar_type() == at::kFloat && o.cos.is_contiguous() &&
+                    o.sin.is_contiguous() && o.cos.dim() == 2 && o.cos.sizes() == o.sin.sizes() &&
+                    (o.cos.size(1) == D || o.cos.size(1) == D / 2) && o.cos.size(0) >= first_position + N * P,
                 "puzzle_ragged_attention: the RoPE tables must be fp32 [positions >= ", first_position + N * P,
-                ", D or D / 2], got ", cos.sizes());
-    g.cos = cos.data_ptr<float>();
-    g.sin = sin.data_ptr<float>();
-    g.W = cos.size(1);
+                ", D or D / 2], got ", o.cos.sizes());
+    g.cos = o.cos.data_ptr<float>();
+    g.sin = o.sin.data_ptr<float>();
+    g.W = o.cos.size(1);
     g.bf16_products = bf16_rebuild(bf16_products, D);
   }
-  const int64_t TS = sink_k.size(1), TT = tail_k.size(1), T = TS + TT;
+  const int64_t TS = o.sink_k.size(1), TT = o.tail_k.size(1), T = TS + TT;
   const int64_t pps = std::max<int64_t>(1, pages_per_split), tps = std::max<int64_t>(1, tokens_per_split);
   const int64_t np = n_chunks(N, pps), n_splits = np + n_chunks(T, tps);
   const float* qp = q.data_ptr<float>();
   State out;
-  with_dtype(sink_k, "puzzle_ragged_attention: dense tokens", [&](auto* dense_tag) {
+  with_dtype(o.sink_k, "puzzle_ragged_attention: dense tokens", [&](auto* dense_tag) {
     using DE = std::remove_pointer_t<decltype(dense_tag)>;
     auto run = [&](auto* factor_tag) {
       using FE = std::remove_pointer_t<decltype(factor_tag)>;
@@ -138,10 +148,10 @@ State puzzle_ragged_attention(const at::Tensor& q, const at::Tensor& lk, const a
           }
         } else {
           const int64_t t0 = (s - np) * tps, t1 = std::min(T, t0 + tps);
-          const DE* sk = static_cast<const DE*>(sink_k.data_ptr()) + h * TS * D;
-          const DE* sv = static_cast<const DE*>(sink_v.data_ptr()) + h * TS * D;
-          const DE* tk = static_cast<const DE*>(tail_k.data_ptr()) + h * TT * D;
-          const DE* tv = static_cast<const DE*>(tail_v.data_ptr()) + h * TT * D;
+          const DE* sk = static_cast<const DE*>(o.sink_k.data_ptr()) + h * TS * D;
+          const DE* sv = static_cast<const DE*>(o.sink_v.data_ptr()) + h * TS * D;
+          const DE* tk = static_cast<const DE*>(o.tail_k.data_ptr()) + h * TT * D;
+          const DE* tv = static_cast<const DE*>(o.tail_v.data_ptr()) + h * TT * D;
           if (t0 < TS) dense_tokens(qh, sk, sv, t0, std::min(t1, TS), D, float(scaling), st);
           if (t1 > TS) dense_tokens(qh, tk, tv, std::max(t0, TS) - TS, t1 - TS, D, float(scaling), st);
         }
@@ -150,7 +160,7 @@ State puzzle_ragged_attention(const at::Tensor& q, const at::Tensor& lk, const a
     if (int4 || !N) {
       run(static_cast<float*>(nullptr));  // the element type is unused for INT4 factors (or no pages)
     } else {
-      with_dtype(lk, "puzzle_ragged_attention: factors", run);
+      with_dtype(o.lk, "puzzle_ragged_attention: factors", run);
     }
   });
   return out;
