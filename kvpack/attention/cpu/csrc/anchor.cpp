@@ -278,15 +278,8 @@ void block_key_scores_regs(const float* q, int64_t M, int64_t h, int64_t n, int6
     } else {
       for (int j = 0; j < NCH; ++j) x[j] = g * Vec::load(a + L * j);
     }
-    const float* c = cos + (first_position + t) * W;
-    const float* sn = sin + (first_position + t) * W;
-    const float* c2 = W == D ? c + D / 2 : c;
-    const float* s2 = W == D ? sn + D / 2 : sn;
-    for (int j = 0; j < HALF; ++j) {  // rotate_row's rotate_half convention
-      const Vec k1 = x[j], k2 = x[j + HALF];
-      x[j] = fms(k1, Vec::load(c + L * j), k2 * Vec::load(sn + L * j));
-      x[j + HALF] = fma(k1, Vec::load(s2 + L * j), k2 * Vec::load(c2 + L * j));
-    }
+    const RopeRow rope(cos + (first_position + t) * W, sin + (first_position + t) * W, D, W);
+    for (int j = 0; j < HALF; ++j) rotate_pair(x[j], x[j + HALF], rope, L * j);
     for (int64_t i = 0; i < M; ++i) {
       const float* qi = q + i * D;
       Vec acc = Vec::load(qi) * x[0];

@@ -326,17 +326,32 @@ void with_dtype(const at::Tensor& t, const char* name, F&& f) {
   }
 }
 
-// Rotates row k [D] at one position (rotate_half convention): k1' = k1 c - k2 s, k2' = k2 c2 + k1 s2 for
-// the halves k1, k2; c2 / s2 are the table's second halves (its first ones where the table keeps one).
-inline void rotate_row(float* k, const float* c, const float* sn, int64_t D, int64_t W) {
+// RoPE at one position, rotate_half convention: for the halves k1, k2 of a row, k1' = k1 c - k2 s and
+// k2' = k2 c2 + k1 s2, with c2 / s2 the table's second halves (its first ones where the table keeps one
+// half, W = D / 2). Written once: rotate_row for a row in memory, rotate_pair for one vector of each half
+// held in registers (the AnchorKV, page and PCA kernels' register paths).
+struct RopeRow {
+  const float *c, *s, *c2, *s2;
+  RopeRow(const float* cos_row, const float* sin_row, int64_t D, int64_t W)
+      : c(cos_row), s(sin_row), c2(W == D ? cos_row + D / 2 : cos_row), s2(W == D ? sin_row + D / 2 : sin_row) {}
+};
+
+// k1, k2: channels [j, j + kLanes) of each half.
+inline void rotate_pair(Vec& k1, Vec& k2, const RopeRow& r, int64_t j) {
+  const Vec a = k1, b = k2;
+  k1 = fms(a, Vec::load(r.c + j), b * Vec::load(r.s + j));
+  k2 = fma(b, Vec::load(r.c2 + j), a * Vec::load(r.s2 + j));
+}
+
+// Rotates row k [D] in place (cos_row / sin_row: the table's row, W = D or D / 2 wide).
+inline void rotate_row(float* k, const float* cos_row, const float* sin_row, int64_t D, int64_t W) {
+  const RopeRow r(cos_row, sin_row, D, W);
   const int64_t half = D / 2;
-  const float* c2 = W == D ? c + half : c;
-  const float* s2 = W == D ? sn + half : sn;
 #pragma omp simd
   for (int64_t j = 0; j < half; ++j) {
     const float k1 = k[j], k2 = k[j + half];
-    k[j] = k1 * c[j] - k2 * sn[j];
-    k[j + half] = k2 * c2[j] + k1 * s2[j];
+    k[j] = k1 * r.c[j] - k2 * r.s[j];
+    k[j + half] = k2 * r.c2[j] + k1 * r.s2[j];
   }
 }
 

@@ -133,15 +133,8 @@ inline void rotate_and_score(Vec (&acc)[TT][NV], const float* __restrict q, int6
                              const float* sin, int64_t W, float* s, int64_t stride) {
   constexpr int L = Vec::kLanes, D = L * NV, HV = NV / 2;
   for (int t = 0; t < TT; ++t) {
-    const float* c = cos + t * W;
-    const float* sn = sin + t * W;
-    const float* c2 = W == D ? c + D / 2 : c;
-    const float* s2 = W == D ? sn + D / 2 : sn;
-    for (int v = 0; v < HV; ++v) {  // rotate_row's rotate_half convention
-      const Vec k1 = acc[t][v], k2 = acc[t][v + HV];
-      acc[t][v] = fms(k1, Vec::load(c + L * v), k2 * Vec::load(sn + L * v));
-      acc[t][v + HV] = fma(k2, Vec::load(c2 + L * v), k1 * Vec::load(s2 + L * v));
-    }
+    const RopeRow rope(cos + t * W, sin + t * W, D, W);
+    for (int v = 0; v < HV; ++v) rotate_pair(acc[t][v], acc[t][v + HV], rope, L * v);
     for (int64_t i = 0; i < M; ++i) {
       const float* qi = q + i * D;
       Vec d = Vec::load(qi) * acc[t][0];
@@ -211,13 +204,8 @@ inline void rope_scores_group_tile(const float* __restrict q, int64_t M, int64_t
       }
     }
     for (int t = 0; t < TT; ++t) {
-      const float* c = cos + t * W + c0;
-      const float* sn = sin + t * W + c0;
-      const float* c2 = W == D ? c + half : c;
-      const float* s2 = W == D ? sn + half : sn;
-      const Vec k1 = acc[t][0], k2 = acc[t][1];  // k1' = k1 c - k2 s, k2' = k2 c2 + k1 s2
-      const Vec k1r = fms(k1, Vec::load(c), k2 * Vec::load(sn));
-      const Vec k2r = fma(k2, Vec::load(c2), k1 * Vec::load(s2));
+      Vec k1r = acc[t][0], k2r = acc[t][1];
+      rotate_pair(k1r, k2r, RopeRow(cos + t * W, sin + t * W, D, W), c0);
       for (int64_t i = 0; i < M; ++i) {
         const float* qi = q + i * D + c0;
         float* di = dots + (t * M + i) * L;
