@@ -39,6 +39,7 @@ ROWS = [
     ("anchor_plus", "anchor_plus", {}), ("anchor_plus@0.25", "anchor_plus", {"budget": 0.25}),
     ("svd@0.25", "svd", {"budget": 0.25}), ("kivi", "kivi", {}), ("kivi@0.25", "kivi", {"budget": 0.25}),
     ("streaming@0.25", "streaming", {"budget": 0.25}),
+    ("pca_quant", "pca_quant", {}), ("pca_quant@0.15", "pca_quant", {"budget": 0.15}),
 ]
 
 

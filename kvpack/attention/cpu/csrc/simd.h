@@ -12,7 +12,9 @@
 // Widening loads: Vec::load(p) of kLanes consecutive bf16 / fp16 elements as fp32.
 // Code lookups: Vec::Table, up to 16 fp32 entries held for lookup (Vec::table(entries, scale): the entries
 // times scale); Vec::decode<BITS>(codes, m, table) = table[code] for codes m kLanes .. (m + 1) kLanes - 1
-// of a packed row (BITS 2 or 4, the first code in a byte's lowest bits), reading only their bytes.
+// of a packed row (BITS 2 or 4, the first code in a byte's lowest bits), reading only their bytes;
+// Vec::unpack<W>(codes, k) = codes k kLanes .. (k + 1) kLanes - 1 of a little-endian W-bit stream (code i at
+// bits [i W, (i + 1) W), W = 1..8) as floats, reading only their bytes.
 // v.hadamard(): the unnormalised Walsh-Hadamard transform across the lanes (lane i becomes
 // sum_j (-1)^popcount(i & j) v_j; the identity for one lane), the in-vector stages of a transform whose
 // other stages run between vectors. v.pin(): an empty asm that takes v in a register (keeps the compiler
@@ -84,6 +86,24 @@ struct Vec {
     return {_mm512_permutexvar_ps(code, table.t)};
   }
   void pin() { asm("" : "+v"(v)); }
+  // The 16 codes' 2W bytes widened to a lane each; lane l takes the two bytes its code starts in (lane
+  // permutes), shifts them down to the code and masks it.
+  template <int W>
+  static Vec unpack(const uint8_t* codes, int64_t k) {
+    static_assert(1 <= W && W <= 8, "codes of 1 to 8 bits");
+    const uint8_t* src = codes + k * 2 * W;
+    const __m512i wide = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(__mmask16((1u << (2 * W)) - 1), src));
+    if constexpr (W == 8) return {_mm512_cvtepi32_ps(wide)};
+    const __m512i bit = _mm512_set_epi32(15 * W, 14 * W, 13 * W, 12 * W, 11 * W, 10 * W, 9 * W, 8 * W, 7 * W, 6 * W,
+                                         5 * W, 4 * W, 3 * W, 2 * W, W, 0);
+    const __m512i first = _mm512_srli_epi32(bit, 3);
+    const __m512i lo = _mm512_permutexvar_epi32(first, wide);
+    const __m512i hi = _mm512_permutexvar_epi32(_mm512_add_epi32(first, _mm512_set1_epi32(1)), wide);
+    const __m512i both = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 8));
+    const __m512i code = _mm512_and_si512(_mm512_srlv_epi32(both, _mm512_and_si512(bit, _mm512_set1_epi32(7))),
+                                          _mm512_set1_epi32((1 << W) - 1));
+    return {_mm512_cvtepi32_ps(code)};
+  }
   Vec hadamard() const { return butterfly<8>(butterfly<4>(butterfly<2>(butterfly<1>(*this)))); }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void store(float* p, Mask m) const { _mm512_mask_storeu_ps(p, m, v); }
@@ -181,6 +201,23 @@ struct Vec {
     return {out};
   }
   void pin() { asm("" : "+x"(v)); }
+  // As the AVX-512 Vec's on 8 lanes: the codes' W bytes (one load of W bytes), two lane permutes.
+  template <int W>
+  static Vec unpack(const uint8_t* codes, int64_t k) {
+    static_assert(1 <= W && W <= 8, "codes of 1 to 8 bits");
+    uint64_t word = 0;
+    std::memcpy(&word, codes + k * W, W);
+    const __m256i wide = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(word)));
+    if constexpr (W == 8) return {_mm256_cvtepi32_ps(wide)};
+    const __m256i bit = _mm256_set_epi32(7 * W, 6 * W, 5 * W, 4 * W, 3 * W, 2 * W, W, 0);
+    const __m256i first = _mm256_srli_epi32(bit, 3);
+    const __m256i lo = _mm256_permutevar8x32_epi32(wide, first);
+    const __m256i hi = _mm256_permutevar8x32_epi32(wide, _mm256_add_epi32(first, _mm256_set1_epi32(1)));
+    const __m256i both = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 8));
+    const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(both, _mm256_and_si256(bit, _mm256_set1_epi32(7))),
+                                          _mm256_set1_epi32((1 << W) - 1));
+    return {_mm256_cvtepi32_ps(code)};
+  }
   Vec hadamard() const { return butterfly<4>(butterfly<2>(butterfly<1>(*this))); }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void store(float* p, Mask m) const { _mm256_maskstore_ps(p, m, v); }
@@ -241,6 +278,16 @@ struct Vec {
   static Vec decode(const uint8_t* codes, int64_t m, const Table& table) {
     static_assert(BITS == 2 || BITS == 4, "codes of 2 or 4 bits");
     return {table.t[(codes[m * BITS / 8] >> (m * BITS % 8)) & ((1 << BITS) - 1)]};
+  }
+  template <int W>
+  static Vec unpack(const uint8_t* codes, int64_t k) {
+    static_assert(1 <= W && W <= 8, "codes of 1 to 8 bits");
+    const int64_t bit = k * W;
+    const uint8_t* p = codes + (bit >> 3);
+    const int shift = int(bit & 7);
+    unsigned v = p[0];
+    if (shift + W > 8) v |= unsigned(p[1]) << 8;  // the code's second byte, only where it has one
+    return {float((v >> shift) & ((1u << W) - 1))};
   }
   void pin() {}
   Vec hadamard() const { return *this; }
