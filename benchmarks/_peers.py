@@ -77,9 +77,9 @@ def table(rows: list[dict], reference: str) -> str:
 def kvpack_table(results_dir: Path, lengths: list[int]) -> str:
     """kvpack's rows (every label and setting) from an eval directory, on the lengths measured here."""
     from kvpack.eval.report import summarize, summary_markdown
-    from kvpack.eval.runner import load_rows
+    from kvpack.eval.runner import load_results
 
-    rows = [r for r in load_rows(results_dir / "results.jsonl") if r["length"] in lengths]
+    rows = [r for r in load_results(results_dir) if r["length"] in lengths]
     return summary_markdown(summarize(rows)) if rows else f"(no kvpack rows at {lengths} in {results_dir})"
 
 

@@ -2,9 +2,10 @@
 RULER-style tasks at 4K and 8K tokens, both settings, ≥ 48 samples per (model, setting, method, budget)
 cell, on the same samples and token ids.
 
-Rows go to ``benchmarks/results/frontier/<model>/results.jsonl`` as they finish (the runner resumes
-from them: commit them as they come, and a later run on any machine goes on where this one stopped;
-each row names the CPU and kvpack commit that made it). The cells (:mod:`kvpack.eval.frontier`) go to
+Rows go to ``benchmarks/results/frontier/<model>/rows/<method>.jsonl`` as they finish (one file per
+method, so each stays small; the runner resumes from them: commit them as they come, and a later run on
+any machine goes on where this one stopped; each row names the CPU and kvpack commit that made it). The
+cells (:mod:`kvpack.eval.frontier`) go to
 ``benchmarks/results/frontier-<model>.json`` with the command, kvpack commit, versions and CPUs, one
 plot per setting to ``docs/img/frontier-<model>-<setting>.png``, and the tables in the README and docs/ are
 rendered from every ``frontier-*.json`` by ``benchmarks/render.py`` (``--render`` alone does only that).
@@ -135,9 +136,9 @@ def ensure_calibration(model, tokenizer, relative: str) -> None:
 def write_results(model: str, command: str | None = None) -> Path | None:
     """The cells of ``model``'s committed rows to ``frontier-<model>.json`` and its plots."""
     from kvpack.eval.frontier import frontier_cells, plot_frontier
-    from kvpack.eval.runner import load_rows
+    from kvpack.eval.runner import load_results, load_rows
 
-    rows = load_rows(rows_dir(model) / "results.jsonl")
+    rows = load_results(rows_dir(model))
     for peer in sorted(rows_dir(model).glob("peer-*.jsonl")):  # llama.cpp's and kvpress's rows (their scripts)
         rows += load_rows(peer)
     if not rows:
@@ -190,8 +191,10 @@ def main() -> int:
     command = "python benchmarks/frontier.py " + " ".join(sys.argv[1:])
     os.chdir(ROOT)  # the kvtc calibration is named relative to the repository root
     if args.render:
+        from kvpack.eval.runner import has_results
+
         for model in LENGTHS:
-            if (rows_dir(model) / "results.jsonl").is_file():
+            if has_results(rows_dir(model)):
                 print(write_results(model))
         render_docs()
         return 0
@@ -216,7 +219,7 @@ def main() -> int:
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     if args.kvtc:
         ensure_calibration(model, tokenizer, calibration)
-    run_eval(model, tokenizer, plan, out, row_fields=machine_fields(args.dtype))
+    run_eval(model, tokenizer, plan, out, row_fields=machine_fields(args.dtype), rows_by_method=True)
     if args.out:
         return 0
     print(write_results(args.model, command))

@@ -246,6 +246,32 @@ def test_runner_end_to_end_and_resume(tiny_model, tokenizer, tiny_calibration, t
     assert len(redo) == 1 and redo[0].get("prediction") == last.get("prediction")
 
 
+def test_rows_split_by_method_resume_like_one_file(tiny_model, tokenizer, tmp_path, monkeypatch):
+    """``rows_by_method``: one ``rows/<method>.jsonl`` per method, read back by ``load_results``; a rerun
+    recomputes nothing; a torn last line stays a line of its own, and only its row is computed again."""
+    from kvpack.eval.runner import has_results, load_results
+
+    plan = EvalPlan(tasks=["vt"], lengths=[256], samples=1, specs=method_specs(["full", "streaming"], [0.5], {}),
+                    settings=["query-aware"], fidelity=False)
+    assert not has_results(tmp_path)
+    rows = run_eval(tiny_model, tokenizer, plan, tmp_path, progress=False, rows_by_method=True)
+    files = sorted(p.name for p in (tmp_path / "rows").iterdir())
+    assert files == ["full.jsonl", "streaming.jsonl"] and not (tmp_path / "results.jsonl").exists()
+    assert has_results(tmp_path) and sorted(map(json.dumps, load_results(tmp_path))) == sorted(map(json.dumps, rows))
+    import kvpack.eval.runner as runner
+
+    monkeypatch.setattr(runner, "exact_prefill", lambda *a, **k: pytest.fail("a finished sample was prefilled"))
+    assert len(run_eval(tiny_model, tokenizer, plan, tmp_path, progress=False, rows_by_method=True)) == len(rows)
+    monkeypatch.undo()
+    path = tmp_path / "rows" / "streaming.jsonl"
+    line = path.read_text()
+    path.write_text(line[:20])  # an interrupted write
+    again = run_eval(tiny_model, tokenizer, plan, tmp_path, progress=False, rows_by_method=True)
+    assert len(again) == len(rows) and path.read_text().splitlines()[0] == line[:20]
+    assert [json.loads(x)["method"] for x in path.read_text().splitlines()[1:]] == ["streaming"]
+    assert len(load_results(tmp_path)) == len(rows)
+
+
 @pytest.mark.parametrize("fidelity", [True, False])
 def test_a_length_that_does_not_fit_the_context_is_refused_before_anything_runs(tiny_model, tokenizer, tmp_path,
                                                                                 fidelity):

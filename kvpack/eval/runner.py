@@ -8,9 +8,9 @@ from that same prefill and decoded greedily (the rest of the prompt is prefilled
 compressed cache first). Decoding stops once the prediction holds every reference (its score can
 no longer change); each row records the median milliseconds of its decode steps (after the first
 new token, which also prefills the rest of the prompt), the report's speed column. Rows are
-appended to ``results.jsonl`` as they finish; a rerun skips every (setting, task, length, sample,
-method, budget, config overrides) already there — a method rerun with other ``--set`` overrides is
-computed again, not taken from the earlier rows.
+appended to ``results.jsonl`` (or, split by method, to ``rows/<method>.jsonl``) as they finish; a
+rerun skips every (setting, task, length, sample, method, budget, config overrides) already there — a
+method rerun with other ``--set`` overrides is computed again, not taken from the earlier rows.
 
 Fidelity (``fidelity=True``), from a copy of each built cache taken before decoding (one build
 per method and sample): the rest of the prompt, the gold answer and a held-out continuation (more
@@ -22,13 +22,14 @@ token is FullKV's (``top1``), and the perplexity of the continuation.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from tqdm import tqdm
@@ -133,6 +134,31 @@ def rows_in_plan(rows: list[dict], plan: EvalPlan) -> list[dict]:
     specs = {s.key for s in plan.specs}
     return [r for r in rows if (r["setting"], r["task"], r["length"], r["sample"]) in units
             and _row_key(r)[4:] in specs]
+
+
+ROWS_BY_METHOD = "rows"  # the subdirectory of one rows file per method (run_eval's rows_by_method)
+
+
+def load_results(out_dir: str | Path) -> list[dict]:
+    """Every row of an eval directory: ``results.jsonl`` and, where rows were split by method
+    (:func:`run_eval`'s ``rows_by_method``), ``rows/<method>.jsonl`` in name order."""
+    out_dir = Path(out_dir)
+    rows = load_rows(out_dir / "results.jsonl")
+    for path in sorted((out_dir / ROWS_BY_METHOD).glob("*.jsonl")):
+        rows += load_rows(path)
+    return rows
+
+
+def has_results(out_dir: str | Path) -> bool:
+    """Whether an eval directory holds rows in either layout."""
+    out_dir = Path(out_dir)
+    return (out_dir / "results.jsonl").is_file() or any((out_dir / ROWS_BY_METHOD).glob("*.jsonl"))
+
+
+def _last_byte(path: Path) -> bytes:
+    with path.open("rb") as f:
+        f.seek(-1, 2)
+        return f.read(1)
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -299,10 +325,12 @@ def check_plan_fits(model, tokenizer, plan: EvalPlan) -> None:
 
 
 def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bool = True,
-             row_fields: dict | None = None) -> list[dict]:
-    """Run (or resume) ``plan``; returns every row of ``out_dir/results.jsonl``. ``row_fields`` are
+             row_fields: dict | None = None, rows_by_method: bool = False) -> list[dict]:
+    """Run (or resume) ``plan``; returns every row of ``out_dir`` (:func:`load_results`). ``row_fields`` are
     written into each new row (e.g. the machine and commit that made it, when rows from several runs
-    share one file).
+    share one file). New rows go to ``out_dir/results.jsonl``, or with ``rows_by_method`` to
+    ``out_dir/rows/<method>.jsonl`` (one file per method: a long plan's rows stay in files of a size a
+    diff or a review can read); a run resumes from either layout.
 
     Raises:
         ValueError: a length whose prompts do not fit the model's context (:func:`check_plan_fits`).
@@ -310,8 +338,7 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
     check_plan_fits(model, tokenizer, plan)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = out_dir / "results.jsonl"
-    rows = load_rows(results)
+    rows = load_results(out_dir)
     done = {_row_key(r) for r in rows}
     # Both settings of a sample run back to back, so a run cut short has comparable rows; sample index
     # outermost, so a run cut short has every task and length at fewer samples rather than some not at all.
@@ -320,7 +347,20 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
     bar = tqdm(total=len(units) * len(plan.specs), desc="[kvpack] eval", unit="run", disable=not progress)
     bar.update(sum(1 for u in units for s in plan.specs if (*u, *s.key) in done))
     last_prefill = None
-    with results.open("a") as sink:
+    with contextlib.ExitStack() as files:
+        sinks: dict[str, TextIO] = {}
+
+        def sink_for(method: str) -> TextIO:
+            name = f"{ROWS_BY_METHOD}/{method}.jsonl" if rows_by_method else "results.jsonl"
+            if name not in sinks:
+                path = out_dir / name
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torn = path.is_file() and path.stat().st_size and _last_byte(path) != b"\n"
+                sinks[name] = files.enter_context(path.open("a"))
+                if torn:  # a run cut short mid-line: the fragment stays a line of its own (load_rows skips it)
+                    sinks[name].write("\n")
+            return sinks[name]
+
         for setting, task, length, index in units:
             pending = [s for s in plan.specs if (setting, task, length, index, *s.key) not in done]
             if not pending:
@@ -332,6 +372,7 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
             for spec in pending:
                 row = {"setting": setting, "task": task, "length": length, "sample": index,
                        **_evaluate(model, tokenizer, plan, unit, spec), **(row_fields or {})}
+                sink = sink_for(spec.method)
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
                 rows.append(row)
