@@ -36,7 +36,7 @@ from .softmax_merge import PartialAttention, state_from_logits
 PREFIX_BLOCK = 32  # tokens per prefix count (a tile must start on a multiple of it)
 
 # The tensors of ``kvpack::anchor_segment_attention``'s ``segment`` operand, in order
-# (:func:`segment_operands` flattens a segment into them; the Triton launcher reads them by these names and
+# (:meth:`AnchorSegment.operands` flattens a segment into them; the Triton launcher reads them by these names and
 # the C++ kernel's ``AnchorOperands`` by these positions). The fine tier's nine are empty when it has none.
 SEGMENT_OPERANDS = (
     "anchor_k", "anchor_v", "hmat", "signs", "cos", "sin",

@@ -6,9 +6,9 @@
 // Interface (every ISA): Vec::kLanes; Vec::zero(), Vec::splat(x); Vec::load(p) and Vec::load(p, mask)
 // (masked-off lanes read as 0 and are never touched: no fault past the end of a buffer); v.store(p) and
 // v.store(p, mask); Vec::first(n), the mask of lanes [0, n) for n in [0, kLanes], and Vec::all();
-// fma(a, b, c) = a * b + c and fms(a, b, c) = a * b - c (one rounding each); + - * and max; v.reduce_add(), v.reduce_max(); v.round()
-// (to nearest, ties to even); scale_pow2(x, e) = x * 2^e for integral e >= -126; keep_ge(x, a, b) = x
-// where a >= b (ordered), else 0.
+// fma(a, b, c) = a * b + c and fms(a, b, c) = a * b - c (one rounding each); + - * and max;
+// v.reduce_add(), v.reduce_max(); v.round() (to nearest, ties to even); scale_pow2(x, e) = x * 2^e for
+// integral e >= -126; keep_ge(x, a, b) = x where a >= b (ordered), else 0.
 // Widening loads: Vec::load(p) of kLanes consecutive bf16 / fp16 elements as fp32.
 // Code lookups: Vec::Table, up to 16 fp32 entries held for lookup (Vec::table(entries, scale): the entries
 // times scale); Vec::decode<BITS>(codes, m, table) = table[code] for codes m kLanes .. (m + 1) kLanes - 1
@@ -18,7 +18,8 @@
 // v.hadamard(): the unnormalised Walsh-Hadamard transform across the lanes (lane i becomes
 // sum_j (-1)^popcount(i & j) v_j; the identity for one lane), the in-vector stages of a transform whose
 // other stages run between vectors. v.pin(): an empty asm that takes v in a register (keeps the compiler
-// from folding a hoisted load into, and repeating it in, every use). Vec::kRegisters: the ISA's vector registers (0: scalar, none).
+// from folding a hoisted load into, and repeating it in, every use). Vec::kRegisters: the ISA's vector
+// registers (0: scalar, none).
 //
 // Code that uses an instruction with no counterpart on the other ISAs (AVX-512's lane permutes, its bf16
 // dot products) stays ISA-specific beside this, under #if, with the generic path as its fallback.
@@ -85,7 +86,6 @@ struct Vec {
     const __m512i code = _mm512_and_si512(_mm512_srlv_epi32(w, shift), _mm512_set1_epi32((1 << BITS) - 1));
     return {_mm512_permutexvar_ps(code, table.t)};
   }
-  void pin() { asm("" : "+v"(v)); }
   // The 16 codes' 2W bytes widened to a lane each; lane l takes the two bytes its code starts in (lane
   // permutes), shifts them down to the code and masks it.
   template <int W>
@@ -105,6 +105,7 @@ struct Vec {
     return {_mm512_cvtepi32_ps(code)};
   }
   Vec hadamard() const { return butterfly<8>(butterfly<4>(butterfly<2>(butterfly<1>(*this)))); }
+  void pin() { asm("" : "+v"(v)); }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void store(float* p, Mask m) const { _mm512_mask_storeu_ps(p, m, v); }
   float reduce_add() const { return _mm512_reduce_add_ps(v); }
