@@ -281,7 +281,7 @@ class PCAQuantStore(SegmentedStore):
             return None
         blocks = c[:, :, :nb * G].reshape(c.shape[0], c.shape[1], nb, G, -1).float()  # [2, H, nb, G, d]
         var = blocks.var(dim=(2, 3), correction=0).clamp_min(1e-30)
-        lo, hi = blocks.amin(dim=3, keepdim=True), blocks.amax(dim=3, keepdim=True)
+        lo, hi = torch.aminmax(blocks, dim=3, keepdim=True)
         zero = lo.half()
         zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, -float("inf"))), zero)
         offset = blocks - zero.float()
