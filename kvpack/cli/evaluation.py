@@ -19,7 +19,7 @@ from .common import add_command, add_model_args, load
 # variants of both papers' methods, the KIVI and SnapKV baselines and the QuantizedCache peer; the
 # faithful PuzzleKV and AnchorKV, StreamingLLM and kvtc are on the frontier (and a --methods away).
 DEFAULT_EVAL_TASKS = "niah_single_1,niah_single_2"
-DEFAULT_EVAL_METHODS = "full,puzzle_plus,anchor_plus,kivi,snapkv,hf_quantized"
+DEFAULT_EVAL_METHODS = "full,pca_quant,puzzle_plus,anchor_plus,kivi,snapkv,hf_quantized"
 DEFAULT_EVAL_BUDGETS = "0.28,0.15"
 FRONTIER_HINT = ("the full frontier (8 tasks at 4K and 8K, 48 samples a cell, five budgets, every method and peer, "
                  "two models): docs/eval.md, benchmarks/results/frontier-*.json, python benchmarks/frontier.py")
