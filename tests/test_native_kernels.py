@@ -382,6 +382,9 @@ def anchor_store(method: str, H: int, group: int, d: int, T: int, seed: int = 0,
     # anchors stored in bf16 / fp16 (a bf16 or fp16 model's cache): the register paths' widening loads
     ("anchor_plus", 2, 3, 64, 600, {"budget": 0.25, "storage_dtype": "bfloat16"}),
     ("anchor", 1, 3, 32, 200, {"budget": 0.3, "storage_dtype": "float16"}),
+    # a head of 8, less than AVX-512's 16 lanes: the residuals decoded one code at a time, both tiers
+    ("anchor", 2, 3, 8, 300, {"budget": 0.5}),
+    ("anchor_plus", 1, 2, 8, 300, {"budget": 0.8}),
 ])
 def test_anchor_kernel_matches_fp64_reference(method, H, group, d, T, cfg):
     from kvpack.attention.triton.anchor_op import anchor_partials

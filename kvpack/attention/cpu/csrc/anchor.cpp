@@ -171,32 +171,19 @@ inline void residual_codes(const Tier& t, const Codec& c, int64_t slot, float* y
   const float s = t.scale[slot];
   const int64_t D = c.D;
   constexpr int L = Vec::kLanes;
+  const uint8_t* r = t.res + slot * (D * t.bits / 8);
   if (D % L == 0) {
     const Vec::Table table = Vec::table(t.bits == 2 ? c.levels2 : c.levels4, s);
-    const uint8_t* r = t.res + slot * (D * t.bits / 8);
     if (t.bits == 2)
       for (int64_t m = 0; m < D / L; ++m) Vec::decode<2>(r, m, table).store(y + m * L);
     else
       for (int64_t m = 0; m < D / L; ++m) Vec::decode<4>(r, m, table).store(y + m * L);
     return;
   }
-  if (t.bits == 2) {
-    const uint8_t* r = t.res + slot * (D / 4);
-    for (int64_t j = 0; j < D / 4; ++j) {
-      const int b = r[j];
-      y[4 * j] = s * c.levels2[b & 3];
-      y[4 * j + 1] = s * c.levels2[(b >> 2) & 3];
-      y[4 * j + 2] = s * c.levels2[(b >> 4) & 3];
-      y[4 * j + 3] = s * c.levels2[b >> 6];
-    }
-  } else {
-    const uint8_t* r = t.res + slot * (D / 2);
-    for (int64_t j = 0; j < D / 2; ++j) {
-      const int b = r[j];
-      y[2 * j] = s * c.levels4[b & 15];
-      y[2 * j + 1] = s * c.levels4[b >> 4];
-    }
-  }
+  if (t.bits == 2)  // D not a multiple of the lanes: one code at a time
+    for (int64_t j = 0; j < D; ++j) y[j] = s * c.levels2[stream_code<2>(r, j)];
+  else
+    for (int64_t j = 0; j < D; ++j) y[j] = s * c.levels4[stream_code<4>(r, j)];
 }
 
 // For each token of block `blk` (tokens [t0, t1)) of head h: the tier and slot of its residual, or -1.
@@ -271,8 +258,9 @@ void block_key_scores_regs(const float* q, int64_t M, int64_t h, int64_t n, int6
       const int64_t slot = slots.slot[t - t0];
       TORCH_CHECK(slot >= 0 && slot < tier.slots, "anchor_segment_attention: residual slot ", slot, " outside [0, ",
                   tier.slots, "): corrupted mask or prefix");
-      if (tier.bits == 2) decode_regs<2, NCH>(tier.res + slot * (D / 4), Vec::table(codec.levels2, tier.scale[slot]), x);
-      else decode_regs<4, NCH>(tier.res + slot * (D / 2), Vec::table(codec.levels4, tier.scale[slot]), x);
+      const float scale = tier.scale[slot];
+      if (tier.bits == 2) decode_regs<2, NCH>(tier.res + slot * (D / 4), Vec::table(codec.levels2, scale), x);
+      else decode_regs<4, NCH>(tier.res + slot * (D / 2), Vec::table(codec.levels4, scale), x);
       if (codec.rotation == Rotation::Sylvester) fwht_inplace<NCH>(x);
       for (int j = 0; j < NCH; ++j) x[j] = fma(Vec::load(fs + L * j), x[j], g * Vec::load(a + L * j));
     } else {

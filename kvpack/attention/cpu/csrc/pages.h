@@ -53,7 +53,7 @@ inline void widen_int4(const uint8_t* src, const c10::Half* col_scales, const c1
     widen_row(col_scales, scale_buf.data(), cols);
     sc = scale_buf.data();
   }
-  auto code = [](const uint8_t* p, int64_t c) { return kMinus8[(p[c / 2] >> (4 * (c % 2))) & 15]; };
+  auto code = [](const uint8_t* p, int64_t c) { return kMinus8[stream_code<4>(p, c)]; };
   if (cols % 2 == 0 && cols < 2 * L) {
     // Short rows (a rank of 14 fills less than a vector): the rows are back to back, so their codes are
     // widened in one flat pass, then scaled row by row.

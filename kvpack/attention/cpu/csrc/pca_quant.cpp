@@ -27,12 +27,7 @@ inline void widen_codes(const uint8_t* __restrict src, int64_t n, float* __restr
   constexpr int L = Vec::kLanes;
   int64_t i = 0;
   for (; i + L <= n; i += L) Vec::unpack<W>(src, i / L).store(dst + i);
-  for (; i < n; ++i) {
-    const int64_t bit = i * W;
-    unsigned v = src[bit >> 3];
-    if (int(bit & 7) + W > 8) v |= unsigned(src[(bit >> 3) + 1]) << 8;
-    dst[i] = float((v >> (bit & 7)) & ((1u << W) - 1));
-  }
+  for (; i < n; ++i) dst[i] = float(stream_code<W>(src, i));
 }
 
 inline void widen_codes_any(int w, const uint8_t* src, int64_t n, float* dst) {

@@ -119,15 +119,17 @@ State puzzle_attention(const at::Tensor& q, at::TensorList pages, int64_t page_s
                        int64_t tokens_per_split, bool bf16_products) {
   const PagesOperands o = PagesOperands::from(pages);
   check_queries(q);
-  for (const auto* t : {&o.sink_k, &o.sink_v, &o.tail_k, &o.tail_v}) check_dense(*t, q, "puzzle_attention: dense tokens");
+  for (const auto* t : {&o.sink_k, &o.sink_v, &o.tail_k, &o.tail_v})
+    check_dense(*t, q, "puzzle_attention: dense tokens");
   TORCH_CHECK(o.sink_k.scalar_type() == o.tail_k.scalar_type() && o.sink_v.scalar_type() == o.tail_v.scalar_type() &&
                   o.sink_k.scalar_type() == o.sink_v.scalar_type(),
               "puzzle_attention: sink and tail must share a dtype");
   const int64_t H = q.size(0), M = q.size(1), D = q.size(2), P = page_size;
   TORCH_CHECK(P >= 1 && rank_k >= 1 && rank_v >= 1, "puzzle_attention: page size and ranks must be >= 1");
-  const FactorSet a = factor_set(o.lk, o.rk, o.lv, o.rv, o.lks, o.rks, o.lvs, o.rvs, int4, H, P, rank_k, rank_v, D, "main set");
-  const FactorSet b = factor_set(o.lk2, o.rk2, o.lv2, o.rv2, o.lks2, o.rks2, o.lvs2, o.rvs2, int4, H, P, rank_k, rank_v, D,
-                                 "recent set");
+  const FactorSet a =
+      factor_set(o.lk, o.rk, o.lv, o.rv, o.lks, o.rks, o.lvs, o.rvs, int4, H, P, rank_k, rank_v, D, "main set");
+  const FactorSet b = factor_set(o.lk2, o.rk2, o.lv2, o.rv2, o.lks2, o.rks2, o.lvs2, o.rvs2, int4, H, P, rank_k,
+                                 rank_v, D, "recent set");
   Geometry g{M, D, P, rank_k, rank_v, float(scaling), int4, pre_rope, nullptr, nullptr, D};
   if (pre_rope && (a.n || b.n)) {
     TORCH_CHECK(D % 2 == 0, "puzzle_attention: pre-RoPE keys need an even head_dim, got ", D);

@@ -39,6 +39,20 @@
 
 namespace kvpack {
 
+// Code i of a little-endian W-bit stream (code i at bits [i W, (i + 1) W), W = 1..8), read on its own: the
+// one-lane build's Vec::decode / Vec::unpack and every vector reader's leftover codes use it. A code spans
+// at most two bytes; the second is read only where the code has one (nothing past the stream).
+template <int W>
+inline unsigned stream_code(const uint8_t* codes, int64_t i) {
+  static_assert(1 <= W && W <= 8, "codes of 1 to 8 bits");
+  const int64_t bit = i * W;
+  const uint8_t* p = codes + (bit >> 3);
+  const int shift = int(bit & 7);
+  unsigned v = p[0];
+  if (shift + W > 8) v |= unsigned(p[1]) << 8;
+  return (v >> shift) & ((1u << W) - 1);
+}
+
 // The sign of lane i in an in-vector butterfly STRIDE apart: -1 where it takes the pair's difference.
 template <int STRIDE>
 constexpr float butterfly_sign(int i) { return (i & STRIDE) ? -1.f : 1.f; }
@@ -65,7 +79,9 @@ struct Vec {
     return {_mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16))};
   }
-  static Vec load(const c10::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+  static Vec load(const c10::Half* p) {
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+  }
   static Table table(const float* entries, float scale) {
     return {_mm512_mul_ps(_mm512_loadu_ps(entries), _mm512_set1_ps(scale))};
   }
@@ -80,7 +96,9 @@ struct Vec {
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     __m512i w;
     if constexpr (BITS == 2) w = _mm512_set1_epi32(int32_t(word));
-    else w = _mm512_permutexvar_epi32(_mm512_srli_epi32(lane, 3), _mm512_castsi128_si512(_mm_cvtsi64_si128(int64_t(word))));
+    else
+      w = _mm512_permutexvar_epi32(_mm512_srli_epi32(lane, 3),
+                                   _mm512_castsi128_si512(_mm_cvtsi64_si128(int64_t(word))));
     const __m512i shift = BITS == 2 ? _mm512_slli_epi32(lane, 1)
                                     : _mm512_slli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(7)), 2);
     const __m512i code = _mm512_and_si512(_mm512_srlv_epi32(w, shift), _mm512_set1_epi32((1 << BITS) - 1));
@@ -180,7 +198,9 @@ struct Vec {
     return {_mm256_castsi256_ps(
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16))};
   }
-  static Vec load(const c10::Half* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+  static Vec load(const c10::Half* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+  }
   static Table table(const float* entries, float scale) {
     const __m256 s = _mm256_set1_ps(scale);
     return {_mm256_mul_ps(_mm256_loadu_ps(entries), s), _mm256_mul_ps(_mm256_loadu_ps(entries + 8), s)};
@@ -198,7 +218,8 @@ struct Vec {
                                           _mm256_set1_epi32((1 << BITS) - 1));
     __m256 out = _mm256_permutevar8x32_ps(table.lo, code);
     if constexpr (BITS == 4)
-      out = _mm256_blendv_ps(out, _mm256_permutevar8x32_ps(table.hi, code), _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
+      out = _mm256_blendv_ps(out, _mm256_permutevar8x32_ps(table.hi, code),
+                             _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
     return {out};
   }
   void pin() { asm("" : "+x"(v)); }
@@ -278,17 +299,11 @@ struct Vec {
   template <int BITS>
   static Vec decode(const uint8_t* codes, int64_t m, const Table& table) {
     static_assert(BITS == 2 || BITS == 4, "codes of 2 or 4 bits");
-    return {table.t[(codes[m * BITS / 8] >> (m * BITS % 8)) & ((1 << BITS) - 1)]};
+    return {table.t[stream_code<BITS>(codes, m)]};
   }
   template <int W>
   static Vec unpack(const uint8_t* codes, int64_t k) {
-    static_assert(1 <= W && W <= 8, "codes of 1 to 8 bits");
-    const int64_t bit = k * W;
-    const uint8_t* p = codes + (bit >> 3);
-    const int shift = int(bit & 7);
-    unsigned v = p[0];
-    if (shift + W > 8) v |= unsigned(p[1]) << 8;  // the code's second byte, only where it has one
-    return {float((v >> shift) & ((1u << W) - 1))};
+    return {float(stream_code<W>(codes, k))};
   }
   void pin() {}
   Vec hadamard() const { return *this; }
