@@ -51,7 +51,7 @@ from ..ops.bitpack import pack_bitstream_fast
 from ..ops.rope import unrope_at
 from ..registry import register_method
 from .base import LayerLayout
-from .quant import quantize_minmax
+from .quant import fp16_scale, fp16_zero_point, quantize_minmax
 from .segmented import SegmentedStore
 
 PARAM_BYTES = 4  # fp16 scale and zero point of one coded component in one block
@@ -267,10 +267,11 @@ class PCAQuantStore(SegmentedStore):
         buys against with ``distortion="measured"``; None with no whole block. Width 1, which the
         water-filling never buys (a component's first purchase is 2 bits), is left at 1.
 
-        The codes are :func:`~kvpack.resident.quant.quantize_minmax`'s (fp16 zero point rounded down, fp16
-        scale rounded up), computed without it: the zero point and the offsets from it are the same at
-        every width, so only the scale, the rounding and the error are recomputed per width, in one
-        buffer (2.7x faster; the error differs from dequantizing the codes in the last bits of fp32).
+        The codes are :func:`~kvpack.resident.quant.quantize_minmax`'s (its fp16 zero point and scale,
+        :func:`~kvpack.resident.quant.fp16_zero_point` / :func:`~kvpack.resident.quant.fp16_scale`), computed
+        without it: the zero point and the offsets from it are the same at every width, so only the scale,
+        the rounding and the error are recomputed per width, in one buffer (2.7x faster; the error differs
+        from dequantizing the codes in the last bits of fp32).
 
         Args:
             c: ``[2, H, n, d]`` the fitted tokens' coefficients (centred).
@@ -282,18 +283,14 @@ class PCAQuantStore(SegmentedStore):
         blocks = c[:, :, :nb * G].reshape(c.shape[0], c.shape[1], nb, G, -1).float()  # [2, H, nb, G, d]
         var = blocks.var(dim=(2, 3), correction=0).clamp_min(1e-30)
         lo, hi = torch.aminmax(blocks, dim=3, keepdim=True)
-        zero = lo.half()
-        zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, -float("inf"))), zero)
+        zero = fp16_zero_point(lo)
         offset = blocks - zero.float()
         span = hi - zero.float()
         out = torch.ones(*var.shape, top + 1)
         err = torch.empty_like(blocks)
         for w in range(2, top + 1):
             levels = (1 << w) - 1
-            step = span / levels
-            scale = step.half()
-            scale = torch.where(scale.float() < step, torch.nextafter(scale, torch.full_like(scale, float("inf"))),
-                                scale).float()
+            scale = fp16_scale(span / levels).float()
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
             torch.div(offset, safe, out=err).round_().clamp_(0, levels)
             err.mul_(scale).sub_(offset)  # the code's value minus the coefficient

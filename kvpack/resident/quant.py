@@ -51,6 +51,18 @@ class KIVIConfig(MethodConfig):
     attention_backend: str = option("auto", choice(*NATIVE_CHOICES), "attention path for stored tokens")
 
 
+def fp16_zero_point(lo: torch.Tensor) -> torch.Tensor:
+    """``lo`` (fp32) rounded to fp16, downwards: every value ``>= lo`` is ``>=`` the zero point."""
+    zero = lo.half()
+    return torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, -float("inf"))), zero)
+
+
+def fp16_scale(step: torch.Tensor) -> torch.Tensor:
+    """``step`` (fp32) rounded to fp16, upwards: the top level stays at or above the range's top."""
+    scale = step.half()
+    return torch.where(scale.float() < step, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
+
+
 def quantize_minmax(x: torch.Tensor, dim: int,
                     bits: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric quantization with fp16 scale/zero reduced over ``dim`` (kept as size 1).
@@ -67,11 +79,9 @@ def quantize_minmax(x: torch.Tensor, dim: int,
         levels = levels.to(device=x.device, dtype=torch.float32)
     xf = x.float()
     lo, hi = torch.aminmax(xf, dim=dim, keepdim=True)  # one pass (amin then amax was two strided ones)
-    zero = lo.half()
-    zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, -float("inf"))), zero)
+    zero = fp16_zero_point(lo)
     step = (hi - zero.float()) / levels
-    scale = step.half()
-    scale = torch.where(scale.float() < step, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
+    scale = fp16_scale(step)
     safe = torch.where(scale > 0, scale.float(), torch.ones_like(step))
     codes = torch.round((xf - zero.float()) / safe).clamp_min(0)
     codes = torch.minimum(codes, levels) if isinstance(levels, torch.Tensor) else codes.clamp_max(levels)
