@@ -11,7 +11,8 @@ plot per setting to ``docs/img/frontier-<model>-<setting>.png``, and the tables 
 rendered from every ``frontier-*.json`` by ``benchmarks/render.py`` (``--render`` alone does only that).
 
 Methods (:func:`frontier_specs`): FullKV; at every budget PuzzleKV, ``puzzle_plus``, AnchorKV,
-``anchor_plus``, KIVI, SnapKV, StreamingLLM; the faithful PuzzleKV with INT4 factors at the paper's
+``anchor_plus``, KIVI, ``pca_quant`` (and its previous default as ``pca_quant-head``), SnapKV,
+StreamingLLM; the faithful PuzzleKV with INT4 factors at the paper's
 page and ranks (P = 32, ranks 16 / 14: its 18.7%-of-bytes setting); kvtc at 4x / 8x / 16x when a
 calibration is given (``--calibration``, from ``kvpack calibrate --model M``); transformers'
 ``QuantizedCache`` (quanto 4- and 2-bit, HQQ 4-bit), whose bytes follow its bits. The peers outside
@@ -25,6 +26,7 @@ not KL.
 Usage:
     python benchmarks/frontier.py --model smollm2 [--samples 3] [--budgets 0.5,0.28,0.15,0.1,0.0625]
     python benchmarks/frontier.py --model qwen2.5-0.5b --budgets 0.28,0.15,0.0625   # after install_models.sh
+    python benchmarks/frontier.py --model smollm2 --only pca_quant   # one method's rows first (the plan's own)
     python benchmarks/frontier.py --render      # the cells, plots and docs table from the committed rows
 """
 
@@ -55,6 +57,7 @@ LENGTHS = {"smollm2": (4096, 7936), "qwen2.5-0.5b": (4096, 8192)}
 SAMPLES_PER_TASK_AND_LENGTH = 3  # 8 tasks x 2 lengths x 3 = 48 samples a cell
 BUDGETED = ("puzzle", "puzzle_plus", "anchor", "anchor_plus", "kivi", "pca_quant", "snapkv", "streaming")
 KVTC_RATIOS = (4, 8, 16)
+PCA_QUANT_PREVIOUS = {"balance": "head", "key_metric": "variance"}
 
 
 def frontier_specs(budgets: list[float], calibration: str | None):
@@ -63,9 +66,10 @@ def frontier_specs(budgets: list[float], calibration: str | None):
 
     specs = [MethodSpec("full")]
     specs += [MethodSpec(m, b) for b in budgets for m in BUDGETED]
-    # pca_quant with the water-filling buying against the Gaussian model of the min/max error (its first
-    # default, kept beside the measured one that replaced it)
-    specs += [MethodSpec("pca_quant", b, {"distortion": "gaussian"}, name="pca_quant-gaussian") for b in budgets]
+    # pca_quant's previous default beside the current one: every (head, side) priced on the share of its own
+    # variance (the rows of its first default, which also priced widths by a Gaussian model of the min/max
+    # error, stay in the rows as pca_quant-gaussian; no longer in the plan)
+    specs += [MethodSpec("pca_quant", b, PCA_QUANT_PREVIOUS, name="pca_quant-head") for b in budgets]
     specs.append(MethodSpec("puzzle", None, {"page_size": 32, "rank_k": 16, "rank_v": 14, "int4": True},
                             name="puzzle-int4-paper"))
     specs += [MethodSpec("hf_quantized", None, {"backend": "quanto", "nbits": 4}, name="hf_quantized-quanto4"),
@@ -183,6 +187,9 @@ def main() -> int:
                    help="adds kvtc 4x/8x/16x with the frontier's own calibration of the model (made once, "
                    "kvpack calibrate's defaults at those ratios, into "
                    "benchmarks/results/frontier/<model>/kvtc-calibration, not committed)")
+    p.add_argument("--only", default=None,
+                   help="run only these method names (comma-separated, e.g. pca_quant,full) of the plan first; the "
+                   "rows are the plan's own, so a later full run resumes past them")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--out", default=None, help="rows directory for a trial run (default: the committed one; "
                    "a trial directory writes no results file, plot or docs table)")
@@ -208,13 +215,21 @@ def main() -> int:
     # relative to the repository root, so the rows' overrides (part of their identity) match on every machine
     calibration = (str(calibration_dir(args.model).relative_to(ROOT)) if args.kvtc else args.calibration)
     lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else list(LENGTHS[args.model])
-    plan = EvalPlan(tasks=args.tasks.split(","), lengths=lengths, samples=args.samples,
-                    specs=frontier_specs(budgets, calibration), settings=args.settings.split(","))
+    specs = frontier_specs(budgets, calibration)
+    run_specs = specs
+    if args.only:
+        names = args.only.split(",")
+        run_specs = [s for s in specs if (s.name or s.method) in names]
+        missing = sorted(set(names) - {s.name or s.method for s in specs})
+        if missing:
+            p.error(f"--only: {missing} not in the plan; its names: {sorted({s.name or s.method for s in specs})}")
+    plan = EvalPlan(tasks=args.tasks.split(","), lengths=lengths, samples=args.samples, specs=run_specs,
+                    settings=args.settings.split(","))
     out = Path(args.out) if args.out else rows_dir(args.model)
     out.mkdir(parents=True, exist_ok=True)
     (out / "frontier-plan.json").write_text(json.dumps(
         {"tasks": plan.tasks, "lengths": lengths, "samples_per_task_and_length": args.samples, "budgets": budgets,
-         "settings": plan.settings, "dtype": args.dtype, "specs": [s.label for s in plan.specs], "command": command,
+         "settings": plan.settings, "dtype": args.dtype, "specs": [s.label for s in specs], "command": command,
          "written": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}, indent=1) + "\n")
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     if args.kvtc:

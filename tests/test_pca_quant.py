@@ -82,6 +82,70 @@ def test_staggered_layers_code_their_blocks_at_different_decode_steps():
     assert max(coded_at[True]) <= 2 and sum(coded_at[True]) >= 12 * (100 // 16)  # as many blocks, spread
 
 
+def test_per_side_balance_gives_a_head_with_more_energy_more_bits_per_head_balance_does_not():
+    # two heads with the same spectrum, the second at 5x the energy (as a layer's key heads can differ)
+    var = torch.rand(1, 2, 16, generator=torch.Generator().manual_seed(1)) + 0.1
+    var = torch.cat([var, 5 * var])  # [H = 2, 2, 16]
+
+    def widths(order, n):
+        w = torch.zeros(2, 2, 16, dtype=torch.long)
+        for h, side, j, bits in order[:n].tolist():
+            w[h, side, j] = bits
+        return w
+
+    per_head = water_fill_order(var, max_bits=8, block=64, first_cost=0.5)
+    per_side = water_fill_order(var, max_bits=8, block=64, first_cost=0.5, per_side=True)
+    n = len(per_head) // 3 // 2 * 2  # a third of the purchases (even: per head, the heads tie pairwise)
+    wh, ws = widths(per_head, n), widths(per_side, n)
+    assert torch.equal(wh[0], wh[1])  # each head on its own share: the scale is invisible
+    assert ws[1].sum() > ws[0].sum() + 16  # one side's total: 5x the energy buys more than a bit a component more
+    assert (ws[1] >= ws[0]).all()
+
+
+def test_the_query_metric_prices_a_key_direction_by_the_logit_change_it_makes():
+    layout = anchor_layout(H=2, group=3, d=16, rope=True)
+    store = PCAQuantStore(layout, PCAQuantConfig())
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(6, 40, 16, generator=g)  # post-RoPE queries at positions 100..139
+    store._add_query_moment(q, 100, rows=1000, keys=8)  # every query row, 8 key positions each
+    moment = store.query_moment / store.query_rows
+    u = torch.randn(16, generator=g)
+    for h in range(2):
+        rows = q[3 * h:3 * h + 3].reshape(-1, 16)  # the group's rows, query head-major
+        changes = []
+        for r, row in enumerate(rows):
+            p = 100 + r % 40
+            for k in range(8):  # a unit error along u in a key at position t moves the logit by q · RoPE_t(u)
+                t = int(p * (k + 0.5) / 8)
+                changes.append(row @ rope_at(layout.rope, u[None], t)[0])
+        brute = torch.stack(changes).square().mean()
+        assert torch.allclose(u @ moment[h] @ u, brute, rtol=1e-3), (h, float(u @ moment[h] @ u), float(brute))
+
+
+def test_the_query_metric_codes_a_quiet_key_direction_the_queries_read():
+    # keys: eight loud channels the queries ignore, eight quiet ones; the queries read only the last channel
+    H, d, T = 1, 16, 1024
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(H, T, d, generator=g) * torch.tensor([4.0] * 8 + [0.05] * 8)
+    v = torch.randn(H, T, d, generator=g)
+    q = torch.zeros(H, T, d)
+    q[..., -1] = 30.0 * torch.randn(H, T, generator=g)
+
+    def coded_along_last_channel(metric):
+        store = PCAQuantStore(anchor_layout(H=H, group=1, d=d, rope=False),
+                              PCAQuantConfig(budget=0.2, key_metric=metric, balance="side"))
+        store.append(k, v, q)
+        coded_keys = int((store.widths[0, 0] > 0).sum())
+        # the share of the last channel the coded key components span (the quiet channels' basis is any
+        # rotation within them: the channel may spread over several components)
+        return float(store.basis[:coded_keys, -1].float().square().sum()), coded_keys
+
+    along, coded = coded_along_last_channel("variance")
+    assert along < 0.2 and coded < 16  # priced by variance: the quiet channels are dropped
+    along, _ = coded_along_last_channel("queries")
+    assert along > 0.9  # priced by the logit error: coded
+
+
 def test_measured_distortion_charges_heavy_tails_and_keeps_the_budget():
     g = torch.Generator().manual_seed(5)
     gauss = torch.randn(1024, generator=g)

@@ -12,11 +12,14 @@ resident: the cache stays in this form while the model attends over it. Per laye
 * **Bits.** A component coded at ``w`` bits by a block's min/max quantizer keeps a distortion
   ``λ_j D_j(w)``: its own min/max error at that width over the prompt's blocks (``distortion="measured"``)
   or a Gaussian model of it (``"gaussian"``, :func:`minmax_distortion`; ``D(1)`` is no better than
-  dropping it, so a component is first bought at 2 bits). Widths are bought across every (head, side,
-  component) of the layer in decreasing gain per bit — ``λ_j / E (D(w) - D(w'))`` with ``E`` the
-  (head, side)'s total variance, so heads and sides compete on the share of their own energy they keep;
-  a component's first purchase also pays its block scale and zero point and its basis column — until the
-  bytes reach ``budget × dense bf16`` at the worst point of the coming block cycle (reverse
+  dropping it, so a component is first bought at 2 bits). A key component's error is priced by the
+  logit error it makes under the prompt's own queries (``key_metric="queries"``: ``λ_j u_jᵀ M u_j``, ``M``
+  the second moment of the queries rotated to the keys' positions), a value component's by its variance.
+  Widths are bought across every (head, side, component) of the layer in decreasing gain per bit,
+  ``c_j / E (D(w) - D(w'))`` with ``c_j`` the component's price and ``E`` its side's total
+  (``balance="side"``: the heads of a side compete on one scale, keys and values on their shares); a
+  component's first purchase also pays its block scale and zero point and its basis column. Bits are
+  bought until the bytes reach ``budget × dense bf16`` at the worst point of the coming block cycle (reverse
   water-filling, greedily). Components left at 0 bits are dropped (their mean remains).
 * **Blocks.** Tokens stay dense in a sink (the first ``sinks``) and a tail (the most recent, at least
   ``residual`` plus this layer's stagger lag); whenever the tail holds ``block`` more, the oldest
@@ -48,7 +51,7 @@ from ..attention.triton.pca_quant_op import pca_quant_triton_partial
 from ..config import MethodConfig, boolean, choice, integer, number, option
 from ..ops.accounting import dense_bf16_bytes
 from ..ops.bitpack import pack_bitstream_fast
-from ..ops.rope import unrope_at
+from ..ops.rope import invert_rope, unrope_at
 from ..registry import register_method
 from .base import LayerLayout
 from .quant import fp16_scale, fp16_zero_point, quantize_minmax
@@ -71,6 +74,13 @@ class PCAQuantConfig(MethodConfig):
             own min/max error at each width over the prompt's blocks: heavy-tailed components, whose ranges
             waste levels, buy fewer bits) or ``gaussian`` (:func:`minmax_distortion`, the same for every
             component).
+        key_metric: what an error in a key component costs the water-filling: ``queries`` (the squared logit
+            error it makes, averaged over the prompt's own (query, key) pairs; see
+            :meth:`PCAQuantStore._add_query_moment`) or ``variance`` (its variance, as for values). Without
+            queries (a store fed keys and values only) keys are priced by variance.
+        balance: ``side`` (every head of a side competes on its share of the side's total error: a head
+            whose keys vary 5x more gets more bits) or ``head`` (each (head, side) on its share of its own
+            error; the first default: heads of very different scales got equal shares).
         stagger: each layer keeps ``lag`` more recent tokens dense (``lag`` in ``[0, block)``, spread over
             the layers by the golden ratio), so the layers code their blocks at different decode steps:
             one step codes a block in one or two layers rather than in all of them (a decode step that
@@ -89,6 +99,11 @@ class PCAQuantConfig(MethodConfig):
     key_rope: str = option("auto", choice("auto", "pre", "post"), "basis of keys before or after RoPE")
     distortion: str = option("measured", choice("measured", "gaussian"),
                              "the water-filling's error per width: measured on the prompt or a Gaussian model")
+    key_metric: str = option("queries", choice("queries", "variance"),
+                             "a key component's error priced by the logit error it makes under the prompt's "
+                             "queries, or by its variance")
+    balance: str = option("side", choice("side", "head"),
+                          "a purchase's gain as a share of its side's error (every head of the layer) or of its head's")
     stagger: bool = option(True, boolean(), "spread the layers' block boundaries over the decode steps")
     tile_blocks: int = option(64, integer(minimum=1), "blocks decoded per attention tile (the PyTorch path)")
     attention_backend: str = option("auto", choice(*KERNEL_CHOICES), "attention path for stored tokens")
@@ -113,22 +128,26 @@ def minmax_distortion(width: int, block: int) -> float:
 
 
 def water_fill_order(variances: torch.Tensor, max_bits: int, block: int, first_cost: float,
-                     distortion: torch.Tensor | None = None) -> torch.Tensor:
+                     distortion: torch.Tensor | None = None, per_side: bool = False) -> torch.Tensor:
     """The order in which bits are bought: ``[K, 4]`` int64 rows ``(head, side, component, new width)``, best
     gain per bit first.
 
     Args:
-        variances: ``[H, 2, d]`` component variances (keys then values).
+        variances: ``[H, 2, d]`` what each component's error costs (keys then values): its variance, or
+            for keys a price in logit error (``key_metric="queries"``).
         max_bits: the widest code (at least 2).
         block: tokens per block (the quantizer's range, :func:`minmax_distortion`).
         first_cost: the extra cost, in bits per token, of coding a component at all (its block scale and
             zero point, its basis column), added to its first purchase.
         distortion: the relative error left at each width, ``[max_bits + 1]`` for every component (default:
             :func:`minmax_distortion`) or ``[H, 2, d, max_bits + 1]`` per component.
+        per_side: the gain of a purchase is the share of its side's total (every head's) it removes, so the
+            heads of a side compete on one scale and the two sides on their shares; else the share of its
+            (head, side)'s total, so every (head, side) competes on the share of its own energy.
 
     A component is bought at 2 bits first, then one bit at a time; the gain of a purchase is the share of
-    the (head, side)'s variance it removes (:func:`minmax_distortion`), so heads and sides compete on the
-    share of their own energy they keep. Components of zero variance are never coded.
+    the total it removes (``per_side``; :func:`minmax_distortion`). Components of zero variance are never
+    coded.
 
     This is greedy water-filling (a heap that offers a component's next purchase once its previous one is
     bought), computed as one sort: each purchase keyed by its gain per bit, lowered to the smallest key of
@@ -136,7 +155,8 @@ def water_fill_order(variances: torch.Tensor, max_bits: int, block: int, first_c
     per bit than the next one, the heap buys the next one right after it, as the lowered key does); ties
     fall in (head, side, component, width) order, as the heap's tuples do.
     """
-    share = variances.double() / variances.double().sum(dim=-1, keepdim=True).clamp_min(1e-30)
+    total = variances.double().sum(dim=(0, 2) if per_side else -1, keepdim=True)
+    share = variances.double() / total.clamp_min(1e-30)
     if distortion is None:
         distortion = torch.tensor([minmax_distortion(w, block) for w in range(max_bits + 1)], dtype=torch.float64)
     dist = distortion.double().expand(*share.shape, max_bits + 1)  # [H, 2, d, widths 0..max_bits]
@@ -176,6 +196,10 @@ class PCAQuantStore(SegmentedStore):
         # recent tokens the tail keeps before a block is coded: the residual, plus this layer's stagger
         lag = int((layout.layer_idx * GOLDEN) % 1.0 * config.block) if config.stagger else 0
         self.kept_recent = config.residual + lag
+        # key_metric="queries": the running sum of the prompt's query second moments per KV head,
+        # each query un-rotated to sampled key positions (see on_append), and how many rows it holds
+        self.query_moment: torch.Tensor | None = None  # [H, d, d] fp32
+        self.query_rows = 0
 
     @property
     def n_blocks(self) -> int:
@@ -225,7 +249,8 @@ class PCAQuantStore(SegmentedStore):
         return dense + fixed + blocks * per_block
 
     def _solve_widths(self, variances: torch.Tensor, measured: torch.Tensor | None = None) -> torch.Tensor:
-        """Widths ``[2, H, d]`` uint8 for component variances ``[2, H, d]``: the most bits of
+        """Widths ``[2, H, d]`` uint8 for component costs ``[2, H, d]`` (variances, or prices; see
+        :meth:`_fit`): the most bits of
         :func:`water_fill_order` whose bytes (:meth:`_bytes`) stay within the budget over the coming block
         cycle."""
         cfg = self.config
@@ -234,7 +259,8 @@ class PCAQuantStore(SegmentedStore):
         # A coded component's scale and zero point per block, and its fp16 basis column once (over the
         # tokens coded now), in bits per token.
         first_cost = 8.0 * PARAM_BYTES / cfg.block + 16.0 * d / max(1, seq)
-        order = water_fill_order(variances.permute(1, 0, 2), cfg.max_bits, cfg.block, first_cost, measured)
+        order = water_fill_order(variances.permute(1, 0, 2), cfg.max_bits, cfg.block, first_cost, measured,
+                                 per_side=cfg.balance == "side")
         # The bytes after the first k purchases, k = 0..K, at every length of the cycle (_bytes_at, for all k
         # at once: the bytes depend on the widths only through their sum and the coded count).
         first = order[:, 3] == 2
@@ -257,6 +283,39 @@ class PCAQuantStore(SegmentedStore):
         return widths.reshape(2, H, d).to(torch.uint8)
 
     # -- coding ---------------------------------------------------------------------------------
+
+    def on_append(self, q: torch.Tensor | None, out: torch.Tensor | None, n_new: int) -> None:
+        if self.config.key_metric != "queries" or self.basis is not None or q is None:
+            return
+        self._add_query_moment(q, self.seq_len - n_new)
+
+    def _add_query_moment(self, q: torch.Tensor, first: int, rows: int = 256, keys: int = 16) -> None:
+        """Add the prompt's queries ``q [q_heads, n, d]`` (post-RoPE, positions ``first ..``) to the key metric.
+
+        A pre-RoPE key error ``δk`` at position ``t`` moves query ``i``'s logit by ``q_i · R_t δk =
+        (R_t⁻¹ q_i) · δk``; so the expected squared logit error over the prompt's (query, key) pairs is
+        ``δkᵀ M δk`` with ``M = E[(R_t⁻¹ q_i)(R_t⁻¹ q_i)ᵀ]``, the pairs' key positions ``t`` uniform over
+        ``[0, p_i]`` (causal). Estimated from ``rows`` queries a KV head (evenly spaced over its group's
+        rows) times ``keys`` evenly spaced key positions each (4,096 pairs for a 64 x 64 moment: a few
+        percent of error in a component's price, far below the spread of the prices), accumulated in fp32.
+
+        Summed over the prefill's chunks until the basis is fitted; later (decode) queries are not used."""
+        H, G, d = self.layout.kv_heads, self.layout.group, self.layout.head_dim
+        n = q.shape[1]
+        qs = q.float().reshape(H, G * n, d)
+        pick = torch.linspace(0, G * n - 1, min(rows, G * n), device=q.device).round().long()
+        qi = qs[:, pick]  # [H, S, d]
+        pos = (first + pick % n).float()  # [S]
+        frac = (torch.arange(keys, device=q.device).float() + 0.5) / keys
+        t = (pos[:, None] * frac).floor().long()  # [S, K] key positions in [0, p]
+        z = qi[:, :, None, :].expand(H, len(pick), keys, d)
+        if self.layout.rope is not None:
+            cos, sin = self.layout.rope.cos_sin(t.reshape(-1).to(q.device))
+            z = invert_rope(z.reshape(H, -1, d), cos, sin)
+        z = z.reshape(H, -1, d)
+        moment = z.transpose(1, 2) @ z  # [H, d, d]
+        self.query_moment = moment if self.query_moment is None else self.query_moment + moment
+        self.query_rows += z.shape[1]
 
     def _pre_rope(self, k: torch.Tensor, first: int) -> torch.Tensor:
         return unrope_at(self.layout.rope, k, first) if self.pre_rope else k
@@ -309,10 +368,18 @@ class PCAQuantStore(SegmentedStore):
         lam, vec = torch.linalg.eigh(cov)  # ascending
         lam, vec = lam.flip(-1).clamp_min(0), vec.flip(-1)
         measured = self._measured_distortion(xc.float() @ vec.float()) if self.config.distortion == "measured" else None
-        widths = self._solve_widths(lam.float(), measured)
+        # what each component's error costs: its variance, for keys under key_metric="queries" times the
+        # squared logit change a unit error along it makes, u_jᵀ M u_j (M: the query moment)
+        cost = lam
+        if self.query_moment is not None:
+            m = (self.query_moment / self.query_rows).double().to(vec.device)
+            cost = lam.clone()
+            cost[0] = lam[0] * torch.einsum("hdj,hde,hej->hj", vec[0], m, vec[0]).clamp_min(0)
+            self.query_moment = None  # used once, at the fit
+        widths = self._solve_widths(cost.float(), measured)
         # Components in decreasing width (stable: decreasing variance within a width), so each (side, head)'s
-        # coded components lead and group by width — the layout the attention paths read. Water-filling
-        # already gives more variance no fewer bits within a (side, head); the sort makes it a guarantee.
+        # coded components lead and group by width — the layout the attention paths read (water-filling
+        # gives a higher cost no fewer bits, but with key_metric="queries" the cost is not the variance).
         order = torch.sort(widths.to(torch.int64), dim=-1, descending=True, stable=True).indices
         self.widths = torch.gather(widths, -1, order).to(k.device)
         vec = torch.gather(vec, -1, order[:, :, None, :].expand_as(vec))
