@@ -8,7 +8,13 @@ import torch
 
 from kvpack.ops.accounting import dense_bf16_bytes
 from kvpack.ops.rope import rope_at
-from kvpack.resident.pca_quant import PCAQuantConfig, PCAQuantStore, minmax_distortion, water_fill_order
+from kvpack.resident.pca_quant import (
+    MEASURED_BLOCKS,
+    PCAQuantConfig,
+    PCAQuantStore,
+    minmax_distortion,
+    water_fill_order,
+)
 from kvpack.resident.quant import quantize_minmax
 
 from .helpers import anchor_layout, correlated_kv
@@ -162,14 +168,18 @@ def test_measured_distortion_charges_heavy_tails_and_keeps_the_budget():
         assert st.nbytes() <= budget * dense_bf16_bytes(st.seq_len, 2, 64)
 
 
-def test_measured_distortion_is_the_error_of_the_min_max_codes():
-    """The measured table against its definition: quantize_minmax's codes, dequantized, per block."""
+@pytest.mark.parametrize("n_blocks", [3, MEASURED_BLOCKS + 9])
+def test_measured_distortion_is_the_error_of_the_min_max_codes(n_blocks):
+    """The measured table against its definition: quantize_minmax's codes, dequantized, per block (over
+    at most MEASURED_BLOCKS of them, evenly spaced)."""
     g = torch.Generator().manual_seed(6)
-    c = torch.randn(2, 2, 200, 8, generator=g) * torch.linspace(2.0, 0.05, 8)  # 3 whole blocks + a rest
+    c = torch.randn(2, 2, 64 * n_blocks + 8, 8, generator=g) * torch.linspace(2.0, 0.05, 8)  # whole blocks + a rest
     c[0, 1, 17, 3] = 9.0  # an outlier
     store = PCAQuantStore(anchor_layout(H=2, d=8, rope=False), PCAQuantConfig(block=64, distortion="measured"))
     table = store._measured_distortion(c)  # [H, 2, d, widths]
-    blocks = c[:, :, :192].reshape(2, 2, 3, 64, 8)
+    blocks = c[:, :, :64 * n_blocks].reshape(2, 2, n_blocks, 64, 8)
+    if n_blocks > MEASURED_BLOCKS:
+        blocks = blocks[:, :, torch.linspace(0, n_blocks - 1, MEASURED_BLOCKS).round().long()]
     var = blocks.var(dim=(2, 3), correction=0)
     for w in range(2, 9):
         codes, scale, zero = quantize_minmax(blocks, dim=3, bits=w)
