@@ -11,9 +11,10 @@ plot per setting to ``docs/img/frontier-<model>-<setting>.png``, and the tables 
 rendered from every ``frontier-*.json`` by ``benchmarks/render.py`` (``--render`` alone does only that).
 
 Methods (:func:`frontier_specs`): FullKV; at every budget PuzzleKV, ``puzzle_plus``, AnchorKV,
-``anchor_plus``, KIVI, ``pca_quant`` (and its previous default as ``pca_quant-head``), SnapKV,
-StreamingLLM; the faithful PuzzleKV with INT4 factors at the paper's
-page and ranks (P = 32, ranks 16 / 14: its 18.7%-of-bytes setting); kvtc at 4x / 8x / 16x when a
+``anchor_plus``, KIVI, ``pca_quant`` (also with its budget spread over the layers by the model's layer
+profile, ``pca_quant-layers``, made once into ``benchmarks/results/frontier/<model>/pca_quant-layer-profile``,
+and its previous default as ``pca_quant-head``), SnapKV, StreamingLLM; the faithful PuzzleKV with INT4
+factors at the paper's page and ranks (P = 32, ranks 16 / 14: its 18.7%-of-bytes setting); kvtc at 4x / 8x / 16x when a
 calibration is given (``--calibration``, from ``kvpack calibrate --model M``); transformers'
 ``QuantizedCache`` (quanto 4- and 2-bit, HQQ 4-bit), whose bytes follow its bits. The peers outside
 kvpack's environment run from their own scripts on the same token ids, in their own virtual
@@ -60,12 +61,14 @@ KVTC_RATIOS = (4, 8, 16)
 PCA_QUANT_PREVIOUS = {"balance": "head", "key_metric": "variance"}
 
 
-def frontier_specs(budgets: list[float], calibration: str | None):
+def frontier_specs(budgets: list[float], calibration: str | None, layer_profile: str | None = None):
     """The frontier's method specs (see the module doc)."""
     from kvpack.eval.runner import MethodSpec
 
     specs = [MethodSpec("full")]
     specs += [MethodSpec(m, b) for b in budgets for m in BUDGETED]
+    if layer_profile:  # pca_quant with its budget spread over the layers by the model's layer profile
+        specs += [MethodSpec("pca_quant", b, {"calibration": layer_profile}, name="pca_quant-layers") for b in budgets]
     # pca_quant's previous default beside the current one: every (head, side) priced on the share of its own
     # variance (the rows of its first default, which also priced widths by a Gaussian model of the min/max
     # error, stay in the rows as pca_quant-gaussian; no longer in the plan)
@@ -135,6 +138,21 @@ def ensure_calibration(model, tokenizer, relative: str) -> None:
     if (target / TENSORS_FILE).is_file():
         return
     calibrate(model, tokenizer, CalibrationSettings(ratios=tuple(float(r) for r in KVTC_RATIOS))).save(target)
+
+
+def layer_profile_dir(model: str) -> Path:
+    """pca_quant's layer profile of ``model`` (``kvpack calibrate --method pca_quant``'s defaults; committed: a
+    few kB, and the frontier's pca_quant-layers rows are only reproducible with it)."""
+    return rows_dir(model) / "pca_quant-layer-profile"
+
+
+def ensure_layer_profile(model, tokenizer, relative: str) -> None:
+    from kvpack.methods.layer_profile import profile_layers
+    from kvpack.resident.layer_budgets import PROFILE_FILE
+
+    target = ROOT / relative
+    if not (target / PROFILE_FILE).is_file():
+        profile_layers(model, tokenizer).save(target)
 
 
 def write_results(model: str, command: str | None = None) -> Path | None:
@@ -215,7 +233,8 @@ def main() -> int:
     # relative to the repository root, so the rows' overrides (part of their identity) match on every machine
     calibration = (str(calibration_dir(args.model).relative_to(ROOT)) if args.kvtc else args.calibration)
     lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else list(LENGTHS[args.model])
-    specs = frontier_specs(budgets, calibration)
+    layer_profile = str(layer_profile_dir(args.model).relative_to(ROOT))
+    specs = frontier_specs(budgets, calibration, layer_profile)
     run_specs = specs
     if args.only:
         names = args.only.split(",")
@@ -234,6 +253,8 @@ def main() -> int:
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     if args.kvtc:
         ensure_calibration(model, tokenizer, calibration)
+    if any(s.name == "pca_quant-layers" for s in run_specs):
+        ensure_layer_profile(model, tokenizer, layer_profile)
     run_eval(model, tokenizer, plan, out, row_fields=machine_fields(args.dtype), rows_by_method=True)
     if args.out:
         return 0

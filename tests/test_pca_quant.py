@@ -3,9 +3,12 @@ threshold, pre-RoPE bases, refusals. (The registry-wide invariants are in test_m
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from kvpack.attention.softmax_merge import finalize, merge_partials
 from kvpack.ops.accounting import dense_bf16_bytes
 from kvpack.ops.rope import rope_at
 from kvpack.resident.pca_quant import (
@@ -150,6 +153,26 @@ def test_the_query_metric_codes_a_quiet_key_direction_the_queries_read():
     assert along < 0.2 and coded < 16  # priced by variance: the quiet channels are dropped
     along, _ = coded_along_last_channel("queries")
     assert along > 0.9  # priced by the logit error: coded
+
+
+def test_a_head_the_budget_buys_nothing_for_is_its_mean_and_attention_still_matches():
+    layout = anchor_layout(H=2, d=64, rope=True)
+    k, v = correlated_kv(2, 2000, 64, seed=0)
+    k[1] *= 1e-3  # a quiet key head: at a low budget, with the heads of a side on one scale, no bit goes to it
+    k = rope_at(layout.rope, k, 0)
+    store = PCAQuantStore(layout, PCAQuantConfig(budget=0.08, balance="side", key_metric="variance"))
+    store.append(k, v)
+    assert int(store.widths[0, 1].sum()) == 0 and int(store.widths[0, 0].sum()) > 0
+    assert store.nbytes() <= 0.08 * dense_bf16_bytes(store.seq_len, 2, 64)
+    k_hat, v_hat = store.reconstruct()
+    n = store.n_blocks * 64
+    qg = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(1))
+    s = torch.einsum("hqd,htd->hqt", qg, k_hat[:, 4:4 + n]) * 0.125
+    expected = torch.einsum("hqt,htd->hqd", s.softmax(-1), v_hat[:, 4:4 + n])
+    for backend in ("torch", "native"):
+        store.config = dataclasses.replace(store.config, attention_backend=backend)
+        got = finalize(merge_partials(store.history_partials(qg, 0.125)))
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_measured_distortion_charges_heavy_tails_and_keeps_the_budget():

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from ..generate import encode_prompt
 from ..methods import get_method
+from ..methods.layer_profile import PROFILE_BUDGETS, PROFILED_METHODS, profile_layers
 from ..storage.kvtc.calibration import CalibrationSettings, calibrate
 from ..store import open_prefix_store
 from ..store.atomic import atomic_write_bytes
@@ -21,6 +22,7 @@ from ..store.format import BACKENDS
 from .common import add_command, add_model_args, add_prompt_args, load, read_prompt
 
 CALIBRATION_DEFAULTS = CalibrationSettings()  # the defaults `kvpack calibrate` shows and uses
+LAYER_PROFILE_CHUNK_TOKENS = 4096  # a layer profile's chunks: the frontier's shorter length
 KVTC_DEFAULTS = get_method("kvtc").config
 
 
@@ -32,8 +34,11 @@ def _parse_ratios(text: str) -> tuple[float, ...]:
 
 
 def cmd_calibrate(args) -> int:
-    """kvtc calibration: PCA + DP allocations, written to --out."""
-    settings = CalibrationSettings(tokens=args.tokens, chunk_tokens=args.chunk_tokens, pca_dim=args.pca_dim,
+    """kvtc calibration (PCA + DP allocations) or a resident method's layer profile, written to --out."""
+    if args.method != "kvtc":
+        return _calibrate_layer_profile(args)
+    chunk_tokens = args.chunk_tokens or CALIBRATION_DEFAULTS.chunk_tokens
+    settings = CalibrationSettings(tokens=args.tokens, chunk_tokens=chunk_tokens, pca_dim=args.pca_dim,
                                    ratios=_parse_ratios(args.ratios), seed=args.seed, key_rope=args.key_rope)
     model, tokenizer = load(args)
     calib = calibrate(model, tokenizer, settings, progress=not args.quiet)
@@ -47,6 +52,25 @@ def cmd_calibrate(args) -> int:
         k, v = summary["keys"], summary["values"]
         print(f"  ratio {key:>4}: keys {k['coded_components']} components ({k['groups']} groups, max {k['max_width']} "
               f"bits), values {v['coded_components']} ({v['groups']} groups, max {v['max_width']} bits)")
+    return 0
+
+
+def _calibrate_layer_profile(args) -> int:
+    """A layer profile (``kvpack.methods.layer_profile``): each layer's KL alone at a grid of budgets."""
+    model, tokenizer = load(args)
+    profile = profile_layers(model, tokenizer, args.method, chunks=args.chunks,
+                             chunk_tokens=args.chunk_tokens or LAYER_PROFILE_CHUNK_TOKENS,
+                             continuation=args.continuation, progress=not args.quiet)
+    path = profile.save(args.out)
+    print(f"layer profile of {args.method} written to {path}: {len(profile.layers)} layers x {len(profile.budgets)} "
+          f"budgets, {args.chunks} chunks, {profile.stats['seconds']:.0f} s")
+    at = profile.budgets.index(0.15) if 0.15 in profile.budgets else len(profile.budgets) // 2
+    ranked = sorted(zip(profile.layers, (row[at] for row in profile.kl)), key=lambda x: -x[1])
+    print(f"  KL of one layer coded at {profile.budgets[at]:g}, the largest: "
+          + ", ".join(f"layer {layer} {kl:.2g}" for layer, kl in ranked[:6]))
+    for budget in (0.28, 0.15, 0.1):
+        shares = profile.allocate(budget)
+        print(f"  budget {budget:g}: layers get {min(shares.values()):.4g}–{max(shares.values()):.4g}")
     return 0
 
 
@@ -129,15 +153,24 @@ def cmd_continue(args) -> int:
 
 
 def add_parsers(sub) -> None:
-    c = add_command(sub, "calibrate", "kvtc: calibrate PCA bases and bit allocations for a model (once)",
+    c = add_command(sub, "calibrate", "calibrate a model once: kvtc's PCA bases and bit allocations, or a "
+                    "resident method's layer profile (--method pca_quant)",
                     "kvpack calibrate --out cal/",
-                    "kvpack calibrate --key-rope post --out cal-post/   # for engines' chunks (LMCache)")
+                    "kvpack calibrate --key-rope post --out cal-post/   # for engines' chunks (LMCache)",
+                    "kvpack calibrate --method pca_quant --out cal-pca/   # then --set calibration=cal-pca/")
     add_model_args(c, "bfloat16")
     c.add_argument("--out", required=True, help="directory to write the calibration to")
+    c.add_argument("--method", default="kvtc", choices=("kvtc", *PROFILED_METHODS),
+                   help="kvtc (default), or a resident method to profile layer by layer: each layer's KL to "
+                   f"the exact cache when it alone is coded, at budgets {', '.join(f'{b:g}' for b in PROFILE_BUDGETS)}")
     cal = CALIBRATION_DEFAULTS
-    c.add_argument("--tokens", type=int, default=cal.tokens, help="calibration tokens (default %(default)s)")
-    c.add_argument("--chunk-tokens", type=int, default=cal.chunk_tokens,
-                   help="tokens per calibration sequence (default %(default)s)")
+    c.add_argument("--tokens", type=int, default=cal.tokens, help="kvtc: calibration tokens (default %(default)s)")
+    c.add_argument("--chunk-tokens", type=int, default=None,
+                   help=f"tokens per calibration sequence (default: kvtc {cal.chunk_tokens}, a layer profile "
+                   f"{LAYER_PROFILE_CHUNK_TOKENS})")
+    c.add_argument("--chunks", type=int, default=2, help="layer profile: calibration sequences (default %(default)s)")
+    c.add_argument("--continuation", type=int, default=64,
+                   help="layer profile: tokens after each sequence the KL is taken over (default %(default)s)")
     c.add_argument("--pca-dim", type=int, default=cal.pca_dim,
                    help="principal components computed (default %(default)s)")
     c.add_argument("--ratios", default=",".join(f"{r:g}" for r in cal.ratios),

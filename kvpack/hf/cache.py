@@ -31,7 +31,7 @@ from ..ops.rope import shared_rotary_tables
 from ..resident import LayerLayout, LayerStore, StoreFactory, get_resident_method
 from . import quantized  # noqa: F401 - registers hf_quantized (transformers' QuantizedCache layers)
 from .attention import active_cache
-from .fingerprint import attention_shape, full_attention_layers
+from .fingerprint import attention_shape, full_attention_layers, model_fingerprint
 from .rotary import find_rotary
 
 
@@ -236,6 +236,7 @@ class KVPackCache(Cache):
             method = get_resident_method(method, **config)
         elif config:
             raise ValueError("pass config fields only with a method name, not with a method already configured")
+        method.check_model(lambda: model_fingerprint(model))  # a calibration of another model is refused here
         self.codec = method
         shape = attention_shape(model)
         text = model.config.get_text_config(decoder=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -175,6 +176,13 @@ class LayerStore(ABC):
     # -- shared -----------------------------------------------------------------------------
 
     @classmethod
+    def check_model(cls, config: MethodConfig, fingerprint: Callable[[], dict]) -> None:
+        """Refuse a model the config's artifacts were not made for (a calibration of another model);
+        ``fingerprint()`` computes the model's (``kvpack.hf.fingerprint.model_fingerprint``) when asked.
+        Nothing to check by default."""
+        return None
+
+    @classmethod
     def new_group(cls, layouts: list[LayerLayout], config: MethodConfig) -> Any:
         """The object one sequence's stores of this method share across layers (None: they share
         nothing). ``puzzle_plus`` returns its whole-cache budget; its stores take it as ``group=``."""
@@ -281,6 +289,10 @@ class StoreFactory:
     @property
     def Config(self) -> type[MethodConfig]:  # noqa: N802 - the class it names
         return self.store_cls.Config
+
+    def check_model(self, fingerprint: Callable[[], dict]) -> None:
+        """Refuse a model the config's artifacts were not made for (``LayerStore.check_model``)."""
+        self.store_cls.check_model(self.config, fingerprint)
 
     def new_group(self, layouts: list[LayerLayout]) -> Any:
         """What one sequence's stores share across its compressed layers (see ``LayerStore.new_group``)."""

@@ -48,12 +48,13 @@ from ..attention.cpu import use_native
 from ..attention.pca_blocks import PCABlocks, pca_blocks_partial, pca_blocks_partials, width_groups
 from ..attention.triton import KERNEL_CHOICES, use_triton
 from ..attention.triton.pca_quant_op import pca_quant_triton_partial
-from ..config import MethodConfig, boolean, choice, integer, number, option
+from ..config import MethodConfig, boolean, choice, integer, number, option, text
 from ..ops.accounting import dense_bf16_bytes
 from ..ops.bitpack import pack_bitstream_fast
 from ..ops.rope import invert_rope, unrope_at
 from ..registry import register_method
 from .base import LayerLayout
+from .layer_budgets import LayerProfile
 from .quant import fp16_scale, fp16_zero_point, quantize_minmax
 from .segmented import SegmentedStore
 
@@ -89,6 +90,10 @@ class PCAQuantConfig(MethodConfig):
             the layers by the golden ratio), so the layers code their blocks at different decode steps:
             one step codes a block in one or two layers rather than in all of them (a decode step that
             coded every layer's block took 2x the median).
+        calibration: a directory holding a :class:`~kvpack.resident.layer_budgets.LayerProfile` of the model
+            (``kvpack calibrate --method pca_quant``): each layer gets the budget
+            :meth:`~kvpack.resident.layer_budgets.LayerProfile.allocate` gives it (their mean is at most
+            ``budget``), instead of every layer ``budget``. A profile of another model is refused.
         tile_blocks: blocks decoded per attention tile (the PyTorch path).
         attention_backend: ``auto`` (Triton for CUDA tensors where Triton is installed, the native CPU
             kernel for CPU tensors where it is built, else PyTorch), ``triton`` (on CPU tensors only under
@@ -109,6 +114,9 @@ class PCAQuantConfig(MethodConfig):
     balance: str = option("side", choice("side", "head"),
                           "a purchase's gain as a share of its side's error (every head of the layer) or of its head's")
     stagger: bool = option(True, boolean(), "spread the layers' block boundaries over the decode steps")
+    calibration: str | None = option(None, text(optional=True),
+                                     "a layer profile directory (kvpack calibrate --method pca_quant): the budget "
+                                     "spread over the layers where it lowers the KL most; none: every layer alike")
     tile_blocks: int = option(64, integer(minimum=1), "blocks decoded per attention tile (the PyTorch path)")
     attention_backend: str = option("auto", choice(*KERNEL_CHOICES), "attention path for stored tokens")
 
@@ -184,8 +192,22 @@ class PCAQuantStore(SegmentedStore):
 
     Config = PCAQuantConfig
 
-    def __init__(self, layout: LayerLayout, config: PCAQuantConfig):
+    @classmethod
+    def new_group(cls, layouts: list[LayerLayout], config: PCAQuantConfig) -> dict[int, float] | None:
+        """Per-layer budgets ``{layer: budget}`` from the config's layer profile; None without one."""
+        if config.calibration is None:
+            return None
+        return LayerProfile.load(config.calibration).allocate(config.budget, [lay.layer_idx for lay in layouts])
+
+    @classmethod
+    def check_model(cls, config: PCAQuantConfig, fingerprint) -> None:
+        if config.calibration is not None:
+            LayerProfile.load(config.calibration).check_fingerprint(fingerprint())
+
+    def __init__(self, layout: LayerLayout, config: PCAQuantConfig, group: dict[int, float] | None = None):
         super().__init__(layout, config)
+        # this layer's share of the bytes: the config's budget, or its layer profile's allocation
+        self.budget = config.budget if group is None else group[layout.layer_idx]
         self.pre_rope = layout.rope is not None and config.key_rope in ("auto", "pre")
         if config.key_rope == "pre" and layout.rope is None:
             raise ValueError("pca_quant: key_rope='pre' needs a layer with RoPE")
@@ -274,11 +296,12 @@ class PCAQuantStore(SegmentedStore):
         worst = 0.0  # the most any length needs with no code at all, for the refusal
         for s in range(seq, seq + cfg.block):
             need = self._bytes_at(s, bits, coded)
-            limit = cfg.budget * dense_bf16_bytes(s, H, d)
+            limit = self.budget * dense_bf16_bytes(s, H, d)
             fits &= need <= limit
             worst = max(worst, float(need[0]) / dense_bf16_bytes(s, H, d))
         if not fits[0]:
-            raise ValueError(f"pca_quant: budget {cfg.budget} cannot be reached at {seq} tokens: the dense sink "
+            raise ValueError(f"pca_quant: budget {self.budget:g} (layer {self.layout.layer_idx}) cannot be reached at "
+                             f"{seq} tokens: the dense sink "
                              f"and tail, the bases and no code at all need {worst:.3f} of the dense bytes")
         k = int(fits.nonzero().max())  # bytes grow with every purchase: the fitting ones are a prefix
         widths = torch.zeros(2 * H * d, dtype=torch.int64)
@@ -420,6 +443,8 @@ class PCAQuantStore(SegmentedStore):
         for i, groups in enumerate(self.groups):
             side, h = divmod(i, H)
             coded = sum(count for _, count in groups)
+            if not coded:  # a (side, head) the budget bought nothing for: its mean stands for it
+                continue
             basis = self.basis[col:col + coded].float()  # [coded, d]
             c = (x[side, h] @ basis.T).reshape(n_new, cfg.block, coded)  # [blocks, block, coded]
             bits = torch.tensor([w for w, count in groups for _ in range(count)], device=c.device)
