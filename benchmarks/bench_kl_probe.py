@@ -2,8 +2,9 @@
 samples, paired, without the frontier's greedy decode (minutes, not hours).
 
 Each sample is one of the frontier's RULER-style tasks (``kvpack.eval.tasks``) at one length, in one
-setting; every variant is built from the same exact prefill and scored by the frontier's own fidelity
-pass (the answer and a held-out continuation teacher-forced, KL per position against the exact cache).
+setting — the frontier's own samples, one task after another; every variant is built from the same
+exact prefill and scored by the frontier's own fidelity pass (the answer and a held-out continuation
+teacher-forced, KL per position against the exact cache).
 It prints and appends to ``--json`` the mean KL, the measured bytes and the geometric mean of each
 variant's per-sample KL ratio to the first variant, with a 95% interval (t over the log-ratios).
 
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from frontier import machine_fields  # noqa: E402
+from frontier import SAMPLES_PER_TASK_AND_LENGTH, machine_fields  # noqa: E402
 
 TASK_ORDER = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multivalue", "niah_multiquery", "vt", "cwe",
               "fwe")
@@ -70,7 +71,8 @@ def main() -> int:
     for _, method, config in variants:  # refuse a bad variant before the model loads
         get_method(method, **config)
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
-    per_sample = args.samples // len(TASK_ORDER) + 1
+    # the frontier's own samples (a task's samples depend on how many the plan holds: their depths spread)
+    per_sample = max(SAMPLES_PER_TASK_AND_LENGTH, -(-args.samples // len(TASK_ORDER)))
     plan = EvalPlan(tasks=list(TASK_ORDER), lengths=[args.length], samples=per_sample, specs=[MethodSpec("full")],
                     settings=[args.setting])
     kl = {label: [] for label, _, _ in variants}
