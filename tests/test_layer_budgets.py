@@ -14,7 +14,7 @@ import torch
 from kvpack.hf.fingerprint import model_fingerprint
 from kvpack.methods import get_method
 from kvpack.methods.layer_profile import profile_layers
-from kvpack.resident.layer_budgets import PROFILE_FILE, LayerProfile
+from kvpack.resident.layer_budgets import PROFILE_FILE, LayerBudgets, LayerProfile
 
 from .helpers import tiny_llama, token_ids
 
@@ -55,6 +55,19 @@ def test_the_allocation_is_the_least_summed_kl_within_the_budget():
         assert shares[1] >= shares[0] >= shares[2]  # the sensitive layer gets the most
 
 
+def test_no_layer_gets_less_than_the_floor_and_a_floor_above_the_budget_is_uniform():
+    kl = [[1.0, 0.1, 0.01, 0.001], [0.01, 0.005, 0.002, 0.001], [0.02, 0.01, 0.004, 0.001]]
+    profile = _profile(kl)  # layer 0 far more sensitive: unfloored, the others drop to the grid's lowest
+    assert min(profile.allocate(0.2).values()) == pytest.approx(0.1)
+    shares = profile.allocate(0.2, floor=0.16)
+    assert min(shares.values()) >= 0.16 - 1e-12 and sum(shares.values()) / 3 <= 0.2 + 1e-12
+    assert shares[0] > 0.2
+    assert profile.allocate(0.15, floor=0.16) == {0: 0.15, 1: 0.15, 2: 0.15}
+    group = LayerBudgets(profile, 0.2, [0, 1, 2])
+    first = group.budget_for(1, floor=0.16)
+    assert group.budget_for(1, floor=0.3) == first == shares[1]  # allocated once, at the first coding
+
+
 def test_the_kl_is_interpolated_log_linearly_and_a_budget_off_the_grid_is_uniform():
     profile = _profile([[0.1, 0.01, 0.001, 1e-5]])
     assert _interp(profile, 0, 0.15) == pytest.approx(math.sqrt(0.1 * 0.01))
@@ -92,13 +105,13 @@ def test_pca_quant_with_a_profile_of_its_model_keeps_the_budget_and_refuses_anot
     model = tiny_llama(layers=3)
     chunks = [token_ids(200, seed=s) for s in (1, 2)]
     profile = profile_layers(model, None, chunks=2, chunk_tokens=192, continuation=8, token_chunks=chunks,
-                             budgets=(0.3, 0.5, 0.8), progress=False, block=16)
+                             budgets=(0.2, 0.4, 0.8), progress=False, block=16)
     assert profile.layers == [0, 1, 2] and profile.fingerprint == model_fingerprint(model)
     kl = torch.tensor(profile.kl)
     assert torch.isfinite(kl).all() and (kl >= 0).all() and (kl[:, 0] > 0).all()
     profile.save(tmp_path)
-    ids = token_ids(400, seed=5)
-    for budget in (0.4, 0.6):
+    ids = token_ids(120, seed=5)
+    for budget in (0.35, 0.45, 0.6):  # at 120 tokens a layer needs about 0.28: the floor keeps the profile's 0.2 out
         method = get_method("pca_quant", budget=budget, block=16, calibration=str(tmp_path))
         result = method.generate(model, _IdsTokenizer(), ids, max_new_tokens=4)
         assert result.kv_bytes <= budget * result.dense_kv_bytes

@@ -105,10 +105,12 @@ class LayerProfile:
 
     # -- allocation -----------------------------------------------------------------------------
 
-    def allocate(self, budget: float, layers: list[int] | None = None, step: float = STEP) -> dict[int, float]:
-        """Per-layer budgets ``{layer: budget}`` for ``layers`` (default: the profiled ones) whose mean is at
-        most ``budget`` and whose summed interpolated KL is least. A budget outside the grid's range cannot
-        be priced: every layer gets ``budget`` (uniform).
+    def allocate(self, budget: float, layers: list[int] | None = None, step: float = STEP,
+                 floor: float = 0.0) -> dict[int, float]:
+        """Per-layer budgets ``{layer: budget}`` for ``layers`` (default: the profiled ones), each at least
+        ``floor``, whose mean is at most ``budget`` and whose summed interpolated KL is least. A budget
+        outside the grid's range cannot be priced, nor one below ``floor``: every layer gets ``budget``
+        (uniform).
 
         Raises:
             ValueError: a layer the profile does not hold.
@@ -118,12 +120,13 @@ class LayerProfile:
         if missing:
             raise ValueError(f"the layer profile holds layers {self.layers}, not {missing}")
         lo, hi = self.budgets[0], self.budgets[-1]
-        if not lo <= budget <= hi:
+        if not max(lo, floor) <= budget <= hi:
             return {layer: budget for layer in layers}
         n = int(math.floor((hi - lo) / step + 1e-9))  # a layer's steps above the grid's lowest budget
         grid = torch.tensor([lo + i * step for i in range(n + 1)], dtype=torch.float64)  # [n + 1]
         row = {layer: i for i, layer in enumerate(self.layers)}
         cost = torch.stack([self._interpolated(row[layer], grid) for layer in layers])  # [L, n + 1]
+        cost[:, grid < floor - 1e-12] = float("inf")  # below the floor: not a choice
         total = int(math.floor(len(layers) * (budget - lo) / step + 1e-9))  # steps the layers share
         # best[u]: the least summed KL of the layers so far using exactly u steps; choice[l][u]: layer l's steps
         inf = torch.tensor(float("inf"), dtype=torch.float64)
@@ -137,6 +140,8 @@ class LayerProfile:
             options = torch.where(prev >= 0, best[prev.clamp(min=0)] + c[None, :], inf)
             best, pick = options.min(dim=1)
             choices.append(pick)
+        if not torch.isfinite(best).any():  # the floor, on the step grid, leaves no choice within the budget
+            return {layer: budget for layer in layers}
         u = int(torch.argmin(best))  # the fewest-KL total within the budget (spending more never hurts
         steps = []                   # on the grid, but a flat stretch may leave steps unspent)
         for pick in reversed(choices):
@@ -154,3 +159,23 @@ class LayerProfile:
         j = torch.searchsorted(b, grid, right=True).clamp(1, len(b) - 1)
         t = (grid - b[j - 1]) / (b[j] - b[j - 1])
         return (logkl[j - 1] + t * (logkl[j] - logkl[j - 1])).exp()
+
+
+class LayerBudgets:
+    """One sequence's per-layer budgets: :meth:`LayerProfile.allocate`'s, made when the first layer codes,
+    once the prompt's length is known — so that no layer gets less than a layer needs at that length for
+    its dense sink and tail and no code at all (the floor; in ``generate`` the prompt arrives in chunks of
+    2,048 tokens, where the profile's lowest budget is out of reach). Every layer of the sequence codes at
+    that same length, the first chunk's end."""
+
+    def __init__(self, profile: LayerProfile, budget: float, layers: list[int]):
+        self.profile, self.budget, self.layers = profile, budget, layers
+        self.shares: dict[int, float] | None = None
+
+    def budget_for(self, layer: int, floor: float) -> float:
+        """Layer ``layer``'s budget; ``floor``: the least budget a layer can keep at the first coding length
+        (taken the first time, for every layer)."""
+        if self.shares is None:
+            self.shares = self.profile.allocate(self.budget, self.layers, floor=floor)
+        return self.shares[layer]
+

@@ -54,7 +54,7 @@ from ..ops.bitpack import pack_bitstream_fast
 from ..ops.rope import invert_rope, unrope_at
 from ..registry import register_method
 from .base import LayerLayout
-from .layer_budgets import LayerProfile
+from .layer_budgets import STEP, LayerBudgets, LayerProfile
 from .quant import fp16_scale, fp16_zero_point, quantize_minmax
 from .segmented import SegmentedStore
 
@@ -193,21 +193,23 @@ class PCAQuantStore(SegmentedStore):
     Config = PCAQuantConfig
 
     @classmethod
-    def new_group(cls, layouts: list[LayerLayout], config: PCAQuantConfig) -> dict[int, float] | None:
-        """Per-layer budgets ``{layer: budget}`` from the config's layer profile; None without one."""
+    def new_group(cls, layouts: list[LayerLayout], config: PCAQuantConfig) -> LayerBudgets | None:
+        """The sequence's per-layer budgets from the config's layer profile; None without one."""
         if config.calibration is None:
             return None
-        return LayerProfile.load(config.calibration).allocate(config.budget, [lay.layer_idx for lay in layouts])
+        return LayerBudgets(LayerProfile.load(config.calibration), config.budget, [lay.layer_idx for lay in layouts])
 
     @classmethod
     def check_model(cls, config: PCAQuantConfig, fingerprint) -> None:
         if config.calibration is not None:
             LayerProfile.load(config.calibration).check_fingerprint(fingerprint())
 
-    def __init__(self, layout: LayerLayout, config: PCAQuantConfig, group: dict[int, float] | None = None):
+    def __init__(self, layout: LayerLayout, config: PCAQuantConfig, group: LayerBudgets | None = None):
         super().__init__(layout, config)
-        # this layer's share of the bytes: the config's budget, or its layer profile's allocation
-        self.budget = config.budget if group is None else group[layout.layer_idx]
+        # this layer's share of the bytes: the config's budget, or (set when it first codes) its layer
+        # profile's allocation
+        self.group = group
+        self.budget = config.budget
         self.pre_rope = layout.rope is not None and config.key_rope in ("auto", "pre")
         if config.key_rope == "pre" and layout.rope is None:
             raise ValueError("pca_quant: key_rope='pre' needs a layer with RoPE")
@@ -260,13 +262,15 @@ class PCAQuantStore(SegmentedStore):
         """Bytes held at ``seq`` tokens with widths ``bits [2, H, d]`` (the block policy of :meth:`compress`)."""
         return self._bytes_at(seq, int(bits.sum()), int((bits > 0).sum()))
 
-    def _bytes_at(self, seq: int, total_bits, coded):
+    def _bytes_at(self, seq: int, total_bits, coded, kept_recent: int | None = None):
         """:meth:`_bytes` from the widths' sum ``total_bits`` and the coded count ``coded``: ints, or int tensors
-        of candidates (the bytes of every prefix of the water-filling at once)."""
+        of candidates (the bytes of every prefix of the water-filling at once); ``kept_recent``: another
+        layer's (default this one's)."""
         H, d = self.layout.kv_heads, self.layout.head_dim
         cfg, elem = self.config, self.storage_dtype.itemsize
         sink = min(cfg.sinks, seq)
-        blocks = max(0, (seq - sink - self.kept_recent) // cfg.block)
+        kept = self.kept_recent if kept_recent is None else kept_recent
+        blocks = max(0, (seq - sink - kept) // cfg.block)
         dense = (seq - blocks * cfg.block) * 2 * H * d * elem
         if not blocks:  # nothing coded yet: no means, bases or codes held
             return dense + 0 * coded
@@ -282,6 +286,8 @@ class PCAQuantStore(SegmentedStore):
         cfg = self.config
         H, d = self.layout.kv_heads, self.layout.head_dim
         seq = self.seq_len
+        if self.group is not None:
+            self.budget = self.group.budget_for(self.layout.layer_idx, self._floor(seq))
         # A coded component's scale and zero point per block, and its fp16 basis column once (over the
         # tokens coded now), in bits per token.
         first_cost = 8.0 * PARAM_BYTES / cfg.block + 16.0 * d / max(1, seq)
@@ -308,6 +314,16 @@ class PCAQuantStore(SegmentedStore):
         h, side, j, w = order[:k].unbind(1)
         widths.scatter_reduce_(0, (side * H + h) * d + j, w, "amax")
         return widths.reshape(2, H, d).to(torch.uint8)
+
+    def _floor(self, seq: int) -> float:
+        """The least budget any layer can keep over the block cycle after coding at ``seq`` tokens: its dense
+        sink and tail (the longest lag of any layer), means and widths, no code at all; one allocation step
+        above it."""
+        lag = self.config.residual + (self.config.block - 1 if self.config.stagger else 0)
+        need = max(self._bytes_at(s, 0, 0, kept_recent=lag) / dense_bf16_bytes(s, self.layout.kv_heads,
+                                                                                 self.layout.head_dim)
+                   for s in range(seq, seq + self.config.block))
+        return need + STEP
 
     # -- coding ---------------------------------------------------------------------------------
 
