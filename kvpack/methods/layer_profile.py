@@ -24,7 +24,7 @@ from ..hf.prefill import exact_prefill, resident_cache_from
 from ..resident import LayerLayout, LayerStore, StoreFactory, get_resident_method
 from ..resident.full import FullConfig, FullStore
 from ..resident.layer_budgets import LayerProfile
-from ..storage.kvtc.corpus import calibration_documents
+from ..storage.kvtc.corpus import corpus_token_ids
 
 PROFILE_BUDGETS = (0.05, 0.075, 0.1, 0.15, 0.2, 0.28, 0.4, 0.6)
 PROFILED_METHODS = ("pca_quant",)
@@ -57,11 +57,7 @@ def _continuation_logprobs(model, cache, ids: list[int], total: int) -> torch.Te
 
 
 def _token_chunks(tokenizer, n: int, length: int, documents: list[str] | None) -> list[list[int]]:
-    ids: list[int] = []
-    for doc in documents if documents is not None else calibration_documents():
-        ids.extend(tokenizer(doc + "\n\n", add_special_tokens=False).input_ids)
-        if len(ids) >= n * length:
-            break
+    ids = corpus_token_ids(tokenizer, n * length, documents)
     if len(ids) < n * length:
         raise ValueError(f"the calibration corpus gave {len(ids)} tokens, fewer than {n} chunks of {length}")
     return [ids[i * length:(i + 1) * length] for i in range(n)]

@@ -41,7 +41,7 @@ from ...ops.lowrank import randomized_svd
 from ...ops.rope import RotaryTable
 from ...progress import status
 from ...store.atomic import atomic_write
-from .corpus import calibration_documents
+from .corpus import corpus_token_ids
 from .features import layer_rotaries, to_features
 
 FORMAT = "kvpack-kvtc-calibration"
@@ -317,13 +317,7 @@ class Calibration:
 
 
 def _calibration_chunks(tokenizer, settings: CalibrationSettings, documents: list[str] | None) -> list[torch.Tensor]:
-    docs = documents if documents is not None else calibration_documents()
-    ids: list[int] = []
-    for doc in docs:
-        ids.extend(tokenizer(doc + "\n\n", add_special_tokens=False).input_ids)
-        if len(ids) >= settings.tokens:
-            break
-    ids = ids[: settings.tokens]
+    ids = corpus_token_ids(tokenizer, settings.tokens, documents)
     n_chunks = len(ids) // settings.chunk_tokens
     if n_chunks == 0:
         raise ValueError(f"the calibration corpus gave {len(ids)} tokens, fewer than one chunk of "

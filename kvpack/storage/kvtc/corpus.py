@@ -41,3 +41,14 @@ def calibration_documents() -> list[str]:
     from pydoc_data.topics import topics
 
     return [topics[key].strip() for key in sorted(topics)] + _module_docstrings()
+
+
+def corpus_token_ids(tokenizer, n_tokens: int, documents: list[str] | None = None) -> list[int]:
+    """The first ``n_tokens`` token ids of ``documents`` (default :func:`calibration_documents`), each
+    followed by a blank line, fewer where the corpus is shorter."""
+    ids: list[int] = []
+    for doc in documents if documents is not None else calibration_documents():
+        ids.extend(tokenizer(doc + "\n\n", add_special_tokens=False).input_ids)
+        if len(ids) >= n_tokens:
+            break
+    return ids[:n_tokens]
