@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -172,10 +173,10 @@ class LayerBudgets:
         self.profile, self.budget, self.layers = profile, budget, layers
         self.shares: dict[int, float] | None = None
 
-    def budget_for(self, layer: int, floor: float) -> float:
-        """Layer ``layer``'s budget; ``floor``: the least budget a layer can keep at the first coding length
-        (taken the first time, for every layer)."""
+    def budget_for(self, layer: int, floor: Callable[[], float]) -> float:
+        """Layer ``layer``'s budget; ``floor()``: the least budget a layer can keep at the first coding length
+        (asked once, by the first layer to code, for every layer)."""
         if self.shares is None:
-            self.shares = self.profile.allocate(self.budget, self.layers, floor=floor)
+            self.shares = self.profile.allocate(self.budget, self.layers, floor=floor())
         return self.shares[layer]
 

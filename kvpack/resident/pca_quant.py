@@ -287,7 +287,7 @@ class PCAQuantStore(SegmentedStore):
         H, d = self.layout.kv_heads, self.layout.head_dim
         seq = self.seq_len
         if self.group is not None:
-            self.budget = self.group.budget_for(self.layout.layer_idx, self._floor(seq))
+            self.budget = self.group.budget_for(self.layout.layer_idx, lambda: self._floor(seq))
         # A coded component's scale and zero point per block, and its fp16 basis column once (over the
         # tokens coded now), in bits per token.
         first_cost = 8.0 * PARAM_BYTES / cfg.block + 16.0 * d / max(1, seq)
@@ -306,9 +306,9 @@ class PCAQuantStore(SegmentedStore):
             fits &= need <= limit
             worst = max(worst, float(need[0]) / dense_bf16_bytes(s, H, d))
         if not fits[0]:
-            raise ValueError(f"pca_quant: budget {self.budget:g} (layer {self.layout.layer_idx}) cannot be reached at "
-                             f"{seq} tokens: the dense sink "
-                             f"and tail, the bases and no code at all need {worst:.3f} of the dense bytes")
+            raise ValueError(f"pca_quant: budget {self.budget:g} (layer {self.layout.layer_idx}) cannot be reached "
+                             f"at {seq} tokens: the dense sink and tail, the bases and no code at all need "
+                             f"{worst:.3f} of the dense bytes")
         k = int(fits.nonzero().max())  # bytes grow with every purchase: the fitting ones are a prefix
         widths = torch.zeros(2 * H * d, dtype=torch.int64)
         h, side, j, w = order[:k].unbind(1)
