@@ -2,10 +2,10 @@
 RULER-style tasks at 4K and 8K tokens, both settings, ≥ 48 samples per (model, setting, method, budget)
 cell, on the same samples and token ids.
 
-Rows go to ``benchmarks/results/frontier/<model>/rows/<method>.jsonl`` as they finish (one file per
-method, so each stays small; the runner resumes from them: commit them as they come, and a later run on
-any machine goes on where this one stopped; each row names the CPU and kvpack commit that made it). The
-cells (:mod:`kvpack.eval.frontier`) go to
+Rows go to ``benchmarks/results/frontier/<model>/rows/<name>.jsonl`` as they finish (one file per
+method name, variants included, so each stays small; the runner resumes from them: commit them as they
+come, and a later run on any machine goes on where this one stopped; each row names the CPU and kvpack
+commit that made it). The cells (:mod:`kvpack.eval.frontier`) go to
 ``benchmarks/results/frontier-<model>.json`` with the command, kvpack commit, versions and CPUs, one
 plot per setting to ``docs/img/frontier-<model>-<setting>.png``, and the tables in the README and docs/ are
 rendered from every ``frontier-*.json`` by ``benchmarks/render.py`` (``--render`` alone does only that).

@@ -247,16 +247,19 @@ def test_runner_end_to_end_and_resume(tiny_model, tokenizer, tiny_calibration, t
 
 
 def test_rows_split_by_method_resume_like_one_file(tiny_model, tokenizer, tmp_path, monkeypatch):
-    """``rows_by_method``: one ``rows/<method>.jsonl`` per method, read back by ``load_results``; a rerun
-    recomputes nothing; a torn last line stays a line of its own, and only its row is computed again."""
-    from kvpack.eval.runner import has_results, load_results
+    """``rows_by_method``: one ``rows/<name>.jsonl`` per method name (a named variant in its own), read back by
+    ``load_results``; a rerun recomputes nothing; a torn last line stays a line of its own, and only its row
+    is computed again."""
+    from kvpack.eval.runner import MethodSpec, has_results, load_results
 
-    plan = EvalPlan(tasks=["vt"], lengths=[256], samples=1, specs=method_specs(["full", "streaming"], [0.5], {}),
-                    settings=["query-aware"], fidelity=False)
+    specs = [*method_specs(["full", "streaming"], [0.5], {}),
+             MethodSpec("streaming", 0.5, {"sink_tokens": 2}, name="streaming-2sinks")]
+    plan = EvalPlan(tasks=["vt"], lengths=[256], samples=1, specs=specs, settings=["query-aware"], fidelity=False)
     assert not has_results(tmp_path)
     rows = run_eval(tiny_model, tokenizer, plan, tmp_path, progress=False, rows_by_method=True)
     files = sorted(p.name for p in (tmp_path / "rows").iterdir())
-    assert files == ["full.jsonl", "streaming.jsonl"] and not (tmp_path / "results.jsonl").exists()
+    assert files == ["full.jsonl", "streaming-2sinks.jsonl", "streaming.jsonl"]
+    assert not (tmp_path / "results.jsonl").exists()
     assert has_results(tmp_path) and sorted(map(json.dumps, load_results(tmp_path))) == sorted(map(json.dumps, rows))
     import kvpack.eval.runner as runner
 

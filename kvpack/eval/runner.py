@@ -8,7 +8,7 @@ from that same prefill and decoded greedily (the rest of the prompt is prefilled
 compressed cache first). Decoding stops once the prediction holds every reference (its score can
 no longer change); each row records the median milliseconds of its decode steps (after the first
 new token, which also prefills the rest of the prompt), the report's speed column. Rows are
-appended to ``results.jsonl`` (or, split by method, to ``rows/<method>.jsonl``) as they finish; a
+appended to ``results.jsonl`` (or, split by method name, to ``rows/<name>.jsonl``) as they finish; a
 rerun skips every (setting, task, length, sample, method, budget, config overrides) already there — a
 method rerun with other ``--set`` overrides is computed again, not taken from the earlier rows.
 
@@ -136,12 +136,12 @@ def rows_in_plan(rows: list[dict], plan: EvalPlan) -> list[dict]:
             and _row_key(r)[4:] in specs]
 
 
-ROWS_BY_METHOD = "rows"  # the subdirectory of one rows file per method (run_eval's rows_by_method)
+ROWS_BY_METHOD = "rows"  # the subdirectory of one rows file per method name (run_eval's rows_by_method)
 
 
 def load_results(out_dir: str | Path) -> list[dict]:
-    """Every row of an eval directory: ``results.jsonl`` and, where rows were split by method
-    (:func:`run_eval`'s ``rows_by_method``), ``rows/<method>.jsonl`` in name order."""
+    """Every row of an eval directory: ``results.jsonl`` and, where rows were split by method name
+    (:func:`run_eval`'s ``rows_by_method``), ``rows/<name>.jsonl`` in name order."""
     out_dir = Path(out_dir)
     rows = load_rows(out_dir / "results.jsonl")
     for path in sorted((out_dir / ROWS_BY_METHOD).glob("*.jsonl")):
@@ -329,8 +329,9 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
     """Run (or resume) ``plan``; returns every row of ``out_dir`` (:func:`load_results`). ``row_fields`` are
     written into each new row (e.g. the machine and commit that made it, when rows from several runs
     share one file). New rows go to ``out_dir/results.jsonl``, or with ``rows_by_method`` to
-    ``out_dir/rows/<method>.jsonl`` (one file per method: a long plan's rows stay in files of a size a
-    diff or a review can read); a run resumes from either layout.
+    ``out_dir/rows/<name>.jsonl`` (one file per method name — a named variant, e.g. ``pca_quant-head``, gets
+    its own: a long plan's rows stay in files of a size a diff or a review can read); a run resumes from
+    either layout.
 
     Raises:
         ValueError: a length whose prompts do not fit the model's context (:func:`check_plan_fits`).
@@ -350,8 +351,8 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
     with contextlib.ExitStack() as files:
         sinks: dict[str, TextIO] = {}
 
-        def sink_for(method: str) -> TextIO:
-            name = f"{ROWS_BY_METHOD}/{method}.jsonl" if rows_by_method else "results.jsonl"
+        def sink_for(spec: MethodSpec) -> TextIO:
+            name = f"{ROWS_BY_METHOD}/{spec.name or spec.method}.jsonl" if rows_by_method else "results.jsonl"
             if name not in sinks:
                 path = out_dir / name
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -372,7 +373,7 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
             for spec in pending:
                 row = {"setting": setting, "task": task, "length": length, "sample": index,
                        **_evaluate(model, tokenizer, plan, unit, spec), **(row_fields or {})}
-                sink = sink_for(spec.method)
+                sink = sink_for(spec)
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
                 rows.append(row)
