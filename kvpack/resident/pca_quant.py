@@ -51,11 +51,19 @@ from ..attention.triton.pca_quant_op import pca_quant_triton_partial
 from ..config import MethodConfig, boolean, choice, integer, number, option, text
 from ..ops.accounting import dense_bf16_bytes
 from ..ops.bitpack import pack_bitstream_fast
-from ..ops.rope import invert_rope, unrope_at
+from ..ops.rope import apply_rope, invert_rope, unrope_at
 from ..registry import register_method
 from .base import LayerLayout
 from .layer_budgets import STEP, LayerBudgets, LayerProfile
 from .quant import fp16_scale, fp16_zero_point, quantize_minmax
+from .salient import (
+    corrected_partials,
+    ghost_codes,
+    ghost_coefficients,
+    ghost_tokens,
+    salient_bytes,
+    select_salient,
+)
 from .segmented import SegmentedStore
 
 PARAM_BYTES = 4  # fp16 scale and zero point of one coded component in one block
@@ -94,6 +102,13 @@ class PCAQuantConfig(MethodConfig):
             (``kvpack calibrate --method pca_quant``): each layer gets the budget
             :meth:`~kvpack.resident.layer_budgets.LayerProfile.allocate` gives it (their mean is at most
             ``budget``), instead of every layer ``budget``. A profile of another model is refused.
+        salient: the share of the prompt's coded tokens (per KV head) kept exact beside the codes: those the
+            prompt's last ``window`` queries attend to most (:mod:`~kvpack.resident.salient`; when the question
+            ends the prompt, the tokens it reads). Their bytes come out of the budget. 0: none (the default).
+            Tokens coded after the prompt's blocks (generated ones) are never salient.
+        window: the observation window: the prompt's last queries (of the chunks up to the first coding)
+            whose attention ranks the salient tokens.
+        salient_pooling: odd max-pool window of that ranking over positions (a needle spans several tokens).
         tile_blocks: blocks decoded per attention tile (the PyTorch path).
         attention_backend: ``auto`` (Triton for CUDA tensors where Triton is installed, the native CPU
             kernel for CPU tensors where it is built, else PyTorch), ``triton`` (on CPU tensors only under
@@ -117,6 +132,10 @@ class PCAQuantConfig(MethodConfig):
     calibration: str | None = option(None, text(optional=True),
                                      "a layer profile directory (kvpack calibrate --method pca_quant): the budget "
                                      "spread over the layers where it lowers the KL most; none: every layer alike")
+    salient: float = option(0.0, number(0.0, 0.5),
+                            "share of the prompt's coded tokens kept exact, those its last queries attend to most")
+    window: int = option(32, integer(minimum=1), "the prompt's last queries whose attention ranks salient tokens")
+    salient_pooling: int = option(7, integer(minimum=1, odd=True), "max-pool window of the salient ranking")
     tile_blocks: int = option(64, integer(minimum=1), "blocks decoded per attention tile (the PyTorch path)")
     attention_backend: str = option("auto", choice(*KERNEL_CHOICES), "attention path for stored tokens")
 
@@ -228,6 +247,13 @@ class PCAQuantStore(SegmentedStore):
         # each query un-rotated to sampled key positions (see on_append), and how many rows it holds
         self.query_moment: torch.Tensor | None = None  # [H, d, d] fp32
         self.query_rows = 0
+        # salient > 0: the prompt's last queries until the first coding ([q_heads, <= window, d]), then each KV
+        # head's salient tokens: positions [H, n] int32, exact keys (post-RoPE) and values [H, n, d]
+        self.q_window: torch.Tensor | None = None
+        self.n_salient = 0
+        self.salient_pos: torch.Tensor | None = None
+        self.salient_k: torch.Tensor | None = None
+        self.salient_v: torch.Tensor | None = None
 
     @property
     def n_blocks(self) -> int:
@@ -249,8 +275,10 @@ class PCAQuantStore(SegmentedStore):
     def history_tensors(self) -> dict[str, torch.Tensor]:
         if self.codes is None:
             return {}
+        salient = ({"salient_pos": self.salient_pos, "salient_k": self.salient_k, "salient_v": self.salient_v}
+                   if self.n_salient else {})
         return {"mean": self.mean, "widths": self.widths, "basis": self.basis, "codes": self.codes,
-                "scale": self.scale, "zero": self.zero}
+                "scale": self.scale, "zero": self.zero, **salient}
 
     def blocks_view(self) -> PCABlocks:
         return PCABlocks(self.codes, self.scale, self.zero, self.basis, self.mean, self.widths, self.config.block,
@@ -275,6 +303,7 @@ class PCAQuantStore(SegmentedStore):
         if not blocks:  # nothing coded yet: no means, bases or codes held
             return dense + 0 * coded
         fixed = 2 * H * (4 * d + d) + 2 * d * coded  # means, widths; fp16 basis columns of coded components
+        fixed += salient_bytes(self.n_salient, H, d, elem)
         per_block = total_bits * cfg.block // 8 + PARAM_BYTES * coded
         return dense + fixed + blocks * per_block
 
@@ -319,18 +348,29 @@ class PCAQuantStore(SegmentedStore):
         """The least budget any layer can keep over the block cycle after coding at ``seq`` tokens: its dense
         sink and tail (the longest lag of any layer), means and widths, no code at all; one allocation step
         above it."""
-        lag = self.config.residual + (self.config.block - 1 if self.config.stagger else 0)
-        need = max(self._bytes_at(s, 0, 0, kept_recent=lag) / dense_bf16_bytes(s, self.layout.kv_heads,
-                                                                                 self.layout.head_dim)
-                   for s in range(seq, seq + self.config.block))
+        cfg, H, d = self.config, self.layout.kv_heads, self.layout.head_dim
+        lag = cfg.residual + (cfg.block - 1 if cfg.stagger else 0)
+        # the most salient tokens any layer keeps (the least lag codes the most tokens), beyond this one's
+        extra = salient_bytes(self._salient_count(seq - min(cfg.sinks, seq)) - self.n_salient, H, d,
+                              self.storage_dtype.itemsize)
+        need = max((self._bytes_at(s, 0, 0, kept_recent=lag) + extra) / dense_bf16_bytes(s, H, d)
+                   for s in range(seq, seq + cfg.block))
         return need + STEP
+
+    def _salient_count(self, coded_tokens: int) -> int:
+        """Salient tokens per KV head when the first coding codes ``coded_tokens`` prompt tokens."""
+        return min(coded_tokens, math.ceil(self.config.salient * coded_tokens))
 
     # -- coding ---------------------------------------------------------------------------------
 
     def on_append(self, q: torch.Tensor | None, out: torch.Tensor | None, n_new: int) -> None:
-        if self.config.key_metric != "queries" or self.basis is not None or q is None:
+        if self.basis is not None or q is None:
             return
-        self._add_query_moment(q, self.seq_len - n_new)
+        if self.config.key_metric == "queries":
+            self._add_query_moment(q, self.seq_len - n_new)
+        if self.config.salient > 0:  # the observation window: the last queries before the first coding
+            window = q if self.q_window is None else torch.cat([self.q_window, q.to(self.q_window.dtype)], dim=1)
+            self.q_window = window[:, -self.config.window:].clone()
 
     def _add_query_moment(self, q: torch.Tensor, first: int, rows: int = 256, keys: int = 16) -> None:
         """Add the prompt's queries ``q [q_heads, n, d]`` (post-RoPE, positions ``first ..``) to the key metric.
@@ -446,11 +486,14 @@ class PCAQuantStore(SegmentedStore):
         if n_new == 0:
             return
         first = self.tail_start
+        n = n_new * cfg.block
         tail_pre = self._pre_rope(self.tail_k.float(), first)  # [H, T, d], rotated back once
+        salient = None  # [H, n] bool: the salient tokens among those coded now (the first coding only)
         if self.basis is None:
             self.history_start = first
+            if cfg.salient > 0:
+                salient = self._select_salient(first, n)
             self._fit(tail_pre, self.tail_v.float())
-        n = n_new * cfg.block
         _, v = self.pop_tail(n)
         x = torch.stack([tail_pre[:, :n], v.float()]) - self.mean[:, :, None]  # [2, H, n, d]
         H = self.layout.kv_heads
@@ -463,8 +506,13 @@ class PCAQuantStore(SegmentedStore):
                 continue
             basis = self.basis[col:col + coded].float()  # [coded, d]
             c = (x[side, h] @ basis.T).reshape(n_new, cfg.block, coded)  # [blocks, block, coded]
+            if salient is not None:  # their rows left out of the blocks' ranges (salient.py)
+                c = ghost_coefficients(c, salient[h].reshape(n_new, cfg.block))
             bits = torch.tensor([w for w, count in groups for _ in range(count)], device=c.device)
             codes, scale, zero = quantize_minmax(c, dim=1, bits=bits)  # every width at once: bits per column
+            if salient is not None:  # their codes: ghosts whose reconstruction the scale and zero point give
+                at = salient[h].reshape(n_new, cfg.block)
+                codes = torch.where(at[:, :, None], ghost_codes(scale, zero, bits), codes)
             codes = codes.transpose(1, 2)  # [blocks, coded, block]: component-major, the layout PCABlocks reads
             j = 0
             for width, count in groups:
@@ -485,9 +533,56 @@ class PCAQuantStore(SegmentedStore):
             self.scale = torch.cat([self.scale, scale])
             self.zero = torch.cat([self.zero, zero])
 
+    def _select_salient(self, first: int, n: int) -> torch.Tensor:
+        """Choose and copy each KV head's salient tokens among the ``n`` tail tokens from position ``first`` (about
+        to be coded); returns them as ``[H, n]`` bool over those tokens."""
+        cfg, H = self.config, self.layout.kv_heads
+        if self.q_window is None:
+            raise ValueError("pca_quant: salient tokens need the prompt's queries (a store fed keys and values only)")
+        self.n_salient = self._salient_count(n)
+        keys = torch.cat([self.sink_k, self.tail_k], dim=1)  # every token so far, positions 0 .. seq_len - 1
+        pos = select_salient(self.q_window, keys, self.scaling or self.layout.head_dim ** -0.5, first, first + n,
+                             self.n_salient, cfg.salient_pooling)  # [H, count] ascending
+        self.q_window = None
+        rel = (pos - first)[..., None].expand(-1, -1, self.layout.head_dim)
+        self.salient_k = torch.gather(self.tail_k, 1, rel).clone()
+        self.salient_v = torch.gather(self.tail_v, 1, rel).clone()
+        self.salient_pos = pos.to(torch.int32)
+        mask = torch.zeros(H, n, dtype=torch.bool, device=pos.device)
+        return mask.scatter_(1, pos - first, True)
+
+    def _ghosts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The coded blocks' reconstruction of the salient tokens: keys (post-RoPE) and values ``[H, n, d]`` fp32
+        (see :func:`~kvpack.resident.salient.ghost_tokens`)."""
+        H = self.layout.kv_heads
+        pos = self.salient_pos.long()
+        blocks = (pos - self.history_start) // self.config.block  # [H, n]
+        out, col = [], 0
+        for i, groups in enumerate(self.groups):
+            side, h = divmod(i, H)
+            coded = sum(count for _, count in groups)
+            cols = slice(col, col + coded)
+            out.append(ghost_tokens(self.scale[:, cols], self.zero[:, cols], self.widths[side, h, :coded],
+                                    self.basis[cols], self.mean[side, h], blocks[h]))
+            col += coded
+        k, v = torch.stack(out[:H]), torch.stack(out[H:])
+        if self.pre_rope:
+            cos, sin = self.layout.rope.cos_sin(pos.reshape(-1))
+            k = apply_rope(k, cos.reshape(*pos.shape, -1), sin.reshape(*pos.shape, -1))
+        return k, v
+
     def decoded(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (post-RoPE) and values of blocks ``[lo, hi)`` as ``[H, (hi - lo) · block, d]`` fp32."""
-        return self.blocks_view().decoded(lo, hi)
+        """Keys (post-RoPE) and values of blocks ``[lo, hi)`` as ``[H, (hi - lo) · block, d]`` fp32, the salient
+        tokens among them exact."""
+        k, v = self.blocks_view().decoded(lo, hi)
+        if self.n_salient:
+            rel = self.salient_pos.long() - (self.history_start + lo * self.config.block)  # [H, n]
+            inside = (rel >= 0) & (rel < k.shape[1])
+            for h in range(self.layout.kv_heads):
+                at = rel[h][inside[h]]
+                k[h, at] = self.salient_k[h][inside[h]].float()
+                v[h, at] = self.salient_v[h][inside[h]].float()
+        return k, v
 
     # -- attention --------------------------------------------------------------------------------
 
@@ -505,7 +600,12 @@ class PCAQuantStore(SegmentedStore):
             return []
         backend = self.config.attention_backend
         if use_triton(backend, qg.device):
-            return [pca_quant_triton_partial(self.blocks_view(), qg, scaling)]
-        if qg.dtype != torch.float64 and use_native(backend, qg.device):  # fp64: the reference
-            return [pca_blocks_partial(self.blocks_view(), qg, scaling)]
-        return pca_blocks_partials(self.blocks_view(), qg, scaling)
+            coded = [pca_quant_triton_partial(self.blocks_view(), qg, scaling)]
+        elif qg.dtype != torch.float64 and use_native(backend, qg.device):  # fp64: the reference
+            coded = [pca_blocks_partial(self.blocks_view(), qg, scaling)]
+        else:
+            coded = pca_blocks_partials(self.blocks_view(), qg, scaling)
+        if not self.n_salient:
+            return coded
+        ghost_k, ghost_v = self._ghosts()
+        return corrected_partials(coded, qg, scaling, ghost_k, ghost_v, self.salient_k, self.salient_v)
