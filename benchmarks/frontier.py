@@ -59,6 +59,7 @@ SAMPLES_PER_TASK_AND_LENGTH = 3  # 8 tasks x 2 lengths x 3 = 48 samples a cell
 BUDGETED = ("puzzle", "puzzle_plus", "anchor", "anchor_plus", "kivi", "pca_quant", "snapkv", "streaming")
 KVTC_RATIOS = (4, 8, 16)
 PCA_QUANT_PREVIOUS = {"balance": "head", "key_metric": "variance"}
+SALIENT = 0.02  # pca_quant-salient's share of exact tokens
 
 
 def frontier_specs(budgets: list[float], calibration: str | None, layer_profile: str | None = None):
@@ -69,6 +70,9 @@ def frontier_specs(budgets: list[float], calibration: str | None, layer_profile:
     specs += [MethodSpec(m, b) for b in budgets for m in BUDGETED]
     if layer_profile:  # pca_quant with its budget spread over the layers by the model's layer profile
         specs += [MethodSpec("pca_quant", b, {"calibration": layer_profile}, name="pca_quant-layers") for b in budgets]
+        # and with the tokens the prompt's last queries read kept exact (2% of the coded tokens)
+        specs += [MethodSpec("pca_quant", b, {"calibration": layer_profile, "salient": SALIENT}, name="pca_quant-salient")
+                  for b in budgets]
     # pca_quant's previous default beside the current one: every (head, side) priced on the share of its own
     # variance (the rows of its first default, which also priced widths by a Gaussian model of the min/max
     # error, stay in the rows as pca_quant-gaussian; no longer in the plan)
