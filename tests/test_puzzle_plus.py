@@ -251,11 +251,51 @@ def test_live_cache_budget_holds_over_1000_generated_tokens(int4):
     stores = [layer.rows[0] for layer in cache.kvpack_layers]
     group = stores[0].group
     assert all(s.group is group for s in stores) and group.layers == [0, 1, 2]
-    assert len(group.rounds) == 1 + (1300 - 16) // 16 - 1 - ((300 - 16) // 16 - 1)
+    # one round for the prefill, then one per page a layer completes while decoding (a sink page, a window
+    # page, the filling page and the layer's stagger lag stay dense)
+    pages = lambda n, s: (n - 16 - s.lag) // 16 - 1  # noqa: E731
+    assert [s.lag for s in stores] == [0, 9, 3] and all(s.n_pages == pages(1300, s) for s in stores)
+    assert len(group.rounds) == 1 + sum(pages(1300, s) - pages(300, s) for s in stores)
     assert all(r.threshold >= group.threshold for r in group.rounds)
     # The prefill's allocation spends the budget; later pages get what λ gives them (this random
     # model's greedy text repeats itself: its pages need, and get, fewer ranks, so the ratio falls).
     assert ratios[0] > 0.35
+
+
+@pytest.mark.parametrize("stagger", [True, False])
+def test_staggered_layers_complete_their_pages_on_different_decode_steps(stagger):
+    from kvpack.hf.cache import KVPackCache
+
+    model = tiny_llama(layers=3)
+    cache = KVPackCache(model, _codec(budget=0.4, page_size=16, stagger=stagger))
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    stores = lambda: [layer.rows[0] for layer in cache.kvpack_layers]  # noqa: E731
+    _decode(model, cache, ids, 0)
+    completed = {i: [] for i in range(3)}  # layer -> decode steps on which it committed a page
+    before = [s.n_pages for s in stores()]
+    for step in range(48):
+        _decode_more(model, cache, 1)
+        now = [s.n_pages for s in stores()]
+        for i in range(3):
+            if now[i] != before[i]:
+                completed[i].append(step)
+        before = now
+    steps = [set(v) for v in completed.values()]
+    assert all(len(v) == 3 for v in steps)  # a page every 16 tokens in each layer
+    if stagger:
+        assert not (steps[0] & steps[1]) and not (steps[0] & steps[2]) and not (steps[1] & steps[2])
+    else:
+        assert steps[0] == steps[1] == steps[2]
+
+
+def _decode_more(model, cache, steps):
+    from kvpack.hf.attention import attached
+    from kvpack.hf.cache import cache_kwargs
+
+    with torch.no_grad(), attached(model, cache):
+        for _ in range(steps):
+            nxt = torch.randint(0, 128, (1, 1))
+            model(nxt, **cache_kwargs(model, cache), use_cache=True)
 
 
 def test_harness_prefill_and_live_prefill_choose_the_same_ranks():
@@ -292,7 +332,7 @@ def test_two_rows_have_two_budgets():
 
     model = tiny_llama(layers=2)
     cache = KVPackCache(model, _codec(budget=0.5, page_size=16))
-    ids = torch.randint(0, 128, (2, 120), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 128, (2, 160), generator=torch.Generator().manual_seed(3))
     _decode(model, cache, ids, 3)
     rows = cache.kvpack_layers[0].rows
     assert rows[0].group is not rows[1].group

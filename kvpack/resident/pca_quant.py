@@ -64,14 +64,13 @@ from .salient import (
     salient_bytes,
     select_salient,
 )
-from .segmented import SegmentedStore
+from .segmented import SegmentedStore, stagger_lag
 
 PARAM_BYTES = 4  # fp16 scale and zero point of one coded component in one block
 # the measured distortion's blocks at most (evenly spaced over the prompt's): the error of a width is a mean
 # over blocks, and 32 blocks (2,048 coefficients a component at blocks of 64) settle it; all 127 of an 8K
 # prompt took 36 of a layer's 85 ms of compression
 MEASURED_BLOCKS = 32
-GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # layer i's stagger is frac(i · GOLDEN) of a block: evenly spread for any count
 
 
 @dataclass(frozen=True)
@@ -241,7 +240,7 @@ class PCAQuantStore(SegmentedStore):
         self.zero: torch.Tensor | None = None
         self.history_start = 0  # position of the first coded token
         # recent tokens the tail keeps before a block is coded: the residual, plus this layer's stagger
-        lag = int((layout.layer_idx * GOLDEN) % 1.0 * config.block) if config.stagger else 0
+        lag = stagger_lag(layout.layer_idx, config.block) if config.stagger else 0
         self.kept_recent = config.residual + lag
         # key_metric="queries": the running sum of the prompt's query second moments per KV head,
         # each query un-rotated to sampled key positions (see on_append), and how many rows it holds

@@ -9,6 +9,7 @@ partial softmax states of the sink, of the compressed history, of the tail and o
 
 from __future__ import annotations
 
+import math
 from abc import abstractmethod
 
 import torch
@@ -16,6 +17,17 @@ import torch
 from ..attention.dense import dense_state
 from ..attention.softmax_merge import PartialAttention
 from .base import LayerStore
+
+
+GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
+
+
+def stagger_lag(layer_idx: int, period: int) -> int:
+    """Tokens layer ``layer_idx`` keeps dense beyond its method's own tail, in ``[0, period)``: ``frac(i · φ⁻¹)``
+    of a period (the golden ratio spreads any number of layers evenly), so layers that compress every
+    ``period`` tokens do it at different decode steps rather than all on one (which made that step 2x the
+    median)."""
+    return int((layer_idx * GOLDEN) % 1.0 * period)
 
 
 class SegmentedStore(LayerStore):

@@ -65,7 +65,12 @@ def fit_threshold(requests: list[RankRequest], budget: float, minimum: float = 0
     ``fits`` is False when even the floor ranks (``t = ∞``) exceed the allowance; ``t`` is then ∞.
     Zero gains are never bought (a step that retains nothing is not worth a byte).
     """
-    allowance = budget * sum(r.projected_dense_bytes for r in requests)
+    return fit_allowance(requests, budget * sum(r.projected_dense_bytes for r in requests), minimum)
+
+
+def fit_allowance(requests: list[RankRequest], allowance: float, minimum: float = 0.0) -> Fit:
+    """:func:`fit_threshold` for an allowance in bytes: the lowest level ``t ≥ minimum`` whose projected bytes
+    are ≤ ``allowance``."""
     offered = torch.cat([r.gains.reshape(-1) for r in requests]) if requests else torch.empty(0)
     levels = torch.unique(offered[(offered > 0) & (offered >= minimum)].double(), sorted=True).flip(0).tolist()
     # levels[k] descending; bytes(levels[k]) is non-decreasing in k. Find the largest k that fits

@@ -25,6 +25,10 @@ class PuzzlePlusConfig(MethodConfig):
         rank_cap: the largest (default None = ``min(P, head_dim)``).
         sink_pages: dense pages at the start (default 1).
         window_pages: completed pages kept dense besides the page being filled (default 1).
+        stagger: each layer keeps ``lag`` more recent tokens dense (``lag`` in ``[0, P)``, spread over the
+            layers by the golden ratio), so the layers complete their pages at different decode steps, and a
+            page completed while decoding is ranked by its own layer's round (default True; False: every
+            layer completes its page on the same token and one round ranks them all).
         key_rope: ``"pre"`` (factorize keys before RoPE, which is re-applied at attention time; a
             page's pre-RoPE keys need far fewer ranks), ``"post"`` (the cached keys) or ``"auto"``
             (default: ``pre`` where the layer has a rotary embedding, else ``post``).
@@ -48,6 +52,7 @@ class PuzzlePlusConfig(MethodConfig):
     rank_cap: int | None = option(None, integer(minimum=1, optional=True), "largest rank (none: min(P, head_dim))")
     sink_pages: int = option(1, integer(minimum=0), "dense pages at the start")
     window_pages: int = option(1, integer(minimum=0), "completed pages kept dense besides the filling one")
+    stagger: bool = option(True, boolean(), "spread the layers' page completions over the decode steps")
     key_rope: str = option("auto", choice("auto", "post", "pre"), "factorize keys after or before RoPE")
     int4: bool = option(True, boolean(), "INT4 factors (Σ^½ in both factors)")
     attention_weight: float = option(0.0, number(0.0, 1.0), "weight of the observation window's attention")

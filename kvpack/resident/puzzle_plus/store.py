@@ -32,7 +32,7 @@ from ...ops.lowrank import gram_eigh_factors
 from ...ops.rope import rope_at, unrope_pages
 from ...registry import register_method
 from ..base import LayerLayout
-from ..segmented import SegmentedStore
+from ..segmented import SegmentedStore, stagger_lag
 from . import ragged
 from .allocation import RankRequest
 from .budget import WholeCacheBudget
@@ -74,6 +74,9 @@ class PuzzlePlusStore(SegmentedStore):
         if self.cap_steps < 1:
             raise ValueError(f"puzzle_plus: the largest rank {cap} (min of page_size, head_dim, rank_cap) is below "
                              f"rank_step {self.step}")
+        # recent tokens the tail keeps beyond the window and the filling page: this layer's stagger
+        self.lag = stagger_lag(layout.layer_idx, P) if config.stagger else 0
+        self.share: float | None = None  # bytes / dense bytes the first round gave this layer (decode rounds keep it)
         self.group = group or WholeCacheBudget([layout.layer_idx], config.budget)
         self.group.join(layout.layer_idx, self)
         self.keys = None  # RaggedFactors of the key pages
@@ -123,7 +126,7 @@ class PuzzlePlusStore(SegmentedStore):
             self._observation = q[:, -self.config.observation_window:].detach()
 
     def compress(self) -> None:
-        ready = max(0, self.tail_k.shape[1] // self.config.page_size - self.config.window_pages)
+        ready = max(0, (self.tail_k.shape[1] - self.lag) // self.config.page_size - self.config.window_pages)
         if ready == 0 or self.pending:
             return
         self.pending = ready
@@ -197,7 +200,7 @@ class PuzzlePlusStore(SegmentedStore):
         is largest just before it, with its window full and a page short of a token."""
         P, w = self.config.page_size, self.config.window_pages
         tail_after = self.tail_k.shape[1] - self.pending * P
-        return max(0, (w + 1) * P - 1 - tail_after)
+        return max(0, (w + 1) * P - 1 + self.lag - tail_after)
 
     def _fixed_bytes(self, growth: int) -> tuple[int, tuple[set[int], set[int]]]:
         """What the store holds at the end of the coming cycle besides the pending pages' entries
