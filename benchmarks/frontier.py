@@ -71,8 +71,8 @@ def frontier_specs(budgets: list[float], calibration: str | None, layer_profile:
     if layer_profile:  # pca_quant with its budget spread over the layers by the model's layer profile
         specs += [MethodSpec("pca_quant", b, {"calibration": layer_profile}, name="pca_quant-layers") for b in budgets]
         # and with the tokens the prompt's last queries read kept exact (2% of the coded tokens)
-        specs += [MethodSpec("pca_quant", b, {"calibration": layer_profile, "salient": SALIENT}, name="pca_quant-salient")
-                  for b in budgets]
+        specs += [MethodSpec("pca_quant", b, {"calibration": layer_profile, "salient": SALIENT},
+                             name="pca_quant-salient") for b in budgets]
     # pca_quant's previous default beside the current one: every (head, side) priced on the share of its own
     # variance (the rows of its first default, which also priced widths by a Gaussian model of the min/max
     # error, stay in the rows as pca_quant-gaussian; no longer in the plan)

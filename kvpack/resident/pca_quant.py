@@ -334,9 +334,9 @@ class PCAQuantStore(SegmentedStore):
             fits &= need <= limit
             worst = max(worst, float(need[0]) / dense_bf16_bytes(s, H, d))
         if not fits[0]:
+            salient = ", the salient tokens" if self.n_salient else ""
             raise ValueError(f"pca_quant: budget {self.budget:g} (layer {self.layout.layer_idx}) cannot be reached "
-                             f"at {seq} tokens: the dense sink and tail{', the salient tokens' if self.n_salient else ''}, the "
-                             f"bases and no code at all need "
+                             f"at {seq} tokens: the dense sink and tail{salient}, the bases and no code at all need "
                              f"{worst:.3f} of the dense bytes")
         k = int(fits.nonzero().max())  # bytes grow with every purchase: the fitting ones are a prefix
         widths = torch.zeros(2 * H * d, dtype=torch.int64)

@@ -18,7 +18,6 @@ from ..attention.dense import dense_state
 from ..attention.softmax_merge import PartialAttention
 from .base import LayerStore
 
-
 GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 
 
