@@ -27,6 +27,7 @@ from ..attention.softmax_merge import PartialAttention, group_queries, prefill_a
 from ..attention.triton import history_and_chunk
 from ..config import MethodConfig
 from ..ops.accounting import dense_bf16_bytes
+from ..ops.finite import all_finite
 
 # Names of MethodConfig.storage_dtype -> torch dtypes (None: the model's own dtype).
 STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "auto": None}
@@ -246,7 +247,7 @@ class LayerStore(ABC):
                 raise ValueError(
                     f"{name} must be [kv_heads={lay.kv_heads}, tokens, head_dim={lay.head_dim}], got {list(t.shape)}"
                 )
-            if self.config.check_finite and not torch.isfinite(t).all():
+            if self.config.check_finite and not all_finite(t):
                 raise ValueError(f"{name} of layer {lay.layer_idx} contain NaN or Inf")
         if k.shape != v.shape:
             raise ValueError(f"keys {list(k.shape)} and values {list(v.shape)} must have the same shape")

@@ -403,9 +403,22 @@ class PCAQuantStore(SegmentedStore):
     def _pre_rope(self, k: torch.Tensor, first: int) -> torch.Tensor:
         return unrope_at(self.layout.rope, k, first) if self.pre_rope else k
 
+    def _measured_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """The tokens of ``x [2, H, n, d]`` the measured distortion reads: its whole blocks, at most
+        :data:`MEASURED_BLOCKS` of them, evenly spaced (the table is a mean over blocks; a few dozen settle it):
+        ``[2, H, blocks · block, d]``. Chosen before the projection onto the basis, which then projects 32
+        blocks, not an 8K prompt's 127."""
+        G = self.config.block
+        nb = x.shape[2] // G
+        if nb <= MEASURED_BLOCKS:
+            return x[:, :, :nb * G]
+        pick = torch.linspace(0, nb - 1, MEASURED_BLOCKS).round().long().to(x.device)
+        blocks = x[:, :, :nb * G].reshape(*x.shape[:2], nb, G, x.shape[-1])[:, :, pick]
+        return blocks.reshape(*x.shape[:2], MEASURED_BLOCKS * G, x.shape[-1])
+
     def _measured_distortion(self, c: torch.Tensor) -> torch.Tensor | None:
         """``[H, 2, d, max_bits + 1]``: the squared error of each component's min/max code at each width over
-        the fitted tokens' whole blocks (at most :data:`MEASURED_BLOCKS` of them, evenly spaced), relative to
+        the given whole blocks (:meth:`_measured_blocks` of the fitted tokens), relative to
         its variance over them (width 0: 1) — what the water-filling
         buys against with ``distortion="measured"``; None with no whole block. Width 1, which the
         water-filling never buys (a component's first purchase is 2 bits), is left at 1.
@@ -417,16 +430,13 @@ class PCAQuantStore(SegmentedStore):
         from dequantizing the codes in the last bits of fp32).
 
         Args:
-            c: ``[2, H, n, d]`` the fitted tokens' coefficients (centred).
+            c: ``[2, H, blocks · block, d]`` coefficients (centred) of whole blocks.
         """
         G, top = self.config.block, self.config.max_bits
         nb = c.shape[2] // G
         if not nb:
             return None
-        blocks = c[:, :, :nb * G].reshape(c.shape[0], c.shape[1], nb, G, -1)
-        if nb > MEASURED_BLOCKS:  # evenly spaced blocks: the table is a mean over blocks; a few dozen settle it
-            blocks = blocks[:, :, torch.linspace(0, nb - 1, MEASURED_BLOCKS).round().long().to(c.device)]
-        blocks = blocks.float()  # [2, H, blocks, G, d]
+        blocks = c.reshape(c.shape[0], c.shape[1], nb, G, -1).float()  # [2, H, blocks, G, d]
         var = blocks.var(dim=(2, 3), correction=0).clamp_min(1e-30)
         lo, hi = torch.aminmax(blocks, dim=3, keepdim=True)
         zero = fp16_zero_point(lo)
@@ -454,7 +464,8 @@ class PCAQuantStore(SegmentedStore):
         cov = (xc.transpose(-1, -2) @ xc / x.shape[2]).double()
         lam, vec = torch.linalg.eigh(cov)  # ascending
         lam, vec = lam.flip(-1).clamp_min(0), vec.flip(-1)
-        measured = self._measured_distortion(xc.float() @ vec.float()) if self.config.distortion == "measured" else None
+        measured = (self._measured_distortion(self._measured_blocks(xc).float() @ vec.float())
+                    if self.config.distortion == "measured" else None)
         # what each component's error costs: its variance, for keys under key_metric="queries" times the
         # squared logit change a unit error along it makes, u_jᵀ M u_j (M: the query moment)
         cost = lam

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from ...ops.cpu_features import has_amx
+from ...ops.finite import all_finite
 from ...store.format import BlobError
 from ...store.mac import KEY_ENV, mac
 from .calibration import Calibration, ratio_key
@@ -216,7 +217,7 @@ class ChunkCodec:
             raise ValueError(f"a KV chunk must be bfloat16, float16 or float32, got {chunk.dtype}")
         chunk = chunk.detach().to("cpu")
         keys, values = _split(chunk, shape, self.calibration.head_dim)  # [T, L*W] fp32
-        if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
+        if not (all_finite(keys) and all_finite(values)):
             raise ValueError("the chunk contains NaN or Inf")
         cal = self.calibration
         sections = {**encode_coefficients(keys, cal.key_mean, cal.key_basis, self.alloc["keys"], "keys"),

@@ -26,6 +26,7 @@ from ...ops.accounting import DENSE_REFERENCE_BYTES_PER_ELEMENT
 from ...ops.bitalloc import Allocation
 from ...ops.bitpack import pack_bitstream, unpack_bitstream
 from ...ops.cpu_features import has_bf16_gemm
+from ...ops.finite import all_finite
 from ...ops.group_quant import FP16_MAX, dequantize_groups, quantize_groups
 from ...ops.rope import apply_rope
 from ...store.format import Blob, BlobError, pack_blob, tokens_digest
@@ -51,7 +52,7 @@ def _check_cache(cache, calibration: Calibration, n_tokens: int) -> None:
                              f"{calibration.kv_heads} of {calibration.head_dim}")
         if k.shape[2] != n_tokens or v.shape != k.shape:
             raise ValueError(f"cache layer {i} holds {k.shape[2]} tokens, the token ids give {n_tokens}")
-        if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+        if not (all_finite(k) and all_finite(v)):
             raise ValueError(f"cache layer {i} contains NaN or Inf")
 
 
