@@ -34,7 +34,9 @@ resident: the cache stays in this form while the model attends over it. Per laye
 
 Bytes (``nbytes()``: the tensors held): the sink and tail in ``storage_dtype``; per (head, side) the mean
 ``4 d``, the widths ``d`` and ``2 d`` per coded component (its basis column); per block and (head, side)
-``block · Σ_j w_j / 8`` bytes of codes and ``4`` bytes per coded component (scale and zero point).
+``block · Σ_j w_j / 8`` bytes of codes and ``4`` bytes per coded component (scale and zero point); with
+``salient``, per KV head ``n`` exact tokens (key and value in ``storage_dtype``, an int32 position) beside the
+blocks, which hold ghosts in their place (:mod:`~kvpack.resident.salient`).
 """
 
 from __future__ import annotations
