@@ -142,3 +142,53 @@ def test_salient_tokens_need_the_prompts_queries_and_a_valid_share():
     store = PCAQuantStore(layout, plain)
     store.append(k, v)  # no salient tokens: no queries needed
     assert store.n_salient == 0 and "salient_k" not in store.tensors()
+
+
+@pytest.mark.parametrize("make_model", ["tiny_qwen2", "tiny_llama"])
+@torch.no_grad()
+def test_salient_tokens_on_a_model_live_and_from_one_exact_prefill(make_model):
+    """On a tiny Qwen2 (GQA, attention biases) and Llama: the live cache keeps its salient tokens within the
+    budget over decoding, attends as over its reconstruction, and the harness's cache built from one exact
+    prefill holds the same tensors and predicts the same next token distribution."""
+    from kvpack.attention.reference import reference_attention
+    from kvpack.hf.attach import attach
+    from kvpack.hf.cache import cache_kwargs
+    from kvpack.hf.prefill import exact_prefill
+    from kvpack.methods import get_method
+
+    from . import helpers
+
+    model = getattr(helpers, make_model)()
+    cfg = dict(budget=0.6, sinks=4, residual=8, block=16, salient=0.05, window=8)
+    ids = torch.randint(1, 128, (1, 150), generator=torch.Generator().manual_seed(11))
+    step = lambda cache, x: model(x, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]  # noqa: E731
+    with attach(model, "pca_quant", **cfg) as live:
+        step(live, ids[:, :-1])
+        stores = [layer.rows[0] for layer in live.kvpack_layers]
+        assert all(s.n_salient == 7 for s in stores)  # ceil(5% of the 128 prompt tokens coded at the first coding)
+        tensors = [{n: t.clone() for n, t in s.tensors().items()} for s in stores]
+        for s in stores:  # a chunk after compression attends over what reconstruct returns
+            k_hat, v_hat = s.reconstruct()
+            g = torch.Generator().manual_seed(s.layout.layer_idx)
+            d = s.layout.head_dim
+            q = torch.randn(s.layout.q_heads, 3, d, generator=g)
+            k_new, v_new = torch.randn(s.layout.kv_heads, 3, d, generator=g), torch.randn(s.layout.kv_heads, 3, d,
+                                                                                           generator=g)
+            ref = reference_attention(q.double(), torch.cat([k_hat, k_new], 1).double(),
+                                      torch.cat([v_hat, v_new], 1).double(), d ** -0.5, causal_offset=k_hat.shape[1])
+            got = s.attend(q, k_new, v_new, d ** -0.5)
+            torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+    with attach(model, "pca_quant", **cfg) as live:
+        logits = step(live, ids[:, :-1])
+        live_next = step(live, ids[:, -1:])
+        for _ in range(40):
+            logits = step(live, logits.argmax(-1, keepdim=True))
+            assert live.kv_bytes() <= 0.6 * live.dense_kv_bytes()
+    prepared = get_method("pca_quant", **cfg).from_prefill(model, exact_prefill(model, ids[0, :-1].tolist()))
+    for layer, want in zip(prepared.cache.kvpack_layers, tensors, strict=True):
+        got = layer.rows[0].tensors()
+        assert got.keys() == want.keys() and "salient_k" in got
+        for name in got:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4, msg=name)
+    with prepared.active(model) as cache:
+        torch.testing.assert_close(step(cache, ids[:, -1:]), live_next, rtol=1e-4, atol=1e-4)
