@@ -28,7 +28,7 @@ class PuzzlePlusConfig(MethodConfig):
         stagger: each layer keeps ``lag`` more recent tokens dense (``lag`` in ``[0, P)``, spread over the
             layers by the golden ratio), so the layers complete their pages at different decode steps, and a
             page completed while decoding is ranked by its own layer's round (default True; False: every
-            layer completes its page on the same token and one round ranks them all).
+            layer completes its page on the same token, whose rounds then follow one another on that step).
         key_rope: ``"pre"`` (factorize keys before RoPE, which is re-applied at attention time; a
             page's pre-RoPE keys need far fewer ranks), ``"post"`` (the cached keys) or ``"auto"``
             (default: ``pre`` where the layer has a rotary embedding, else ``post``).
