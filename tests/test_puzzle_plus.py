@@ -273,8 +273,9 @@ def test_staggered_layers_complete_their_pages_on_different_decode_steps(stagger
     _decode(model, cache, ids, 0)
     completed = {i: [] for i in range(3)}  # layer -> decode steps on which it committed a page
     before = [s.n_pages for s in stores()]
+    g = torch.Generator().manual_seed(5)
     for step in range(48):
-        _decode_more(model, cache, 1)
+        _decode(model, cache, torch.randint(0, 128, (1, 1), generator=g), 0)  # any token: pages are counted
         now = [s.n_pages for s in stores()]
         for i in range(3):
             if now[i] != before[i]:
@@ -286,17 +287,6 @@ def test_staggered_layers_complete_their_pages_on_different_decode_steps(stagger
         assert not (steps[0] & steps[1]) and not (steps[0] & steps[2]) and not (steps[1] & steps[2])
     else:
         assert steps[0] == steps[1] == steps[2]
-
-
-def _decode_more(model, cache, steps):
-    from kvpack.hf.attention import attached
-    from kvpack.hf.cache import cache_kwargs
-
-    g = torch.Generator().manual_seed(cache.get_seq_length())
-    with torch.no_grad(), attached(model, cache):
-        for _ in range(steps):
-            nxt = torch.randint(0, 128, (1, 1), generator=g)  # any token: the test counts pages, not text
-            model(nxt, **cache_kwargs(model, cache), use_cache=True)
 
 
 def test_harness_prefill_and_live_prefill_choose_the_same_ranks():

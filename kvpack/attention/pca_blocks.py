@@ -57,6 +57,17 @@ def width_groups(widths: torch.Tensor) -> list[list[tuple[int, int]]]:
     return out
 
 
+def component_columns(groups: list[list[tuple[int, int]]]) -> list[slice]:
+    """Per (side, head), in layout order, the columns of its coded components in the ``[C, ...]`` tensors
+    (``basis`` rows, ``scale`` / ``zero`` columns), from :func:`width_groups`' runs."""
+    out, col = [], 0
+    for runs in groups:
+        coded = sum(count for _, count in runs)
+        out.append(slice(col, col + coded))
+        col += coded
+    return out
+
+
 @dataclass(frozen=True)
 class PCABlocks:
     """A layer's coded history (layouts in the module doc).
@@ -89,10 +100,11 @@ class PCABlocks:
         S, H, d = self.mean.shape
         n, G = hi - lo, self.block
         out = self.mean.new_empty(S, H, n * G, d)
-        byte, col = 0, 0
-        for i, runs in enumerate(width_groups(self.widths)):
+        byte = 0
+        groups = width_groups(self.widths)
+        for i, (runs, cols) in enumerate(zip(groups, component_columns(groups))):
             side, h = divmod(i, H)
-            coded = sum(c for _, c in runs)
+            coded = cols.stop - cols.start
             coef = self.mean.new_empty(n, G, coded)
             j = 0
             for w, count in runs:
@@ -101,11 +113,10 @@ class PCABlocks:
                 codes = unpack_bitstream_fast(stream, w, n * G * count).reshape(n, count, G)  # component-major
                 coef[:, :, j:j + count] = codes.transpose(1, 2).float()
                 byte, j = byte + run, j + count
-            scale = self.scale[lo:hi, col:col + coded].float()[:, None]
-            zero = self.zero[lo:hi, col:col + coded].float()[:, None]
-            basis = self.basis[col:col + coded].float()  # [coded, d]
+            scale = self.scale[lo:hi, cols].float()[:, None]
+            zero = self.zero[lo:hi, cols].float()[:, None]
+            basis = self.basis[cols].float()  # [coded, d]
             out[side, h] = (coef * scale + zero).reshape(n * G, coded) @ basis + self.mean[side, h]
-            col += coded
         k, v = out[0], out[1]
         if self.rope is not None:
             first = self.first_position + lo * G

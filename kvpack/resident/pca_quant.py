@@ -47,7 +47,13 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.cpu import use_native
-from ..attention.pca_blocks import PCABlocks, pca_blocks_partial, pca_blocks_partials, width_groups
+from ..attention.pca_blocks import (
+    PCABlocks,
+    component_columns,
+    pca_blocks_partial,
+    pca_blocks_partials,
+    width_groups,
+)
 from ..attention.triton import KERNEL_CHOICES, use_triton
 from ..attention.triton.pca_quant_op import pca_quant_triton_partial
 from ..config import MethodConfig, boolean, choice, integer, number, option, text
@@ -511,13 +517,12 @@ class PCAQuantStore(SegmentedStore):
         x = torch.stack([tail_pre[:, :n], v.float()]) - self.mean[:, :, None]  # [2, H, n, d]
         H = self.layout.kv_heads
         runs, scales, zeros = [], [], []
-        col = 0
-        for i, groups in enumerate(self.groups):
+        for i, (groups, cols) in enumerate(zip(self.groups, component_columns(self.groups))):
             side, h = divmod(i, H)
-            coded = sum(count for _, count in groups)
+            coded = cols.stop - cols.start
             if not coded:  # a (side, head) the budget bought nothing for: its mean stands for it
                 continue
-            basis = self.basis[col:col + coded].float()  # [coded, d]
+            basis = self.basis[cols].float()  # [coded, d]
             c = (x[side, h] @ basis.T).reshape(n_new, cfg.block, coded)  # [blocks, block, coded]
             if salient is not None:  # their rows left out of the blocks' ranges (salient.py)
                 c = ghost_coefficients(c, salient[h].reshape(n_new, cfg.block))
@@ -535,7 +540,6 @@ class PCAQuantStore(SegmentedStore):
                 j += count
             scales.append(scale[:, 0])
             zeros.append(zero[:, 0])
-            col += coded
         codes = torch.cat(runs, dim=1) if runs else x.new_empty(n_new, 0, dtype=torch.uint8)
         scale = torch.cat(scales, dim=1) if scales else x.new_empty(n_new, 0, dtype=torch.float16)
         zero = torch.cat(zeros, dim=1) if zeros else x.new_empty(n_new, 0, dtype=torch.float16)
@@ -570,14 +574,12 @@ class PCAQuantStore(SegmentedStore):
         H = self.layout.kv_heads
         pos = self.salient_pos.long()
         blocks = (pos - self.history_start) // self.config.block  # [H, n]
-        out, col = [], 0
-        for i, groups in enumerate(self.groups):
+        out = []
+        for i, cols in enumerate(component_columns(self.groups)):
             side, h = divmod(i, H)
-            coded = sum(count for _, count in groups)
-            cols = slice(col, col + coded)
-            out.append(ghost_tokens(self.scale[:, cols], self.zero[:, cols], self.widths[side, h, :coded],
-                                    self.basis[cols], self.mean[side, h], blocks[h]))
-            col += coded
+            widths = self.widths[side, h, :cols.stop - cols.start]
+            out.append(ghost_tokens(self.scale[:, cols], self.zero[:, cols], widths, self.basis[cols],
+                                    self.mean[side, h], blocks[h]))
         k, v = torch.stack(out[:H]), torch.stack(out[H:])
         if self.pre_rope:
             cos, sin = self.layout.rope.cos_sin(pos.reshape(-1))

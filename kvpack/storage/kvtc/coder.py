@@ -71,7 +71,7 @@ def encode_coefficients(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor
     coeffs = (x - mean) @ basis[:, :alloc.coded_extent]
     lib = native() if backend == "auto" and coeffs.device.type == "cpu" else None
     if lib is not None and coded:  # quantize_groups' checks, once for the whole matrix
-        if not bool(torch.isfinite(coeffs).all()):
+        if not all_finite(coeffs):
             raise ValueError("cannot quantize NaN or Inf coefficients")
         if float(coeffs.abs().max()) > FP16_MAX / 2:
             raise ValueError(f"coefficient magnitude {float(coeffs.abs().max()):.3g} exceeds the fp16 shift/scale "
