@@ -191,8 +191,8 @@ def test_streaming_decompression_builds_one_layer_at_a_time(tiny, monkeypatch):
     ids = _ids(50)
     blob = compress_cache(prefill(model, ids), calib, 8, ids, model=model)
     calls = []
-    real = coder._layer_out
-    monkeypatch.setattr(coder, "_layer_out", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = coder.layer_out
+    monkeypatch.setattr(coder, "layer_out", lambda *a, **k: calls.append(1) or real(*a, **k))
     stream = iter_decompressed_layers(blob, calib, model)
     i, k, v = next(stream)
     assert i == 0 and len(calls) == 2  # layer 0's keys and values only; layer 1 not reconstructed yet

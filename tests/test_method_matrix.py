@@ -51,7 +51,9 @@ MATRIX: dict[str, dict] = {
     "snapkv": {"budget": 0.5, "window": 8},
     "hf_quantized": {"group_size": 16, "residual_length": 16},  # transformers' QuantizedCache (quanto)
     "kvtc": {"ratio": 4.0},  # storage: compressed on demand (its calibration comes with the call)
+    "kvtc_resident": {"ratio": 4.0, "block": 8},  # + the model's kvtc calibration (_config)
 }
+CALIBRATED = {"kvtc_resident"}  # resident methods that need the model's kvtc calibration
 
 PROMPT, DECODE = 150, 12
 RESIDENT = sorted(m for m in MATRIX if m in resident_methods())
@@ -107,18 +109,25 @@ def _budget(method: str) -> float | None:
     return get_resident_method(method, **MATRIX[method]).config.budget
 
 
+def _config(method: str, request) -> dict:
+    """``MATRIX[method]``, with the tiny model's kvtc calibration for a method that needs one."""
+    if method in CALIBRATED:
+        return {**MATRIX[method], "calibration": request.getfixturevalue("calibration_dir")}
+    return MATRIX[method]
+
+
 def _step(model, cache, ids):
     return model(ids, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
 
 
 @pytest.mark.parametrize("method", RESIDENT)
 @torch.no_grad()
-def test_bytes_within_budget_after_prefill_and_every_decode_step(model, method):
+def test_bytes_within_budget_after_prefill_and_every_decode_step(model, method, request):
     """Over the layers kvpack holds (sliding-window layers are the model's): bytes ≤ budget × dense
     bf16 — of every token where the budget covers decoding, else of the prompt plus the generated
     tokens kept dense."""
     budget = _budget(method)
-    with attach(model, method, **MATRIX[method]) as cache:
+    with attach(model, method, **_config(method, request)) as cache:
         logits = _step(model, cache, prompt_ids())
         stores = [s for layer in cache.kvpack_layers for s in layer.rows]
         prompt_dense = sum(s.dense_reference_bytes() for s in stores)
@@ -140,13 +149,13 @@ def test_bytes_within_budget_after_prefill_and_every_decode_step(model, method):
 
 @pytest.mark.parametrize("method", RESIDENT)
 @torch.no_grad()
-def test_padded_batch_decodes_as_each_prompt_alone(model, method):
+def test_padded_batch_decodes_as_each_prompt_alone(model, method, request):
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(1, 128, (n,), generator=g) for n in (PROMPT, PROMPT - 27, PROMPT - 12)]
     kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
     singles = []
     for p in prompts:
-        with attach(model, method, **MATRIX[method]) as cache:
+        with attach(model, method, **_config(method, request)) as cache:
             out = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), **kwargs,
                                  **cache_kwargs(model, cache))
         singles.append(out[0, len(p):])
@@ -155,7 +164,7 @@ def test_padded_batch_decodes_as_each_prompt_alone(model, method):
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
-    with attach(model, method, **MATRIX[method]) as cache:
+    with attach(model, method, **_config(method, request)) as cache:
         out = model.generate(ids, attention_mask=mask, **kwargs, **cache_kwargs(model, cache))
     for i, p in enumerate(prompts):
         assert torch.equal(out[i, width:], singles[i]), f"row {i}"
@@ -164,8 +173,8 @@ def test_padded_batch_decodes_as_each_prompt_alone(model, method):
 
 @pytest.mark.parametrize("method", RESIDENT)
 @torch.no_grad()
-def test_a_chunk_after_compression_attends_over_what_reconstruct_returns(model, method):
-    with attach(model, method, **MATRIX[method]) as cache:
+def test_a_chunk_after_compression_attends_over_what_reconstruct_returns(model, method, request):
+    with attach(model, method, **_config(method, request)) as cache:
         _step(model, cache, prompt_ids())
     compressed = 0
     for layer in cache.kvpack_layers:
@@ -188,14 +197,15 @@ def test_a_chunk_after_compression_attends_over_what_reconstruct_returns(model, 
 
 @pytest.mark.parametrize("method", RESIDENT)
 @torch.no_grad()
-def test_cache_from_one_exact_prefill_equals_the_live_one(model, method):
+def test_cache_from_one_exact_prefill_equals_the_live_one(model, method, request):
     ids = prompt_ids()
-    with attach(model, method, **MATRIX[method]) as live:
+    with attach(model, method, **_config(method, request)) as live:
         _step(model, live, ids[:, :-1])
         live_tensors = [{n: t.clone() for n, t in layer.rows[0].tensors().items()} for layer in live.kvpack_layers]
         live_bytes = live.kv_bytes()
         live_next = _step(model, live, ids[:, -1:])
-    prepared = get_method(method, **MATRIX[method]).from_prefill(model, exact_prefill(model, ids[0, :-1].tolist()))
+    prepared = get_method(method, **_config(method, request)).from_prefill(model,
+                                                                          exact_prefill(model, ids[0, :-1].tolist()))
     assert prepared.kv_bytes == live_bytes
     for layer, want in zip(prepared.cache.kvpack_layers, live_tensors, strict=True):
         got = layer.rows[0].tensors()

@@ -15,6 +15,11 @@ from .protocol import GenerationResult, Method, PreparedCache
 from .resident import ResidentMethod
 from .storage import StorageMethod
 
+# A resident method may be built on a storage codec (``kvtc_resident`` holds kvtc's codes) and so live in
+# kvpack.storage, above the resident layer that lists resident methods: discover the storage family now,
+# on ``import kvpack``, so that every resident lookup (``get_resident_method``, ``attach``) sees it.
+storage_methods()
+
 
 def method_classes() -> dict[str, type]:
     """Every registered method's class (a resident store class or a storage codec class), by name."""

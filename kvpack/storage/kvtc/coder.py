@@ -285,7 +285,7 @@ def _checked(data: bytes | tuple[Blob, KvtcHeader], calibration: Calibration, mo
     return blob, header
 
 
-def _layer_out(lib, x: torch.Tensor, mean: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+def layer_out(lib, x: torch.Tensor, mean: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
                out: torch.Tensor) -> None:
     """``out [H, n, d]`` (a layer cache tensor's coded rows) ``= x [n, H·d] + mean``, RoPE'd with
     ``cos_sin`` (``[n, d]`` each) when given, in ``out``'s dtype: natively in one pass where ``lib`` (the
@@ -357,9 +357,9 @@ def _decoded_layers(blob: Blob, header: KvtcHeader, calibration: Calibration, mo
             if table is not None and table not in cos_sin:
                 cos_sin[table] = table.cos_sin(positions)
             with times("rope"):
-                _layer_out(lib, xk, calibration.key_mean[cols], cos_sin.get(table), k[:, s:s + n_mid])
+                layer_out(lib, xk, calibration.key_mean[cols], cos_sin.get(table), k[:, s:s + n_mid])
             with times("assemble"):
-                _layer_out(lib, xv, calibration.value_mean[cols], None, v[:, s:s + n_mid])
+                layer_out(lib, xv, calibration.value_mean[cols], None, v[:, s:s + n_mid])
         yield i, k[None].to(device=device), v[None].to(device=device)
 
 

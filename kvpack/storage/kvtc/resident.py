@@ -1,0 +1,278 @@
+"""``kvtc_resident``: kvtc's cross-layer transform codes held in memory while the model attends over them
+(beyond the papers).
+
+kvtc (its paper; ``docs/methods/kvtc.md``) codes a token's keys of *every* layer and KV head as one feature
+vector ``[p]`` (``p = layers · kv_heads · d``; keys pre-RoPE) in one calibrated PCA basis, with bit widths from
+a dynamic-programming allocation and a per-token fp16 shift and scale per group of components. The keys of
+the layers are strongly correlated, so one basis over all of them needs far fewer bits than a basis per layer
+or per head: on SmolLM2 at 16x (no DEFLATE) the KL to FullKV is 0.020 with the cross-layer basis, 0.073 with
+one basis per 5 layers, 0.66 per layer and 0.84 per head (``benchmarks/results/kvtc-layer-groups.jsonl``).
+kvtc uses this for storage; this method keeps the codes resident instead of a dense cache.
+
+Layout of one sequence (all layers share one :class:`ResidentCodes`):
+
+* **Dense** per layer: the first ``sinks`` tokens and the most recent ``window`` to ``window + block - 1``
+  (the calibration's sinks and window, as kvtc keeps them lossless), in ``storage_dtype``.
+* **Coded**, shared by every layer: for each token between them, kvtc's codes of its key and value features
+  (:func:`~kvpack.storage.kvtc.coder.encode_coefficients`: bit-packed code streams, ``[T, groups]`` fp16
+  shifts and scales per side). A token is coded once every layer holds it: when the last layer has appended
+  a chunk, every layer's oldest tail tokens beyond the window, in a multiple of ``block``, are coded together
+  (the prompt's in one go; while decoding, ``block`` tokens every ``block`` steps). kvtc's codes are per token, so
+  the codes do not depend on ``block``: a token is coded exactly as kvtc's storage codec codes it.
+
+Attention at layer ``l``: the coded tokens' coefficients ``D [n, r]`` are dequantized once per forward pass
+(the first layer's attention; kept until the last layer has attended, then dropped), the layer's keys and
+values rebuilt, ``X_l = D B_lᵀ + μ_l`` (the calibration's basis rows of layer ``l``; bf16 GEMM where the
+CPU multiplies bf16 natively) with RoPE re-applied, and attended as a dense partial state merged with the
+sinks', the tail's and the chunk's. So a forward pass holds, besides the resident codes, the dequantized
+coefficients (``n · (r_keys + r_values)`` elements in the GEMM dtype) and one layer's rebuilt keys and
+values — the dense history of every layer never exists at once.
+
+Bytes (``nbytes()``): each layer's sinks and tail; the shared codes, counted once, on the last layer's store
+(the one that codes them). The calibration (basis and means, per model, like the weights) is not counted.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from ...attention.dense import dense_state
+from ...attention.softmax_merge import PartialAttention
+from ...config import MethodConfig, choice, integer, number, option, text
+from ...registry import register_method
+from ...resident.base import LayerLayout
+from ...resident.segmented import SegmentedStore
+from .calibration import Calibration, ratio_key
+from .codec import load_calibration
+from .coder import DECODE_PRECISIONS, decode_coefficients, encode_coefficients, inverse_dtype, layer_out
+from .features import to_features
+from .native import native
+
+KINDS = ("keys", "values")
+PARTS = ("codes", "shift", "scale")
+
+
+DEFAULT_RATIO = 16.0
+
+
+@dataclass(frozen=True)
+class KvtcResidentConfig(MethodConfig):
+    """Attributes:
+        calibration: a kvtc calibration directory of the model (``kvpack calibrate``; required). A calibration
+            of another model, or of other layers or heads, is refused.
+        ratio: the calibrated ratio whose bit allocation codes the tokens (the coded tokens' bytes are about
+            ``1 / ratio`` of bf16; the dense sinks and tail come on top).
+        block: while decoding, tokens coded together once the tail holds ``window + block``; a multiple of 8.
+            Codes are per token, so it sets how often coding runs, not what the codes are.
+        decode_precision: the GEMM that rebuilds a layer from the coefficients: ``auto`` (bf16 where the CPU
+            multiplies bf16 natively, else fp32), ``float32`` or ``bfloat16`` (kvtc's ``decode_precision``).
+        attention_backend: the dense partial state over the rebuilt layer: ``auto`` (kvpack's native CPU
+            kernel where built) or ``torch``.
+    """
+
+    calibration: str | None = option(None, text(optional=True), "kvtc calibration directory (kvpack calibrate)")
+    ratio: float = option(DEFAULT_RATIO, number(1.0, low_open=True), "a calibrated ratio (its bit allocation)")
+    block: int = option(32, integer(minimum=8), "tokens coded together while decoding")
+    decode_precision: str = option("auto", choice(*DECODE_PRECISIONS), "the rebuild GEMM: auto, float32, bfloat16")
+    attention_backend: str = option("auto", choice("auto", "torch"), "dense partial: auto (native) or torch")
+
+    def check(self) -> None:
+        if self.budget is not None:
+            raise self.error(f"takes a calibrated ratio, not a budget (got budget {self.budget:g}); its bytes are "
+                             "measured from the tensors")
+        if self.block % 8:
+            raise self.error(f"block must be a multiple of 8, got {self.block}")
+
+
+class ResidentCodes:
+    """One sequence's coded tokens, shared by its layers' stores (``new_group``).
+
+    Attributes:
+        calibration: the model's kvtc calibration (shared, never copied).
+        sections: ``{kind: [dict of tensors per coded run]}`` — :func:`encode_coefficients`' sections.
+        runs: tokens of each coded run; ``n_coded`` their sum; the coded tokens sit at positions
+            ``[sinks, sinks + n_coded)``.
+    """
+
+    def __init__(self, calibration: Calibration, config: KvtcResidentConfig, layouts: list[LayerLayout]):
+        self.calibration = calibration
+        self.config = config
+        self.alloc = calibration.allocation(config.ratio)
+        self.layer_order = [lay.layer_idx for lay in layouts]
+        self.position = {i: j for j, i in enumerate(self.layer_order)}
+        self.rotary = {lay.layer_idx: (lay.rope if calibration.key_rope == "pre" else None) for lay in layouts}
+        self.stores: dict[int, KvtcResidentStore] = {}
+        self.sections: dict[str, list[dict[str, torch.Tensor]]] = {kind: [] for kind in KINDS}
+        self.runs: list[int] = []
+        self.n_coded = 0
+        self.mm_dtype = inverse_dtype(config.decode_precision)
+        self._coefficients: dict[str, torch.Tensor] | None = None  # during a forward pass only
+
+    def __deepcopy__(self, memo):
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.stores = copy.deepcopy(self.stores, memo)
+        new.sections = {kind: [dict(run) for run in runs] for kind, runs in self.sections.items()}  # immutable
+        new.runs = list(self.runs)
+        new._coefficients = None
+        return new
+
+    @property
+    def last_layer(self) -> int:
+        return self.layer_order[-1]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f"{kind}_{part}_{i}": run[f"{kind}_{part}"] for kind in KINDS
+                for i, run in enumerate(self.sections[kind]) for part in PARTS}
+
+    # -- coding -------------------------------------------------------------------------------
+
+    def code_ready(self) -> None:
+        """Code every layer's oldest tail tokens beyond the window, in multiples of ``block`` (all of them
+        at once after a prefill). Called by the last layer's store after it appended."""
+        stores = [self.stores.get(i) for i in self.layer_order]
+        if any(s is None for s in stores):
+            missing = [i for i, s in zip(self.layer_order, stores) if s is None]
+            raise RuntimeError(f"kvtc_resident: layers {missing} have no store; every covered layer appends before "
+                               "the last one codes")
+        lengths = {s.seq_len for s in stores}
+        if len(lengths) != 1:
+            raise RuntimeError(f"kvtc_resident: the layers hold different token counts {sorted(lengths)}; the codes "
+                               "span every layer, so each layer must have appended the same tokens")
+        ready = stores[-1].tail_k.shape[1] - self.calibration.window
+        n = ready // self.config.block * self.config.block
+        if n <= 0:
+            return
+        start = self.calibration.sinks + self.n_coded
+        popped = [s.pop_tail(n) for s in stores]
+        positions = torch.arange(start, start + n)
+        features = {
+            "keys": to_features([k for k, _ in popped], [self.rotary[i] for i in self.layer_order], positions),
+            "values": to_features([v for _, v in popped], None, positions),
+        }
+        cal = self.calibration
+        for kind, mean, basis in (("keys", cal.key_mean, cal.key_basis), ("values", cal.value_mean, cal.value_basis)):
+            self.sections[kind].append(encode_coefficients(features[kind], mean, basis, self.alloc[kind], kind))
+        self.runs.append(n)
+        self.n_coded += n
+        self._coefficients = None
+
+    # -- attention ----------------------------------------------------------------------------
+
+    def coefficients(self, kind: str) -> torch.Tensor:
+        """``[n_coded, r]`` dequantized coefficients of ``kind`` in the GEMM dtype (made on the first call of a
+        forward pass, dropped by :meth:`release`)."""
+        if self._coefficients is None:
+            self._coefficients = {}
+        if kind not in self._coefficients:
+            parts = [decode_coefficients(run.__getitem__, self.alloc[kind], kind, n, self.mm_dtype)
+                     for run, n in zip(self.sections[kind], self.runs)]
+            self._coefficients[kind] = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return self._coefficients[kind]
+
+    def release(self) -> None:
+        """Drop the forward pass's dequantized coefficients (after the last layer attended)."""
+        self._coefficients = None
+
+    def layer(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_idx``'s coded tokens rebuilt: keys (post-RoPE) and values ``[kv_heads, n_coded, d]`` in
+        ``dtype`` (kvtc's inverse projection and output pass, :func:`~kvpack.storage.kvtc.coder.layer_out`)."""
+        cal, j = self.calibration, self.position[layer_idx]
+        heads, d = cal.kv_heads, cal.head_dim
+        cols = slice(j * heads * d, (j + 1) * heads * d)
+        table = self.rotary[layer_idx]
+        cos_sin = table.cos_sin(torch.arange(cal.sinks, cal.sinks + self.n_coded)) if table is not None else None
+        lib = native()
+        out = []
+        for kind, mean, rope in (("keys", cal.key_mean, cos_sin), ("values", cal.value_mean, None)):
+            extent = self.alloc[kind].coded_extent
+            x = self.coefficients(kind) @ cal.inverse_basis(kind, j, extent, self.mm_dtype)
+            y = torch.empty(heads, self.n_coded, d, dtype=dtype)
+            layer_out(lib, x, mean[cols], rope, y)
+            out.append(y)
+        return out[0], out[1]
+
+
+@register_method("kvtc_resident")
+class KvtcResidentStore(SegmentedStore):
+    """[dense sinks] [kvtc codes, shared by every layer: :class:`ResidentCodes`] [dense tail] of one layer."""
+
+    Config = KvtcResidentConfig
+    budgeted = False  # the calibrated ratio sets the codes' size; the bytes are measured, not targeted
+
+    @classmethod
+    def _calibration(cls, config: KvtcResidentConfig) -> Calibration:
+        if config.calibration is None:
+            raise ValueError("kvtc_resident needs a kvtc calibration of the model: --set calibration=DIR "
+                             "(make one with `kvpack calibrate --model M --out DIR`)")
+        return load_calibration(config.calibration)
+
+    @classmethod
+    def check_model(cls, config: KvtcResidentConfig, fingerprint) -> None:
+        cal = cls._calibration(config)
+        theirs = fingerprint()
+        if theirs["hash"] != cal.fingerprint["hash"]:
+            raise ValueError(
+                f"the kvtc calibration {config.calibration} was made for another model "
+                f"({cal.fingerprint['architecture']}, {cal.fingerprint['layers']} layers, fingerprint "
+                f"{cal.fingerprint['hash'][:12]}) than this one ({theirs['architecture']}, {theirs['layers']} "
+                f"layers, fingerprint {theirs['hash'][:12]})")
+        cal.allocation(config.ratio)  # refuses an uncalibrated ratio, naming the calibrated ones
+
+    @classmethod
+    def new_group(cls, layouts: list[LayerLayout], config: KvtcResidentConfig) -> ResidentCodes:
+        cal = cls._calibration(config)
+        covered = [lay.layer_idx for lay in layouts]
+        if covered != [int(i) for i in cal.layers]:
+            raise ValueError(f"the kvtc calibration covers layers {cal.layers}, this model compresses {covered}")
+        lay = layouts[0]
+        if (lay.kv_heads, lay.head_dim) != (cal.kv_heads, cal.head_dim):
+            raise ValueError(f"the kvtc calibration is for {cal.kv_heads} KV heads of {cal.head_dim}, this model has "
+                             f"{lay.kv_heads} of {lay.head_dim}")
+        if cal.key_rope == "pre" and lay.rope is None:
+            raise ValueError("the kvtc calibration holds pre-RoPE keys, but this model's layers have no RoPE table")
+        return ResidentCodes(cal, config, layouts)
+
+    def __init__(self, layout: LayerLayout, config: KvtcResidentConfig, group: ResidentCodes | None = None):
+        super().__init__(layout, config)
+        if group is None:  # a store alone (no cache around it) is its own one-layer sequence
+            group = self.new_group([layout], config)
+        self.group = group
+        group.stores[layout.layer_idx] = self
+
+    # -- SegmentedStore hooks -------------------------------------------------------------------
+
+    @property
+    def sink_capacity(self) -> int:
+        return self.group.calibration.sinks
+
+    def compress(self) -> None:
+        if self.layout.layer_idx == self.group.last_layer:
+            self.group.code_ready()
+
+    def history_tensors(self) -> dict[str, torch.Tensor]:
+        return self.group.tensors() if self.layout.layer_idx == self.group.last_layer else {}
+
+    def history_partials(self, qg: torch.Tensor, scaling: float) -> list[PartialAttention]:
+        group = self.group
+        if not group.n_coded:
+            return []
+        k, v = group.layer(self.layout.layer_idx, self.storage_dtype)
+        if self.layout.layer_idx == group.last_layer:
+            group.release()
+        return [dense_state(qg, k, v, scaling, self.attention_backend)]
+
+    def history_dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.group.n_coded:
+            return self.empty_history()
+        k, v = self.group.layer(self.layout.layer_idx, self.storage_dtype)  # what attention reads
+        self.group.release()
+        return k.float(), v.float()
+
+    def resolved_params(self) -> dict:
+        alloc = self.group.alloc
+        return {"ratio": ratio_key(self.config.ratio), "coded_tokens": self.group.n_coded,
+                "coded_components": {kind: alloc[kind].coded_extent for kind in KINDS}}
