@@ -58,6 +58,7 @@ LENGTHS = {"smollm2": (4096, 7936), "qwen2.5-0.5b": (4096, 8192)}
 SAMPLES_PER_TASK_AND_LENGTH = 3  # 8 tasks x 2 lengths x 3 = 48 samples a cell
 BUDGETED = ("puzzle", "puzzle_plus", "anchor", "anchor_plus", "kivi", "pca_quant", "snapkv", "streaming")
 KVTC_RATIOS = (4, 8, 16)
+KVTC_RESIDENT_RATIOS = (8, 16)  # kvtc_resident: kvtc's codes held resident (4x sits above the 0.15 budget)
 PCA_QUANT_PREVIOUS = {"balance": "head", "key_metric": "variance"}
 SALIENT = 0.02  # pca_quant-salient's share of exact tokens
 
@@ -85,6 +86,8 @@ def frontier_specs(budgets: list[float], calibration: str | None, layer_profile:
     if calibration:
         specs += [MethodSpec("kvtc", None, {"ratio": float(r), "calibration": calibration}, name=f"kvtc-{r}x")
                   for r in KVTC_RATIOS]
+        specs += [MethodSpec("kvtc_resident", None, {"ratio": float(r), "calibration": calibration},
+                             name=f"kvtc_resident-{r}x") for r in KVTC_RESIDENT_RATIOS]
     return specs
 
 

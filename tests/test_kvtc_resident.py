@@ -1,0 +1,118 @@
+"""``kvtc_resident``: kvtc's codes held resident. Its coded tokens are kvtc's own (the storage codec's
+decompression of the same prefill, equal), coding continues while decoding in runs of ``block`` tokens,
+the shared codes are counted once, a copy shares the calibration but not the codes' bookkeeping, and bad
+configurations are refused by name. (The method matrix holds it to the invariants of every resident method:
+attention equals attention over ``reconstruct``, the harness's cache equals the live one, padded batches.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpack.hf.attach import attach
+from kvpack.hf.cache import cache_kwargs
+from kvpack.hf.dense import prefill
+from kvpack.hf.prefill import exact_prefill
+from kvpack.methods import get_method
+from kvpack.storage.kvtc.coder import compress_cache, decompress_cache
+
+from .helpers import TINY_KVTC_SETTINGS, tiny_kvtc, tiny_qwen2
+
+SINKS, WINDOW, BLOCK = TINY_KVTC_SETTINGS["sinks"], TINY_KVTC_SETTINGS["window"], 8
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    model, calib = tiny_kvtc()
+    directory = tmp_path_factory.mktemp("kvtc-resident-calibration")
+    calib.save(directory)
+    return model, calib, str(directory)
+
+
+def _ids(n: int, seed: int = 3) -> list[int]:
+    return torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _config(directory: str, **over) -> dict:
+    return {"calibration": directory, "ratio": 4.0, "block": BLOCK, "storage_dtype": "float32",
+            "decode_precision": "float32", **over}
+
+
+@torch.no_grad()
+def test_the_coded_tokens_are_kvtcs_own(calibrated):
+    model, calib, directory = calibrated
+    n = SINKS + WINDOW + 12 * BLOCK  # kvtc codes [sinks, n - window): a multiple of the block, so the same tokens
+    ids = _ids(n)
+    prepared = get_method("kvtc_resident", **_config(directory)).from_prefill(model, exact_prefill(model, ids))
+    blob = compress_cache(prefill(model, ids), calib, 4.0, ids, model=model)
+    dense, _ = decompress_cache(blob, calib, model, precision="float32")
+    stores = [layer.rows[0] for layer in prepared.cache.kvpack_layers]
+    assert stores[-1].group.n_coded == n - SINKS - WINDOW
+    for store in stores:
+        k_hat, v_hat = store.reconstruct()
+        want = dense.layers[store.layout.layer_idx]
+        torch.testing.assert_close(k_hat, want.keys[0].float(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v_hat, want.values[0].float(), rtol=1e-5, atol=1e-5)
+    # and they are lossy: the coded tokens differ from the exact ones, the dense ones do not
+    exact = prefill(model, ids).layers[stores[0].layout.layer_idx]
+    coded = slice(SINKS, n - WINDOW)
+    assert not torch.allclose(stores[0].reconstruct()[1][:, coded], exact.values[0, :, coded].float(), atol=1e-3)
+    torch.testing.assert_close(stores[0].reconstruct()[1][:, n - WINDOW:], exact.values[0, :, n - WINDOW:].float())
+
+
+@torch.no_grad()
+def test_decoding_codes_runs_of_block_tokens_and_counts_the_codes_once(calibrated):
+    model, _, directory = calibrated
+    ids = torch.tensor([_ids(61)])
+    with attach(model, "kvtc_resident", **_config(directory)) as cache:
+        logits = model(ids, use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
+        stores = [layer.rows[0] for layer in cache.kvpack_layers]
+        group = stores[0].group
+        assert all(s.group is group for s in stores)
+        runs_after_prefill = list(group.runs)
+        for _ in range(3 * BLOCK + 3):
+            logits = model(logits.argmax(-1, keepdim=True), use_cache=True, **cache_kwargs(model, cache)).logits[:, -1]
+            for s in stores:
+                assert WINDOW <= s.tail_k.shape[1] < WINDOW + BLOCK
+                assert s.seq_len == SINKS + group.n_coded + s.tail_k.shape[1]
+        assert group.runs[:len(runs_after_prefill)] == runs_after_prefill
+        assert group.runs[len(runs_after_prefill):] == [BLOCK] * 3
+        assert group._coefficients is None  # the forward pass's dequantized coefficients are let go
+        codes = sum(t.numel() * t.element_size() for t in group.tensors().values())
+        dense = sum(t.numel() * t.element_size() for s in stores for name, t in s.tensors().items()
+                    if name in ("sink_k", "sink_v", "tail_k", "tail_v"))
+        assert codes > 0 and cache.kv_bytes() == codes + dense  # the shared codes once, on the last layer's store
+        assert set(stores[-1].tensors()) > {"sink_k", "tail_k"} and set(stores[0].tensors()) == {
+            "sink_k", "sink_v", "tail_k", "tail_v"}
+
+
+@torch.no_grad()
+def test_a_copy_shares_the_calibration_not_the_runs(calibrated):
+    model, _, directory = calibrated
+    prepared = get_method("kvtc_resident", **_config(directory)).from_prefill(model, exact_prefill(model, _ids(70)))
+    twin = prepared.copy()
+    a, b = prepared.cache.kvpack_layers[0].rows[0].group, twin.cache.kvpack_layers[0].rows[0].group
+    assert a is not b and a.calibration is b.calibration  # the basis is the model's: never copied
+    assert all(s.group is b for layer in twin.cache.kvpack_layers for s in layer.rows)
+    a.runs.append(0)
+    assert b.runs != a.runs
+
+
+def test_bad_configurations_are_refused_by_name(calibrated, tmp_path):
+    model, _, directory = calibrated
+    with pytest.raises(ValueError, match="needs a kvtc calibration"):
+        with attach(model, "kvtc_resident", ratio=4.0):
+            pass
+    with pytest.raises(ValueError, match="no bit allocation for ratio 3"):
+        with attach(model, "kvtc_resident", calibration=directory, ratio=3.0):
+            pass
+    with pytest.raises(ValueError, match="not a budget"):
+        get_method("kvtc_resident", calibration=directory, budget=0.25)
+    with pytest.raises(ValueError, match="block must be a multiple of 8"):
+        get_method("kvtc_resident", calibration=directory, block=12)
+    with pytest.raises(ValueError, match="another model"):
+        with attach(tiny_qwen2(), "kvtc_resident", calibration=directory, ratio=4.0):
+            pass
+    with pytest.raises(FileNotFoundError, match="not a kvtc calibration directory"):
+        with attach(model, "kvtc_resident", calibration=str(tmp_path), ratio=4.0):
+            pass
