@@ -73,6 +73,8 @@ class KvtcResidentConfig(MethodConfig):
             kernel where built) or ``torch``.
     """
 
+    budget: float | None = option(None, number(0.0, 1.0, low_open=True, optional=True),
+                                  "not taken (refused): the calibrated ratio sets the codes' size")
     calibration: str | None = option(None, text(optional=True), "kvtc calibration directory (kvpack calibrate)")
     ratio: float = option(DEFAULT_RATIO, number(1.0, low_open=True), "a calibrated ratio (its bit allocation)")
     block: int = option(32, integer(minimum=8), "tokens coded together while decoding")
