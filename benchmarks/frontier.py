@@ -14,8 +14,9 @@ Methods (:func:`frontier_specs`): FullKV; at every budget PuzzleKV, ``puzzle_plu
 ``anchor_plus``, KIVI, ``pca_quant`` (also with its budget spread over the layers by the model's layer
 profile, ``pca_quant-layers``, made once into ``benchmarks/results/frontier/<model>/pca_quant-layer-profile``,
 and its previous default as ``pca_quant-head``), SnapKV, StreamingLLM; the faithful PuzzleKV with INT4
-factors at the paper's page and ranks (P = 32, ranks 16 / 14: its 18.7%-of-bytes setting); kvtc at 4x / 8x / 16x when a
-calibration is given (``--calibration``, from ``kvpack calibrate --model M``); transformers'
+factors at the paper's page and ranks (P = 32, ranks 16 / 14: its 18.7%-of-bytes setting); kvtc at 4x / 8x / 16x and
+``kvtc_resident`` (kvtc's codes held resident) at 8x / 16x when a calibration is given (``--kvtc``, or
+``--calibration`` from ``kvpack calibrate --model M``); transformers'
 ``QuantizedCache`` (quanto 4- and 2-bit, HQQ 4-bit), whose bytes follow its bits. The peers outside
 kvpack's environment run from their own scripts on the same token ids, in their own virtual
 environments, and their rows (``peer-<tool>.jsonl`` beside kvpack's) are pooled here too:
