@@ -31,11 +31,23 @@ def test_every_resident_method_but_full_has_a_backend_choice():
     assert set(resident) <= set(WITH_BACKEND)
 
 
+@pytest.fixture(scope="module")
+def smollm2_kvtc(smollm2, tmp_path_factory):
+    """``kvtc_resident``'s config on SmolLM2: a small kvtc calibration (8K tokens, 512 components, 16x) made here."""
+    from kvpack.storage.kvtc.calibration import CalibrationSettings, calibrate
+
+    settings = CalibrationSettings(tokens=8192, pca_dim=512, dp_samples=2048, ratios=(16.0,))
+    directory = tmp_path_factory.mktemp("smollm2-kvtc")
+    calibrate(smollm2[0], smollm2[1], settings, progress=False).save(directory)
+    return {"calibration": str(directory), "ratio": 16.0}
+
+
 @pytest.mark.parametrize("method", WITH_BACKEND)
-def test_native_kernels_generate_the_reference_tokens(smollm2, needle_ids, method):
+def test_native_kernels_generate_the_reference_tokens(smollm2, needle_ids, method, request):
     model, tok = smollm2
-    runs = {backend: get_method(method, attention_backend=backend).generate(model, tok, needle_ids, NEW_TOKENS,
-                                                                            NEW_TOKENS)
+    config = request.getfixturevalue("smollm2_kvtc") if method == "kvtc_resident" else {}
+    runs = {backend: get_method(method, attention_backend=backend, **config).generate(model, tok, needle_ids,
+                                                                                      NEW_TOKENS, NEW_TOKENS)
             for backend in ("torch", "auto")}
     assert runs["auto"].token_ids == runs["torch"].token_ids, (method, runs["auto"].text, runs["torch"].text)
     assert runs["auto"].kv_bytes == runs["torch"].kv_bytes
