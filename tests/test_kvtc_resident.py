@@ -14,9 +14,10 @@ from kvpack.hf.cache import cache_kwargs
 from kvpack.hf.dense import prefill
 from kvpack.hf.prefill import exact_prefill
 from kvpack.methods import get_method
+from kvpack.storage.kvtc.calibration import CalibrationSettings, calibrate
 from kvpack.storage.kvtc.coder import compress_cache, decompress_cache
 
-from .helpers import TINY_KVTC_SETTINGS, tiny_kvtc, tiny_qwen2
+from .helpers import TINY_KVTC_SETTINGS, tiny_kvtc, tiny_kvtc_chunks, tiny_qwen2
 
 SINKS, WINDOW, BLOCK = TINY_KVTC_SETTINGS["sinks"], TINY_KVTC_SETTINGS["window"], 8
 
@@ -29,6 +30,31 @@ def calibrated(tmp_path_factory):
     return model, calib, str(directory)
 
 
+@pytest.fixture(scope="module")
+def calibrated_per_layer(calibrated, tmp_path_factory):
+    """The same tiny model calibrated with one basis per layer (``layer_group=1``)."""
+    model = calibrated[0]
+    calib = calibrate(model, None, CalibrationSettings(ratios=(4.0, 8.0), layer_group=1, **TINY_KVTC_SETTINGS),
+                      chunks=tiny_kvtc_chunks(), progress=False)
+    directory = tmp_path_factory.mktemp("kvtc-resident-calibration-per-layer")
+    calib.save(directory)
+    return model, calib, str(directory)
+
+
+def test_a_per_layer_calibration_has_a_block_diagonal_orthonormal_basis(calibrated_per_layer):
+    _, calib, _ = calibrated_per_layer
+    width = calib.kv_heads * calib.head_dim
+    for kind, basis in (("keys", calib.key_basis), ("values", calib.value_basis)):
+        r = basis.shape[1]
+        torch.testing.assert_close(basis.T @ basis, torch.eye(r), atol=1e-5, rtol=0)
+        blocks = calib.component_blocks(kind, r)
+        assert set(blocks.tolist()) == {0, 1}
+        for j in range(2):  # a component of layer j's block is zero on the other layer's features
+            other = basis[(1 - j) * width:(2 - j) * width, blocks == j]
+            assert float(other.abs().max()) == 0.0
+    assert calib.layer_group == 1 and "layer_group" in calib.settings
+
+
 def _ids(n: int, seed: int = 3) -> list[int]:
     return torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -38,9 +64,10 @@ def _config(directory: str, **over) -> dict:
             "decode_precision": "float32", **over}
 
 
+@pytest.mark.parametrize("which", ["cross-layer", "per-layer"])
 @torch.no_grad()
-def test_the_coded_tokens_are_kvtcs_own(calibrated):
-    model, calib, directory = calibrated
+def test_the_coded_tokens_are_kvtcs_own(calibrated, which, request):
+    model, calib, directory = calibrated if which == "cross-layer" else request.getfixturevalue("calibrated_per_layer")
     n = SINKS + WINDOW + 12 * BLOCK  # kvtc codes [sinks, n - window): a multiple of the block, so the same tokens
     ids = _ids(n)
     prepared = get_method("kvtc_resident", **_config(directory)).from_prefill(model, exact_prefill(model, ids))

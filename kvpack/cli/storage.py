@@ -39,7 +39,8 @@ def cmd_calibrate(args) -> int:
         return _calibrate_layer_profile(args)
     chunk_tokens = args.chunk_tokens or CALIBRATION_DEFAULTS.chunk_tokens
     settings = CalibrationSettings(tokens=args.tokens, chunk_tokens=chunk_tokens, pca_dim=args.pca_dim,
-                                   ratios=_parse_ratios(args.ratios), seed=args.seed, key_rope=args.key_rope)
+                                   ratios=_parse_ratios(args.ratios), seed=args.seed, key_rope=args.key_rope,
+                                   layer_group=args.layer_group)
     model, tokenizer = load(args)
     calib = calibrate(model, tokenizer, settings, progress=not args.quiet)
     calib.save(args.out)
@@ -179,6 +180,9 @@ def add_parsers(sub) -> None:
     c.add_argument("--key-rope", default=cal.key_rope, choices=("pre", "post"),
                    help="keys in the PCA before RoPE (the paper; default %(default)s) or as cached (post: for "
                    "engines' chunks, whose positions are unknown, e.g. the LMCache serde)")
+    c.add_argument("--layer-group", type=int, default=None,
+                   help="kvtc: one PCA basis per this many consecutive layers (default: one over every layer, the "
+                        "paper's; kvtc_resident rebuilds a layer from its block alone)")
     c.add_argument("--quiet", action="store_true")
     c.set_defaults(func=cmd_calibrate)
 

@@ -111,7 +111,22 @@ class ResidentCodes:
         self.runs: list[int] = []
         self.n_coded = 0
         self.mm_dtype = inverse_dtype(config.decode_precision)
-        self._coefficients: dict[str, torch.Tensor] | None = None  # during a forward pass only
+        # A calibration with layer blocks (``layer_group``): each block's components gathered together, so a
+        # layer is rebuilt from its own block's coefficients alone. ``order[kind]``: the coded components in
+        # block order (None: one cross-layer block, component order); ``bounds[kind]``: each block's range in it.
+        self.order: dict[str, torch.Tensor | None] = {}
+        self.bounds: dict[str, list[int]] = {}
+        for kind in KINDS:
+            extent = self.alloc[kind].coded_extent
+            if calibration.layer_group is None:
+                self.order[kind], self.bounds[kind] = None, [0, extent]
+                continue
+            blocks = calibration.component_blocks(kind, extent)
+            n_blocks = -(-len(self.layer_order) // calibration.layer_group)
+            self.order[kind] = torch.argsort(blocks, stable=True)
+            self.bounds[kind] = [0, *torch.bincount(blocks, minlength=n_blocks).cumsum(0).tolist()]
+        self._bases: dict[tuple[str, int], torch.Tensor] = {}  # (kind, layer position): its block's basis rows
+        self._coefficients: dict[str, list[torch.Tensor]] | None = None  # per block; during a forward pass only
 
     def __deepcopy__(self, memo):
         new = copy.copy(self)
@@ -119,7 +134,7 @@ class ResidentCodes:
         new.stores = copy.deepcopy(self.stores, memo)
         new.sections = {kind: [dict(run) for run in runs] for kind, runs in self.sections.items()}  # immutable
         new.runs = list(self.runs)
-        new._coefficients = None
+        new._coefficients = None  # the basis rows (_bases) are shared: they never change
         return new
 
     @property
@@ -164,16 +179,36 @@ class ResidentCodes:
 
     # -- attention ----------------------------------------------------------------------------
 
-    def coefficients(self, kind: str) -> torch.Tensor:
-        """``[n_coded, r]`` dequantized coefficients of ``kind`` in the GEMM dtype (made on the first call of a
-        forward pass, dropped by :meth:`release`)."""
+    def coefficients(self, kind: str, block: int) -> torch.Tensor:
+        """``[n_coded, r_block]`` dequantized coefficients of ``kind``'s layer block ``block`` in the GEMM dtype
+        (every block's made on the first call of a forward pass, dropped by :meth:`release`)."""
         if self._coefficients is None:
             self._coefficients = {}
         if kind not in self._coefficients:
             parts = [decode_coefficients(run.__getitem__, self.alloc[kind], kind, n, self.mm_dtype)
                      for run, n in zip(self.sections[kind], self.runs)]
-            self._coefficients[kind] = torch.cat(parts) if len(parts) > 1 else parts[0]
-        return self._coefficients[kind]
+            coeffs = torch.cat(parts) if len(parts) > 1 else parts[0]
+            order, bounds = self.order[kind], self.bounds[kind]
+            if order is None:
+                self._coefficients[kind] = [coeffs]
+            else:
+                coeffs = coeffs[:, order]
+                self._coefficients[kind] = [coeffs[:, a:b].contiguous() for a, b in zip(bounds, bounds[1:])]
+        return self._coefficients[kind][block]
+
+    def basis(self, kind: str, position: int) -> torch.Tensor:
+        """``[r_block, kv_heads·d]``: the basis rows of the covered layer at ``position`` for its block's coded
+        components, in the GEMM dtype (transposed for ``X = D B``; made once per sequence)."""
+        key = (kind, position)
+        if key not in self._bases:
+            rows = self.calibration.inverse_basis(kind, position, self.alloc[kind].coded_extent, self.mm_dtype)
+            order = self.order[kind]
+            if order is not None:
+                block = position // self.calibration.layer_group
+                lo, hi = self.bounds[kind][block], self.bounds[kind][block + 1]
+                rows = rows[order[lo:hi]].contiguous()
+            self._bases[key] = rows
+        return self._bases[key]
 
     def release(self) -> None:
         """Drop the forward pass's dequantized coefficients (after the last layer attended)."""
@@ -189,9 +224,9 @@ class ResidentCodes:
         cos_sin = table.cos_sin(torch.arange(cal.sinks, cal.sinks + self.n_coded)) if table is not None else None
         lib = native()
         out = []
+        block = 0 if cal.layer_group is None else j // cal.layer_group
         for kind, mean, rope in (("keys", cal.key_mean, cos_sin), ("values", cal.value_mean, None)):
-            extent = self.alloc[kind].coded_extent
-            x = self.coefficients(kind) @ cal.inverse_basis(kind, j, extent, self.mm_dtype)
+            x = self.coefficients(kind, block) @ self.basis(kind, j)
             y = torch.empty(heads, self.n_coded, d, dtype=dtype)
             layer_out(lib, x, mean[cols], rope, y)
             out.append(y)
