@@ -136,3 +136,20 @@ def test_a_method_whose_rows_are_still_coming_does_not_headline_the_summary():
     assert best["method"] == "pca_quant"
     best, _, _ = best_per_budget([complete, {**partial, "n": 48}], "query_agnostic", 0.28)
     assert best["method"] == "pca_quant-measured"  # once it has caught up, it ranks
+
+
+def test_a_method_set_by_its_own_ratio_ranks_at_every_target_it_fits_under():
+    from kvpack.eval.frontier import best_per_budget
+
+    base = {"setting": "query_agnostic", "peer": False, "score": 0.2, "score_ci": (0.1, 0.3), "n": 48}
+    budgeted = {**base, "method": "pca_quant", "family": "pca_quant", "budget": 0.1, "bytes_ratio": 0.094, "kl": 0.2}
+    ratio = {**base, "method": "kvtc_resident-16x", "family": "kvtc_resident", "budget": None, "bytes_ratio": 0.089,
+             "kl": 0.02}
+    full = {**base, "method": "full", "family": "full", "budget": None, "bytes_ratio": 1.0, "kl": 0.0}
+    quanto = {**base, "method": "hf_quantized-quanto2", "family": "hf_quantized", "budget": None, "peer": True,
+              "bytes_ratio": 0.08, "kl": 2.0}
+    cells = [budgeted, ratio, full, quanto]
+    assert best_per_budget(cells, "query_agnostic", 0.1)[0]["method"] == "kvtc_resident-16x"  # 0.089 <= 0.1
+    assert best_per_budget(cells, "query_agnostic", 0.0625)[0] is None  # 0.089 > 0.0625; FullKV and peers never
+    best, _, peer = best_per_budget([budgeted, {**ratio, "n": 12}, quanto], "query_agnostic", 0.1)
+    assert best["method"] == "pca_quant" and peer["method"] == "hf_quantized-quanto2"  # still filling: not ranked

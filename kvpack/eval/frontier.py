@@ -231,11 +231,18 @@ def is_storage(cell: dict) -> bool:
 
 def best_per_budget(cells: list[dict], setting: str, budget: float) -> tuple[dict | None, dict | None, dict | None]:
     """``(best resident kvpack cell, best storage cell, best peer cell)`` at a budget: the resident kvpack
-    method (not FullKV, not a peer) at that target with the lowest mean KL (then the higher score), among
-    the cells with as many samples as the most complete one (a method whose rows are still coming in does
-    not rank on fewer samples); the storage codec and the peer with the lowest KL holding at most that
-    cell's measured bytes (+ :data:`BYTES_TOLERANCE`)."""
-    own = [c for c in cells if c["setting"] == setting and c["budget"] == budget and not c["peer"]
+    method (not FullKV, not a peer) at that target — or, for one set by its own parameters rather than a
+    target (``kvtc_resident``'s ratio, PuzzleKV's INT4 paper setting), holding at most the target's bytes —
+    with the lowest mean KL (then the higher score), among the cells with as many samples as the most
+    complete one (a method whose rows are still coming in does not rank on fewer samples); the storage codec
+    and the peer with the lowest KL holding at most that cell's measured bytes (+ :data:`BYTES_TOLERANCE`)."""
+
+    def at_target(c: dict) -> bool:
+        if c["budget"] is None:
+            return c["bytes_ratio"] is not None and c["bytes_ratio"] <= budget
+        return c["budget"] == budget
+
+    own = [c for c in cells if c["setting"] == setting and at_target(c) and not c["peer"]
            and c["family"] != REFERENCE and not is_storage(c) and c["n"]]
     if not own:
         return None, None, None
