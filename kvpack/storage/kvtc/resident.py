@@ -28,7 +28,8 @@ sinks', the tail's and the chunk's. So a forward pass holds, besides the residen
 coefficients (``n · (r_keys + r_values)`` elements in the GEMM dtype) and one layer's rebuilt keys and
 values — the dense history of every layer never exists at once.
 
-Bytes (``nbytes()``): each layer's sinks and tail; the shared codes, counted once, on the last layer's store
+It runs on the CPU (a cache on another device is refused by name). Bytes (``nbytes()``): each layer's sinks and
+tail; the shared codes, counted once, on the last layer's store
 (the one that codes them). The calibration (basis and means, per model, like the weights) is not counted.
 """
 
@@ -163,6 +164,8 @@ class ResidentCodes:
         n = ready // self.config.block * self.config.block
         if n <= 0:
             return
+        if stores[-1].tail_k.device.type != "cpu":
+            raise ValueError(f"kvtc_resident runs on the CPU; the cache's keys are on {stores[-1].tail_k.device}")
         start = self.calibration.sinks + self.n_coded
         popped = [s.pop_tail(n) for s in stores]
         positions = torch.arange(start, start + n)
@@ -297,6 +300,9 @@ class KvtcResidentStore(SegmentedStore):
         group = self.group
         if not group.n_coded:
             return []
+        if qg.device.type != "cpu":  # the codes, the calibration and kvtc's native passes are the CPU's
+            raise ValueError(f"kvtc_resident runs on the CPU; layer {self.layout.layer_idx}'s queries are on "
+                             f"{qg.device}")
         k, v = group.layer(self.layout.layer_idx, self.storage_dtype)
         if self.layout.layer_idx == group.last_layer:
             group.release()
