@@ -28,9 +28,10 @@ sinks', the tail's and the chunk's. So a forward pass holds, besides the residen
 coefficients (``n · (r_keys + r_values)`` elements in the GEMM dtype) and one layer's rebuilt keys and
 values — the dense history of every layer never exists at once.
 
-It runs on the CPU (a cache on another device is refused by name). Bytes (``nbytes()``): each layer's sinks and
-tail; the shared codes, counted once, on the last layer's store
-(the one that codes them). The calibration (basis and means, per model, like the weights) is not counted.
+It runs on the CPU (a cache on another device is refused by name).
+
+Bytes (``nbytes()``): each layer's sinks and tail; the shared codes, counted once, on the last layer's store (the
+one that codes them). The calibration (basis and means, per model, like the weights) is not counted.
 """
 
 from __future__ import annotations
