@@ -79,7 +79,7 @@ class CalibrationSettings:
             consecutive layers (exact eigendecompositions; the basis is block-diagonal, its components of all
             blocks ordered by variance), so a layer is rebuilt from its block's components alone — what
             ``kvtc_resident`` decodes per layer at every step (cheaper by about the number of blocks), at a
-            cost in error (SmolLM2 at 16x: 2.9x the KL with blocks of 5 layers).
+            cost in error (SmolLM2 at 16x: 2.7–2.9x the KL with blocks of 5 layers).
     """
 
     tokens: int = option(32768, integer(minimum=1), "calibration tokens")
