@@ -232,7 +232,11 @@ class Calibration:
 
     def check_model(self, model: torch.nn.Module) -> None:
         """Raise ``ValueError`` unless ``model`` is the model this calibration was made for."""
-        fp = model_fingerprint(model)
+        self.check_fingerprint(model_fingerprint(model))
+
+    def check_fingerprint(self, fp: dict) -> None:
+        """Raise ``ValueError`` unless ``fp`` (:func:`~kvpack.hf.fingerprint.model_fingerprint`) is the
+        calibrated model's."""
         if fp["hash"] != self.fingerprint["hash"]:
             raise ValueError(
                 f"calibration was made for another model ({self.fingerprint['architecture']}, "

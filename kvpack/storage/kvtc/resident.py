@@ -129,6 +129,7 @@ class ResidentCodes:
             self.bounds[kind] = [0, *torch.bincount(blocks, minlength=n_blocks).cumsum(0).tolist()]
         self._bases: dict[tuple[str, int], torch.Tensor] = {}  # (kind, layer position): its block's basis rows
         self._coefficients: dict[str, list[torch.Tensor]] | None = None  # per block; during a forward pass only
+        self._cos_sin: dict = {}  # rotary table -> the coded positions' (cos, sin); during a forward pass only
 
     def __deepcopy__(self, memo):
         new = copy.copy(self)
@@ -136,7 +137,7 @@ class ResidentCodes:
         new.stores = copy.deepcopy(self.stores, memo)
         new.sections = {kind: [dict(run) for run in runs] for kind, runs in self.sections.items()}  # immutable
         new.runs = list(self.runs)
-        new._coefficients = None  # the basis rows (_bases) are shared: they never change
+        new._coefficients, new._cos_sin = None, {}  # the basis rows (_bases) are shared: they never change
         return new
 
     @property
@@ -179,7 +180,7 @@ class ResidentCodes:
             self.sections[kind].append(encode_coefficients(features[kind], mean, basis, self.alloc[kind], kind))
         self.runs.append(n)
         self.n_coded += n
-        self._coefficients = None
+        self.release()
 
     # -- attention ----------------------------------------------------------------------------
 
@@ -215,8 +216,19 @@ class ResidentCodes:
         return self._bases[key]
 
     def release(self) -> None:
-        """Drop the forward pass's dequantized coefficients (after the last layer attended)."""
-        self._coefficients = None
+        """Drop the forward pass's dequantized coefficients and RoPE tables (after the last layer attended)."""
+        self._coefficients, self._cos_sin = None, {}
+
+    def rope(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos, sin ``[n_coded, d]`` of the coded positions in the layer's rotary table (None where the keys are
+        coded after RoPE), made once per forward pass per table (the layers share their model's tables)."""
+        table = self.rotary[layer_idx]
+        if table is None:
+            return None
+        if table not in self._cos_sin:
+            start = self.calibration.sinks
+            self._cos_sin[table] = table.cos_sin(torch.arange(start, start + self.n_coded))
+        return self._cos_sin[table]
 
     def layer(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer_idx``'s coded tokens rebuilt: keys (post-RoPE) and values ``[kv_heads, n_coded, d]`` in
@@ -224,8 +236,7 @@ class ResidentCodes:
         cal, j = self.calibration, self.position[layer_idx]
         heads, d = cal.kv_heads, cal.head_dim
         cols = slice(j * heads * d, (j + 1) * heads * d)
-        table = self.rotary[layer_idx]
-        cos_sin = table.cos_sin(torch.arange(cal.sinks, cal.sinks + self.n_coded)) if table is not None else None
+        cos_sin = self.rope(layer_idx)
         lib = native()
         out = []
         block = 0 if cal.layer_group is None else j // cal.layer_group
@@ -254,13 +265,7 @@ class KvtcResidentStore(SegmentedStore):
     @classmethod
     def check_model(cls, config: KvtcResidentConfig, fingerprint) -> None:
         cal = cls._calibration(config)
-        theirs = fingerprint()
-        if theirs["hash"] != cal.fingerprint["hash"]:
-            raise ValueError(
-                f"the kvtc calibration {config.calibration} was made for another model "
-                f"({cal.fingerprint['architecture']}, {cal.fingerprint['layers']} layers, fingerprint "
-                f"{cal.fingerprint['hash'][:12]}) than this one ({theirs['architecture']}, {theirs['layers']} "
-                f"layers, fingerprint {theirs['hash'][:12]})")
+        cal.check_fingerprint(fingerprint())
         cal.allocation(config.ratio)  # refuses an uncalibrated ratio, naming the calibrated ones
 
     @classmethod
