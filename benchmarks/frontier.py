@@ -63,13 +63,13 @@ KVTC_RATIOS = (4, 8, 16)
 # frontier's kvtc calibration lacks comes from a twin calibration of the same basis, ``<calibration>-<ratio>``
 # (kvpack calibrate's defaults at ratios 16 and that one), so kvtc's own rows keep their calibration.
 KVTC_RESIDENT_RATIOS = (8, 16, 32)
+PCA_QUANT_PREVIOUS = {"balance": "head", "key_metric": "variance"}
+SALIENT = 0.02  # pca_quant-salient's share of exact tokens
 
 
 def resident_calibration(calibration: str, ratio: int) -> str:
     """The calibration ``kvtc_resident`` at ``ratio`` uses: the frontier's kvtc calibration, or its twin."""
     return calibration if ratio in KVTC_RATIOS else f"{calibration}-{ratio}"
-PCA_QUANT_PREVIOUS = {"balance": "head", "key_metric": "variance"}
-SALIENT = 0.02  # pca_quant-salient's share of exact tokens
 
 
 def frontier_specs(budgets: list[float], calibration: str | None, layer_profile: str | None = None):
@@ -270,10 +270,9 @@ def main() -> int:
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     if args.kvtc:
         ensure_calibration(model, tokenizer, calibration)
-        for r in KVTC_RESIDENT_RATIOS:
-            if resident_calibration(calibration, r) != calibration and any(
-                    s.name == f"kvtc_resident-{r}x" for s in run_specs):
-                ensure_calibration(model, tokenizer, resident_calibration(calibration, r), (16, r))
+        for s in run_specs:  # the twins (a ratio the frontier's calibration lacks) of the rows to run
+            if s.method == "kvtc_resident" and s.config["calibration"] != calibration:
+                ensure_calibration(model, tokenizer, s.config["calibration"], (16, int(s.config["ratio"])))
     if any(s.name == "pca_quant-layers" for s in run_specs):
         ensure_layer_profile(model, tokenizer, layer_profile)
     run_eval(model, tokenizer, plan, out, row_fields=machine_fields(args.dtype), rows_by_method=True)

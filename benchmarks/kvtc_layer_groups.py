@@ -4,9 +4,10 @@ cross-layer basis: the same features, the same DP bit allocation and the same co
 cross-layer transform itself is worth — and what a resident code restricted to one layer (which attention could
 read layer by layer) or a few layers would give up.
 
-Each group's basis is the exact eigendecomposition of its features' covariance over the calibration positions
-(kvtc's settings and corpus); the components of all groups are ordered by variance (the DP's aligned groups of
-consecutive components assume it) and cut at kvtc's ``pca_dim``.
+Each group's basis is :func:`kvpack.storage.kvtc.calibration.block_pca` (the exact eigendecomposition of its
+features' covariance over the calibration positions, kvtc's settings and corpus; the components of all groups
+ordered by variance and cut at kvtc's ``pca_dim``), as ``kvpack calibrate --layer-group`` makes it; this script
+adds one basis per KV head, and writes every group size from one pass over the corpus.
 
 Usage:
     python benchmarks/kvtc_layer_groups.py --model smollm2 --out DIR_PREFIX head 1 5   # writes DIR_PREFIX-head, -1, -5
@@ -36,6 +37,7 @@ def main() -> None:
         CalibrationSettings,
         _calibration_chunks,
         _truncate,
+        block_pca,
         collect_features,
         ratio_key,
     )
@@ -55,25 +57,14 @@ def main() -> None:
         size = shape["head_dim"] if group == "head" else int(group) * width
         means, bases, allocations = {}, {}, {}
         for kind, data in (("keys", keys), ("values", values)):
-            mean = data.mean(0)
-            x = data - mean
-            columns, variances = [], []
-            for first in range(0, p_features, size):
-                block = x[:, first:first + size].double()
-                lam, vec = torch.linalg.eigh(block.T @ block / n)
-                full = torch.zeros(p_features, vec.shape[1], dtype=torch.float64)
-                full[first:first + size] = vec
-                columns.append(full)
-                variances.append(lam)
-            lam = torch.cat(variances)
-            order = torch.argsort(lam, descending=True)[:settings.pca_dim]
-            basis = torch.cat(columns, 1)[:, order].float().contiguous()
-            errors = aligned_group_errors(x[dp_pick] @ basis)
+            mean, basis, sv = block_pca(data, size, settings.pca_dim)
+            errors = aligned_group_errors((data - mean)[dp_pick] @ basis)
             for ratio in settings.ratios:
                 allocations.setdefault(ratio_key(ratio), {})[kind] = allocate_bits(
                     errors, basis.shape[1], int(BF16_BITS * p_features // ratio))
             means[kind], bases[kind] = mean, basis
-            leading = float(lam[order][:256].sum() / lam.sum())
+            total = float((data - mean).pow(2).sum())
+            leading = float(sv[:256].double().pow(2).sum() / total)
             print(f"{group}: {kind} variance in the leading 256 components {leading:.3f}", flush=True)
         for kind in ("keys", "values"):
             used = max(a[kind].coded_extent for a in allocations.values())
