@@ -113,6 +113,53 @@ def test_decoding_codes_runs_of_block_tokens_and_counts_the_codes_once(calibrate
             "sink_k", "sink_v", "tail_k", "tail_v"}
 
 
+def _group(model, directory: str, ids: list[int], **over):
+    prepared = get_method("kvtc_resident", **_config(directory, **over)).from_prefill(model, exact_prefill(model, ids))
+    return prepared.cache.kvpack_layers[0].rows[0].group
+
+
+def _attended(group, layer_idx: int, qg: torch.Tensor, scaling: float) -> torch.Tensor:
+    state = group.attend(layer_idx, qg, scaling, "torch")
+    out = state.o / state.l.unsqueeze(-1)
+    group.release()
+    return out.double()
+
+
+@torch.no_grad()
+def test_values_contracted_on_the_coefficients_equal_the_rebuilt_values(calibrated, monkeypatch):
+    """``(P D) Bᵀ + (P 1) μ`` is ``P V`` for the rebuilt ``V``: equal in fp32 GEMMs; in bf16 each path rounds
+    its own products, and the coefficients' are no worse than the rebuild's. ``auto`` takes the coefficients
+    for decode-sized query rows only."""
+    model, _, directory = calibrated
+    ids = _ids(SINKS + WINDOW + 12 * BLOCK)
+    exact = _group(model, directory, ids)  # fp32 GEMMs (_config)
+    paths = {(precision, path): _group(model, directory, ids, decode_precision=precision, value_path=path)
+             for precision in ("float32", "bfloat16") for path in ("coefficients", "rebuild")}
+    heads, d = exact.calibration.kv_heads, exact.calibration.head_dim
+    g = torch.Generator().manual_seed(0)
+    for layer_idx in exact.layer_order:
+        k, v = exact.layer(layer_idx)
+        exact.release()
+        qg = torch.randn(heads, 5, d, generator=g) * 2
+        p = torch.softmax(qg.double() @ k.double().transpose(1, 2) * d ** -0.5, dim=-1)
+        ref = p @ v.double()
+        err = {}
+        for (precision, path), group in paths.items():
+            err[precision, path] = float((_attended(group, layer_idx, qg, d ** -0.5) - ref).abs().max())
+        scale = float(ref.abs().max())
+        assert err["float32", "coefficients"] < 1e-5 * scale and err["float32", "rebuild"] < 1e-5 * scale, err
+        assert 0 < err["bfloat16", "coefficients"] < 2e-2 * scale, err  # bf16 rounds: the check is not vacuous
+        assert err["bfloat16", "coefficients"] <= 1.5 * err["bfloat16", "rebuild"], err
+    calls = []
+    original = type(exact).contract_values
+    monkeypatch.setattr(type(exact), "contract_values", lambda self, *a: calls.append(1) or original(self, *a))
+    layer_idx = exact.layer_order[0]
+    _attended(exact, layer_idx, torch.randn(heads, d - 1, d, generator=g), d ** -0.5)
+    assert len(calls) == 1
+    _attended(exact, layer_idx, torch.randn(heads, d, d, generator=g), d ** -0.5)  # a prefill chunk: rebuilt
+    assert len(calls) == 1
+
+
 @torch.no_grad()
 def test_a_copy_shares_the_calibration_not_the_runs(calibrated):
     model, _, directory = calibrated

@@ -51,7 +51,9 @@ MATRIX: dict[str, dict] = {
     "snapkv": {"budget": 0.5, "window": 8},
     "hf_quantized": {"group_size": 16, "residual_length": 16},  # transformers' QuantizedCache (quanto)
     "kvtc": {"ratio": 4.0},  # storage: compressed on demand (its calibration comes with the call)
-    "kvtc_resident": {"ratio": 4.0, "block": 8},  # + the model's kvtc calibration (_config)
+    # + the model's kvtc calibration (_config). fp32 GEMMs: decoding contracts the values on the coefficients,
+    # reconstruct rebuilds them, and in bf16 the two round different products (test_kvtc_resident bounds that)
+    "kvtc_resident": {"ratio": 4.0, "block": 8, "decode_precision": "float32"},
 }
 CALIBRATED = {"kvtc_resident"}  # resident methods that need the model's kvtc calibration
 

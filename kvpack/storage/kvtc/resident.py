@@ -21,12 +21,17 @@ Layout of one sequence (all layers share one :class:`ResidentCodes`):
   the codes do not depend on ``block``: a token is coded exactly as kvtc's storage codec codes it.
 
 Attention at layer ``l``: the coded tokens' coefficients ``D [n, r]`` are dequantized once per forward pass
-(the first layer's attention; kept until the last layer has attended, then dropped), the layer's keys and
-values rebuilt, ``X_l = D B_lᵀ + μ_l`` (the calibration's basis rows of layer ``l``; bf16 GEMM where the
-CPU multiplies bf16 natively) with RoPE re-applied, and attended as a dense partial state merged with the
-sinks', the tail's and the chunk's. So a forward pass holds, besides the resident codes, the dequantized
-coefficients (``n · (r_keys + r_values)`` elements in the GEMM dtype) and one layer's rebuilt keys and
-values — the dense history of every layer never exists at once.
+(the first layer's attention; kept until the last layer has attended, then dropped). The layer's keys are
+rebuilt, ``K_l = D_K B_{K,l}ᵀ + μ_{K,l}`` (the calibration's basis rows of layer ``l``; bf16 GEMM where the
+CPU multiplies bf16 natively) with RoPE re-applied. Its values need no rebuilding for a few query rows
+(``value_path``): values are coded before any rotation, so for the softmax weights ``P [rows, n]`` of a
+KV head ``h``, ``P V_h = (P D_V) B_{V,h}ᵀ + (P 1) μ_{V,h}`` — one ``[rows, n] @ [n, r]`` product per layer
+instead of rebuilding ``[n, H·d]`` (``rows · r`` against ``n · r · H · d / rows`` multiply-adds per
+head; a decode step has ``rows`` = the query heads per KV head). Prefill chunks (``rows ≥ d``) rebuild the
+values too and attend the layer as a dense partial state. Either state is merged with the sinks', the tail's
+and the chunk's. So a forward pass holds, besides the resident codes, the dequantized coefficients
+(``n · (r_keys + r_values)`` elements in the GEMM dtype) and one layer's rebuilt keys (and values) in fp32 —
+the dense history of every layer never exists at once.
 
 It runs on the CPU (a cache on another device is refused by name).
 
@@ -42,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from ...attention.dense import dense_state
-from ...attention.softmax_merge import PartialAttention
+from ...attention.softmax_merge import PartialAttention, state_from_logits
 from ...config import MethodConfig, choice, integer, number, option, text
 from ...registry import register_method
 from ...resident.base import LayerLayout
@@ -55,6 +60,7 @@ from .native import native
 
 KINDS = ("keys", "values")
 PARTS = ("codes", "shift", "scale")
+VALUE_PATHS = ("auto", "coefficients", "rebuild")
 
 
 DEFAULT_RATIO = 16.0
@@ -73,6 +79,10 @@ class KvtcResidentConfig(MethodConfig):
             multiplies bf16 natively, else fp32), ``float32`` or ``bfloat16`` (kvtc's ``decode_precision``).
         attention_backend: the dense partial state over the rebuilt layer: ``auto`` (kvpack's native CPU
             kernel where built) or ``torch``.
+        value_path: how attention contracts the coded values: ``coefficients`` (the softmax weights times the
+            coefficients, then the layer's basis rows; nothing rebuilt), ``rebuild`` (the layer's values rebuilt
+            and attended densely) or ``auto`` (coefficients when a KV head has fewer query rows than ``d``, as
+            in decoding; rebuilt for prefill chunks).
     """
 
     budget: float | None = option(None, number(0.0, 1.0, low_open=True, optional=True),
@@ -82,6 +92,7 @@ class KvtcResidentConfig(MethodConfig):
     block: int = option(32, integer(minimum=8), "tokens coded together while decoding")
     decode_precision: str = option("auto", choice(*DECODE_PRECISIONS), "the rebuild GEMM: auto, float32, bfloat16")
     attention_backend: str = option("auto", choice("auto", "torch"), "dense partial: auto (native) or torch")
+    value_path: str = option("auto", choice(*VALUE_PATHS), "coded values: auto, coefficients or rebuild")
 
     def check(self) -> None:
         if self.budget is not None:
@@ -230,22 +241,55 @@ class ResidentCodes:
             self._cos_sin[table] = table.cos_sin(torch.arange(start, start + self.n_coded))
         return self._cos_sin[table]
 
-    def layer(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer_idx``'s coded tokens rebuilt: keys (post-RoPE) and values ``[kv_heads, n_coded, d]`` in
-        ``dtype`` (kvtc's inverse projection and output pass, :func:`~kvpack.storage.kvtc.coder.layer_out`)."""
+    def _rebuilt(self, kind: str, layer_idx: int) -> torch.Tensor:
+        """Layer ``layer_idx``'s coded ``kind`` rebuilt, fp32 ``[kv_heads, n_coded, d]`` (keys post-RoPE): kvtc's
+        inverse projection in the GEMM dtype and its output pass (:func:`~kvpack.storage.kvtc.coder.layer_out`).
+        fp32 because the rebuilt layer is transient: rounding it to the storage dtype would save nothing."""
         cal, j = self.calibration, self.position[layer_idx]
         heads, d = cal.kv_heads, cal.head_dim
         cols = slice(j * heads * d, (j + 1) * heads * d)
-        cos_sin = self.rope(layer_idx)
-        lib = native()
-        out = []
-        block = 0 if cal.layer_group is None else j // cal.layer_group
-        for kind, mean, rope in (("keys", cal.key_mean, cos_sin), ("values", cal.value_mean, None)):
-            x = self.coefficients(kind, block) @ self.basis(kind, j)
-            y = torch.empty(heads, self.n_coded, d, dtype=dtype)
-            layer_out(lib, x, mean[cols], rope, y)
-            out.append(y)
-        return out[0], out[1]
+        mean, rope = (cal.key_mean, self.rope(layer_idx)) if kind == "keys" else (cal.value_mean, None)
+        x = self.coefficients(kind, self.block_of(j)) @ self.basis(kind, j)
+        y = torch.empty(heads, self.n_coded, d, dtype=torch.float32)
+        layer_out(native(), x, mean[cols], rope, y)
+        return y
+
+    def block_of(self, position: int) -> int:
+        """The layer block (of the calibration's ``layer_group``) of the covered layer at ``position``."""
+        return 0 if self.calibration.layer_group is None else position // self.calibration.layer_group
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_idx``'s coded tokens rebuilt: keys (post-RoPE) and values fp32 ``[kv_heads, n_coded, d]``."""
+        return self._rebuilt("keys", layer_idx), self._rebuilt("values", layer_idx)
+
+    def contract_values(self, layer_idx: int, p: torch.Tensor) -> torch.Tensor:
+        """``P V`` without the values: ``p [kv_heads, rows, n_coded]`` (softmax weights, fp32 or fp64) times
+        layer ``layer_idx``'s coded values, ``[kv_heads, rows, d]`` in ``p``'s dtype, as
+        ``(P D) B_hᵀ + (P 1) μ_h`` — exact algebra, since values are coded with no rotation. The products
+        run in the GEMM dtype (``P`` rounded to it, products accumulated in fp32 and rounded to it, as the
+        rebuild's GEMM rounds ``D B``); fp64 weights (references) multiply in fp64."""
+        cal, j = self.calibration, self.position[layer_idx]
+        heads, d = cal.kv_heads, cal.head_dim
+        rows = p.shape[1]
+        coeffs, basis = self.coefficients("values", self.block_of(j)), self.basis("values", j)  # [n, r], [r, H·d]
+        mm = torch.float64 if p.dtype == torch.float64 else coeffs.dtype
+        pd = (p.reshape(heads * rows, -1).to(mm) @ coeffs.to(mm)).to(p.dtype).view(heads, rows, -1)  # [H, rows, r]
+        per_head = basis.to(p.dtype).view(-1, heads, d).transpose(0, 1)  # [H, r, d]
+        mean = cal.value_mean[j * heads * d:(j + 1) * heads * d].to(p.dtype).view(heads, 1, d)
+        return torch.bmm(pd, per_head) + p.sum(-1, keepdim=True) * mean
+
+    def attend(self, layer_idx: int, qg: torch.Tensor, scaling: float, backend: str) -> PartialAttention:
+        """Partial state of grouped queries ``qg [kv_heads, rows, d]`` over layer ``layer_idx``'s coded tokens:
+        scores on the rebuilt keys, values contracted on the coefficients (:meth:`contract_values`) when
+        ``value_path`` picks it, else the rebuilt layer attended densely (:func:`dense_state`)."""
+        path = self.config.value_path
+        if path == "rebuild" or (path == "auto" and qg.shape[1] >= self.calibration.head_dim):
+            k, v = self.layer(layer_idx)
+            return dense_state(qg, k, v, scaling, backend)
+        k = self._rebuilt("keys", layer_idx)
+        compute = torch.float64 if qg.dtype == torch.float64 else torch.float32
+        logits = torch.matmul(qg.to(compute), k.to(compute).transpose(1, 2)) * scaling  # [H, rows, n]
+        return state_from_logits(logits, lambda p: self.contract_values(layer_idx, p))
 
 
 @register_method("kvtc_resident")
@@ -309,17 +353,17 @@ class KvtcResidentStore(SegmentedStore):
         if qg.device.type != "cpu":  # the codes, the calibration and kvtc's native passes are the CPU's
             raise ValueError(f"kvtc_resident runs on the CPU; layer {self.layout.layer_idx}'s queries are on "
                              f"{qg.device}")
-        k, v = group.layer(self.layout.layer_idx, self.storage_dtype)
+        state = group.attend(self.layout.layer_idx, qg, scaling, self.attention_backend)
         if self.layout.layer_idx == group.last_layer:
             group.release()
-        return [dense_state(qg, k, v, scaling, self.attention_backend)]
+        return [state]
 
     def history_dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.group.n_coded:
             return self.empty_history()
-        k, v = self.group.layer(self.layout.layer_idx, self.storage_dtype)  # what attention reads
+        k, v = self.group.layer(self.layout.layer_idx)  # what the rebuild path reads
         self.group.release()
-        return k.float(), v.float()
+        return k, v
 
     def resolved_params(self) -> dict:
         alloc = self.group.alloc
