@@ -61,7 +61,7 @@ def _ids(n: int, seed: int = 3) -> list[int]:
 
 def _config(directory: str, **over) -> dict:
     return {"calibration": directory, "ratio": 4.0, "block": BLOCK, "storage_dtype": "float32",
-            "decode_precision": "float32", **over}
+            "decode_precision": "float32", "encode_precision": "float32", **over}
 
 
 @pytest.mark.parametrize("which", ["cross-layer", "per-layer"])
@@ -158,6 +158,30 @@ def test_values_contracted_on_the_coefficients_equal_the_rebuilt_values(calibrat
     assert len(calls) == 1
     _attended(exact, layer_idx, torch.randn(heads, d, d, generator=g), d ** -0.5)  # a prefill chunk: rebuilt
     assert len(calls) == 1
+
+
+@torch.no_grad()
+def test_coding_in_bf16_leaves_the_coding_error_as_it_is(calibrated):
+    """bf16 projection GEMMs (``encode_precision``) change some codes, but not the error of the coded cache."""
+    model, _, directory = calibrated
+    ids = _ids(SINKS + WINDOW + 12 * BLOCK)
+    exact = prefill(model, ids)
+    errors, codes = {}, {}
+    for precision in ("float32", "bfloat16"):
+        group = _group(model, directory, ids, encode_precision=precision)
+        codes[precision] = group.sections["values"][0]["values_codes"]
+        error = total = 0.0
+        for layer_idx in group.layer_order:
+            k, v = group.layer(layer_idx)
+            coded = slice(SINKS, SINKS + group.n_coded)
+            for rebuilt, want in ((k, exact.layers[layer_idx].keys[0, :, coded]),
+                                  (v, exact.layers[layer_idx].values[0, :, coded])):
+                error += float(((rebuilt.double() - want.double()) ** 2).sum())
+                total += float((want.double() ** 2).sum())
+        group.release()
+        errors[precision] = error / total
+    assert not torch.equal(codes["float32"], codes["bfloat16"])  # the bf16 GEMM did run
+    assert 0 < errors["float32"] and abs(errors["bfloat16"] / errors["float32"] - 1) < 0.05, errors
 
 
 @torch.no_grad()

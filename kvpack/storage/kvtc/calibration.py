@@ -146,8 +146,10 @@ class Calibration:
     settings: dict
     stats: dict = field(default_factory=dict)
     calibration_id: str = ""
-    # inverse_basis's copies, made on first use: ``{(kind, layer, dtype): [r, width]}``
+    # inverse_basis's and projection's copies, made on first use: ``{(kind, layer, dtype): [r, width]}``,
+    # ``{(kind, extent, dtype): [p, extent]}``
     _inverse_bases: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _projections: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.calibration_id:
@@ -213,6 +215,15 @@ class Calibration:
                 basis = basis[layer * width:(layer + 1) * width]
             self._inverse_bases[key] = basis.T.to(dtype).contiguous()
         return self._inverse_bases[key][:extent]
+
+    def projection(self, kind: str, extent: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[p, extent]`` contiguous in ``dtype``: the first ``extent`` basis vectors, what coding projects
+        the centred features ``[T, p]`` on; made once per (kind, extent, dtype) and kept."""
+        key = (kind, extent, dtype)
+        if key not in self._projections:
+            basis = self.key_basis if kind == "keys" else self.value_basis
+            self._projections[key] = basis[:, :extent].to(dtype).contiguous()
+        return self._projections[key]
 
     def ratios(self) -> list[float]:
         return sorted(float(k) for k in self.allocations)

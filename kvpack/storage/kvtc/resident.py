@@ -77,6 +77,8 @@ class KvtcResidentConfig(MethodConfig):
             Codes are per token, so it sets how often coding runs, not what the codes are.
         decode_precision: the GEMM that rebuilds a layer from the coefficients: ``auto`` (bf16 where the CPU
             multiplies bf16 natively, else fp32), ``float32`` or ``bfloat16`` (kvtc's ``decode_precision``).
+        encode_precision: the GEMM that projects tokens on the basis when they are coded: the same choices
+            (``float32``: kvtc's codec's own codes, bit for bit).
         attention_backend: the dense partial state over the rebuilt layer: ``auto`` (kvpack's native CPU
             kernel where built) or ``torch``.
         value_path: how attention contracts the coded values: ``coefficients`` (the softmax weights times the
@@ -91,6 +93,7 @@ class KvtcResidentConfig(MethodConfig):
     ratio: float = option(DEFAULT_RATIO, number(1.0, low_open=True), "a calibrated ratio (its bit allocation)")
     block: int = option(32, integer(minimum=8), "tokens coded together while decoding")
     decode_precision: str = option("auto", choice(*DECODE_PRECISIONS), "the rebuild GEMM: auto, float32, bfloat16")
+    encode_precision: str = option("auto", choice(*DECODE_PRECISIONS), "the coding GEMM: auto, float32, bfloat16")
     attention_backend: str = option("auto", choice("auto", "torch"), "dense partial: auto (native) or torch")
     value_path: str = option("auto", choice(*VALUE_PATHS), "coded values: auto, coefficients or rebuild")
 
@@ -124,6 +127,7 @@ class ResidentCodes:
         self.runs: list[int] = []
         self.n_coded = 0
         self.mm_dtype = inverse_dtype(config.decode_precision)
+        self.encode_dtype = inverse_dtype(config.encode_precision)
         # A calibration with layer blocks (``layer_group``): each block's components gathered together, so a
         # layer is rebuilt from its own block's coefficients alone. ``order[kind]``: the coded components in
         # block order (None: one cross-layer block, component order); ``bounds[kind]``: each block's range in it.
@@ -187,7 +191,8 @@ class ResidentCodes:
             "values": to_features([v for _, v in popped], None, positions),
         }
         cal = self.calibration
-        for kind, mean, basis in (("keys", cal.key_mean, cal.key_basis), ("values", cal.value_mean, cal.value_basis)):
+        for kind, mean in (("keys", cal.key_mean), ("values", cal.value_mean)):
+            basis = cal.projection(kind, self.alloc[kind].coded_extent, self.encode_dtype)
             self.sections[kind].append(encode_coefficients(features[kind], mean, basis, self.alloc[kind], kind))
         self.runs.append(n)
         self.n_coded += n
