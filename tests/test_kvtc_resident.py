@@ -125,12 +125,13 @@ def _attended(group, layer_idx: int, qg: torch.Tensor, scaling: float) -> torch.
     return out.double()
 
 
+@pytest.mark.parametrize("which", ["cross-layer", "per-layer"])
 @torch.no_grad()
-def test_values_contracted_on_the_coefficients_equal_the_rebuilt_values(calibrated, monkeypatch):
+def test_values_contracted_on_the_coefficients_equal_the_rebuilt_values(calibrated, which, request, monkeypatch):
     """``(P D) Bᵀ + (P 1) μ`` is ``P V`` for the rebuilt ``V``: equal in fp32 GEMMs; in bf16 each path rounds
     its own products, and the coefficients' are no worse than the rebuild's. ``auto`` takes the coefficients
-    for decode-sized query rows only."""
-    model, _, directory = calibrated
+    for decode-sized query rows only. With a basis per layer, each layer's own block of components."""
+    model, _, directory = calibrated if which == "cross-layer" else request.getfixturevalue("calibrated_per_layer")
     ids = _ids(SINKS + WINDOW + 12 * BLOCK)
     exact = _group(model, directory, ids)  # fp32 GEMMs (_config)
     paths = {(precision, path): _group(model, directory, ids, decode_precision=precision, value_path=path)
