@@ -41,6 +41,35 @@ def calibrated_per_layer(calibrated, tmp_path_factory):
     return model, calib, str(directory)
 
 
+@pytest.fixture(scope="module")
+def calibrated_keys_per_layer(calibrated, tmp_path_factory):
+    """The same tiny model calibrated with one key basis per layer and kvtc's cross-layer value basis."""
+    model = calibrated[0]
+    calib = calibrate(model, None, CalibrationSettings(ratios=(4.0, 8.0), key_layer_group=1, **TINY_KVTC_SETTINGS),
+                      chunks=tiny_kvtc_chunks(), progress=False)
+    directory = tmp_path_factory.mktemp("kvtc-resident-calibration-keys-per-layer")
+    calib.save(directory)
+    return model, calib, str(directory)
+
+
+CALIBRATIONS = {"cross-layer": "calibrated", "per-layer": "calibrated_per_layer",
+                "keys-per-layer": "calibrated_keys_per_layer"}
+
+
+def test_a_keys_per_layer_calibration_blocks_the_keys_only(calibrated_keys_per_layer, calibrated):
+    _, calib, _ = calibrated_keys_per_layer
+    assert calib.layer_group("keys") == 1 and calib.layer_group("values") is None
+    assert set(calib.component_blocks("keys", calib.key_basis.shape[1]).tolist()) == {0, 1}
+    width = calib.kv_heads * calib.head_dim
+    r = calib.key_basis.shape[1]
+    blocks = calib.component_blocks("keys", r)
+    assert float(calib.key_basis[width:, blocks == 0].abs().max()) == 0.0
+    cross = calibrated[1]  # the values' basis is the cross-layer one (same corpus and settings; each calibration
+    common = min(calib.value_basis.shape[1], cross.value_basis.shape[1])  # keeps the components its ratios code)
+    torch.testing.assert_close(calib.value_basis[:, :common].abs(), cross.value_basis[:, :common].abs(), atol=1e-4,
+                               rtol=0)
+
+
 def test_a_per_layer_calibration_has_a_block_diagonal_orthonormal_basis(calibrated_per_layer):
     _, calib, _ = calibrated_per_layer
     width = calib.kv_heads * calib.head_dim
@@ -52,7 +81,7 @@ def test_a_per_layer_calibration_has_a_block_diagonal_orthonormal_basis(calibrat
         for j in range(2):  # a component of layer j's block is zero on the other layer's features
             other = basis[(1 - j) * width:(2 - j) * width, blocks == j]
             assert float(other.abs().max()) == 0.0
-    assert calib.layer_group == 1 and "layer_group" in calib.settings
+    assert calib.layer_group("keys") == calib.layer_group("values") == 1 and "layer_group" in calib.settings
 
 
 def _ids(n: int, seed: int = 3) -> list[int]:
@@ -64,10 +93,10 @@ def _config(directory: str, **over) -> dict:
             "decode_precision": "float32", "encode_precision": "float32", **over}
 
 
-@pytest.mark.parametrize("which", ["cross-layer", "per-layer"])
+@pytest.mark.parametrize("which", list(CALIBRATIONS))
 @torch.no_grad()
-def test_the_coded_tokens_are_kvtcs_own(calibrated, which, request):
-    model, calib, directory = calibrated if which == "cross-layer" else request.getfixturevalue("calibrated_per_layer")
+def test_the_coded_tokens_are_kvtcs_own(which, request):
+    model, calib, directory = request.getfixturevalue(CALIBRATIONS[which])
     n = SINKS + WINDOW + 12 * BLOCK  # kvtc codes [sinks, n - window): a multiple of the block, so the same tokens
     ids = _ids(n)
     prepared = get_method("kvtc_resident", **_config(directory)).from_prefill(model, exact_prefill(model, ids))
@@ -125,13 +154,13 @@ def _attended(group, layer_idx: int, qg: torch.Tensor, scaling: float) -> torch.
     return out.double()
 
 
-@pytest.mark.parametrize("which", ["cross-layer", "per-layer"])
+@pytest.mark.parametrize("which", list(CALIBRATIONS))
 @torch.no_grad()
-def test_values_contracted_on_the_coefficients_equal_the_rebuilt_values(calibrated, which, request, monkeypatch):
+def test_values_contracted_on_the_coefficients_equal_the_rebuilt_values(which, request, monkeypatch):
     """``(P D) Bᵀ + (P 1) μ`` is ``P V`` for the rebuilt ``V``: equal in fp32 GEMMs; in bf16 each path rounds
     its own products, and the coefficients' are no worse than the rebuild's. ``auto`` takes the coefficients
     for decode-sized query rows only. With a basis per layer, each layer's own block of components."""
-    model, _, directory = calibrated if which == "cross-layer" else request.getfixturevalue("calibrated_per_layer")
+    model, _, directory = request.getfixturevalue(CALIBRATIONS[which])
     ids = _ids(SINKS + WINDOW + 12 * BLOCK)
     exact = _group(model, directory, ids)  # fp32 GEMMs (_config)
     paths = {(precision, path): _group(model, directory, ids, decode_precision=precision, value_path=path)

@@ -40,7 +40,7 @@ def cmd_calibrate(args) -> int:
     chunk_tokens = args.chunk_tokens or CALIBRATION_DEFAULTS.chunk_tokens
     settings = CalibrationSettings(tokens=args.tokens, chunk_tokens=chunk_tokens, pca_dim=args.pca_dim,
                                    ratios=_parse_ratios(args.ratios), seed=args.seed, key_rope=args.key_rope,
-                                   layer_group=args.layer_group)
+                                   layer_group=args.layer_group, key_layer_group=args.key_layer_group)
     model, tokenizer = load(args)
     calib = calibrate(model, tokenizer, settings, progress=not args.quiet)
     calib.save(args.out)
@@ -183,6 +183,9 @@ def add_parsers(sub) -> None:
     c.add_argument("--layer-group", type=int, default=None,
                    help="kvtc: one PCA basis per this many consecutive layers (default: one over every layer, the "
                         "paper's; kvtc_resident rebuilds a layer from its block alone)")
+    c.add_argument("--key-layer-group", type=int, default=None,
+                   help="kvtc: the keys' own --layer-group (default: as --layer-group). 1 = a basis per layer for the "
+                        "keys, values cross-layer: kvtc_resident rebuilds a layer's keys from its own components")
     c.add_argument("--quiet", action="store_true")
     c.set_defaults(func=cmd_calibrate)
 

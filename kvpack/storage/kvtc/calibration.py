@@ -80,6 +80,9 @@ class CalibrationSettings:
             blocks ordered by variance), so a layer is rebuilt from its block's components alone — what
             ``kvtc_resident`` decodes per layer at every step (cheaper by about the number of blocks), at a
             cost in error (SmolLM2 at 16x: 2.7–2.9x the KL with blocks of 5 layers).
+        key_layer_group: the keys' own ``layer_group`` (None: as ``layer_group``). The cross-layer gain is the
+            values': on SmolLM2 at 16x, keys with a basis per layer and values with kvtc's cross-layer basis
+            have 1.75x the cross-layer KL, values per layer 41x (``benchmarks/results/kvtc-layer-groups.jsonl``).
     """
 
     tokens: int = option(32768, integer(minimum=1), "calibration tokens")
@@ -96,6 +99,8 @@ class CalibrationSettings:
                            "keys in the PCA: before RoPE (the paper) or after it (when positions are unknown)")
     layer_group: int | None = option(None, integer(minimum=1, optional=True),
                                      "layers per PCA basis (none: one basis over every layer, the paper's)")
+    key_layer_group: int | None = option(None, integer(minimum=1, optional=True),
+                                         "layers per PCA basis of the keys (none: as layer_group)")
 
     def __post_init__(self) -> None:
         validate_fields(self)
@@ -110,10 +115,26 @@ class CalibrationSettings:
                 raise ValueError(f"target ratios must be > 1 (x smaller than bf16), got {r}")
 
     def to_dict(self) -> dict:
-        # layer_group is left out when unset, so the settings (and ids) of cross-layer calibrations are
-        # those written before it existed
+        # the layer groups are left out when unset, so the settings (and ids) of cross-layer calibrations are
+        # those written before they existed
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()
-                if not (k == "layer_group" and v is None)}
+                if not (k in LAYER_GROUP_SETTINGS and v is None)}
+
+    def layer_group_of(self, kind: str) -> int | None:
+        """Layers per basis block of ``kind`` (None: one cross-layer basis)."""
+        return layer_group_of(self.to_dict(), kind)
+
+
+LAYER_GROUP_SETTINGS = ("layer_group", "key_layer_group")
+
+
+def layer_group_of(settings: dict, kind: str) -> int | None:
+    """Layers per basis block of ``kind`` (``"keys"`` / ``"values"``) under calibration ``settings`` (None: one
+    cross-layer basis)."""
+    group = settings.get("key_layer_group") if kind == "keys" else None
+    if group is None:
+        group = settings.get("layer_group")
+    return None if group is None else int(group)
 
 
 @dataclass
@@ -167,20 +188,19 @@ class Calibration:
     def window(self) -> int:
         return int(self.settings["window"])
 
-    @property
-    def layer_group(self) -> int | None:
-        """Layers per basis block (None: one cross-layer basis, the paper's)."""
-        group = self.settings.get("layer_group")
-        return None if group is None else int(group)
+    def layer_group(self, kind: str) -> int | None:
+        """Layers per basis block of ``kind`` (None: one cross-layer basis, the paper's)."""
+        return layer_group_of(self.settings, kind)
 
     def component_blocks(self, kind: str, extent: int) -> torch.Tensor:
-        """``[extent]`` int64: the layer block (``layer_group`` consecutive covered layers) each of the first
-        ``extent`` components of ``kind`` lives in (its basis column is zero outside that block's features);
-        all zeros for a cross-layer basis (one block)."""
-        if self.layer_group is None:
+        """``[extent]`` int64: the layer block (``layer_group(kind)`` consecutive covered layers) each of the
+        first ``extent`` components of ``kind`` lives in (its basis column is zero outside that block's
+        features); all zeros for a cross-layer basis (one block)."""
+        group = self.layer_group(kind)
+        if group is None:
             return torch.zeros(extent, dtype=torch.int64)
         basis = (self.key_basis if kind == "keys" else self.value_basis)[:, :extent]
-        rows = self.layer_group * self.kv_heads * self.head_dim
+        rows = group * self.kv_heads * self.head_dim
         energy = torch.stack([basis[first:first + rows].pow(2).sum(0) for first in range(0, basis.shape[0], rows)])
         return energy.argmax(0)
 
@@ -455,12 +475,13 @@ def calibrate(model, tokenizer, settings: CalibrationSettings | None = None, doc
 
     for kind, data in (("keys", keys), ("values", values)):
         t0 = time.perf_counter()
-        if settings.layer_group is None:
+        group = settings.layer_group_of(kind)
+        if group is None:
             with step(f"PCA of {n} x {data.shape[1]} {kind} (randomized SVD, {settings.pca_dim} components)"):
                 mean, basis, sv = pca(data[pick], settings.pca_dim, settings.svd_iters, settings.seed)
         else:
-            block = settings.layer_group * shape["kv_heads"] * shape["head_dim"]
-            with step(f"PCA of {n} x {data.shape[1]} {kind} in blocks of {settings.layer_group} layers"):
+            block = group * shape["kv_heads"] * shape["head_dim"]
+            with step(f"PCA of {n} x {data.shape[1]} {kind} in blocks of {group} layers"):
                 mean, basis, sv = block_pca(data[pick], block, settings.pca_dim)
         timings[f"pca_{kind}_s"] = time.perf_counter() - t0
         total_var = float((data[pick] - mean).pow(2).sum())

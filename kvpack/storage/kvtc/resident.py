@@ -128,18 +128,19 @@ class ResidentCodes:
         self.n_coded = 0
         self.mm_dtype = inverse_dtype(config.decode_precision)
         self.encode_dtype = inverse_dtype(config.encode_precision)
-        # A calibration with layer blocks (``layer_group``): each block's components gathered together, so a
-        # layer is rebuilt from its own block's coefficients alone. ``order[kind]``: the coded components in
+        # A calibration with layer blocks (``layer_group(kind)``): each block's components gathered together, so
+        # a layer is rebuilt from its own block's coefficients alone. ``order[kind]``: the coded components in
         # block order (None: one cross-layer block, component order); ``bounds[kind]``: each block's range in it.
         self.order: dict[str, torch.Tensor | None] = {}
         self.bounds: dict[str, list[int]] = {}
         for kind in KINDS:
             extent = self.alloc[kind].coded_extent
-            if calibration.layer_group is None:
+            group = calibration.layer_group(kind)
+            if group is None:
                 self.order[kind], self.bounds[kind] = None, [0, extent]
                 continue
             blocks = calibration.component_blocks(kind, extent)
-            n_blocks = -(-len(self.layer_order) // calibration.layer_group)
+            n_blocks = -(-len(self.layer_order) // group)
             self.order[kind] = torch.argsort(blocks, stable=True)
             self.bounds[kind] = [0, *torch.bincount(blocks, minlength=n_blocks).cumsum(0).tolist()]
         self._bases: dict[tuple[str, int], torch.Tensor] = {}  # (kind, layer position): its block's basis rows
@@ -225,7 +226,7 @@ class ResidentCodes:
             rows = self.calibration.inverse_basis(kind, position, self.alloc[kind].coded_extent, self.mm_dtype)
             order = self.order[kind]
             if order is not None:
-                block = position // self.calibration.layer_group
+                block = self.block_of(kind, position)
                 lo, hi = self.bounds[kind][block], self.bounds[kind][block + 1]
                 rows = rows[order[lo:hi]].contiguous()
             self._bases[key] = rows
@@ -254,14 +255,16 @@ class ResidentCodes:
         heads, d = cal.kv_heads, cal.head_dim
         cols = slice(j * heads * d, (j + 1) * heads * d)
         mean, rope = (cal.key_mean, self.rope(layer_idx)) if kind == "keys" else (cal.value_mean, None)
-        x = self.coefficients(kind, self.block_of(j)) @ self.basis(kind, j)
+        x = self.coefficients(kind, self.block_of(kind, j)) @ self.basis(kind, j)
         y = torch.empty(heads, self.n_coded, d, dtype=torch.float32)
         layer_out(native(), x, mean[cols], rope, y)
         return y
 
-    def block_of(self, position: int) -> int:
-        """The layer block (of the calibration's ``layer_group``) of the covered layer at ``position``."""
-        return 0 if self.calibration.layer_group is None else position // self.calibration.layer_group
+    def block_of(self, kind: str, position: int) -> int:
+        """The layer block of ``kind`` (the calibration's ``layer_group(kind)``) of the covered layer at
+        ``position``."""
+        group = self.calibration.layer_group(kind)
+        return 0 if group is None else position // group
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer_idx``'s coded tokens rebuilt: keys (post-RoPE) and values fp32 ``[kv_heads, n_coded, d]``."""
@@ -276,7 +279,8 @@ class ResidentCodes:
         cal, j = self.calibration, self.position[layer_idx]
         heads, d = cal.kv_heads, cal.head_dim
         rows = p.shape[1]
-        coeffs, basis = self.coefficients("values", self.block_of(j)), self.basis("values", j)  # [n, r], [r, H·d]
+        coeffs = self.coefficients("values", self.block_of("values", j))  # [n, r]
+        basis = self.basis("values", j)  # [r, H·d]
         mm = torch.float64 if p.dtype == torch.float64 else coeffs.dtype
         pd = (p.reshape(heads * rows, -1).to(mm) @ coeffs.to(mm)).to(p.dtype).view(heads, rows, -1)  # [H, rows, r]
         per_head = basis.to(p.dtype).view(-1, heads, d).transpose(0, 1)  # [H, r, d]
