@@ -15,7 +15,8 @@ Methods (:func:`frontier_specs`): FullKV; at every budget PuzzleKV, ``puzzle_plu
 profile, ``pca_quant-layers``, made once into ``benchmarks/results/frontier/<model>/pca_quant-layer-profile``,
 and its previous default as ``pca_quant-head``), SnapKV, StreamingLLM; the faithful PuzzleKV with INT4
 factors at the paper's page and ranks (P = 32, ranks 16 / 14: its 18.7%-of-bytes setting); kvtc at 4x / 8x / 16x and
-``kvtc_resident`` (kvtc's codes held resident) at 8x / 16x / 32x when a calibration is given (``--kvtc``, or
+``kvtc_resident`` (kvtc's codes held resident) at 8x / 16x / 32x, and at 8x / 16x with a key basis per layer
+(``-keys-per-layer``), when a calibration is given (``--kvtc``, or
 ``--calibration`` from ``kvpack calibrate --model M``); transformers'
 ``QuantizedCache`` (quanto 4- and 2-bit, HQQ 4-bit), whose bytes follow its bits. The peers outside
 kvpack's environment run from their own scripts on the same token ids, in their own virtual
@@ -63,13 +64,29 @@ KVTC_RATIOS = (4, 8, 16)
 # frontier's kvtc calibration lacks comes from a twin calibration of the same basis, ``<calibration>-<ratio>``
 # (kvpack calibrate's defaults at ratios 16 and that one), so kvtc's own rows keep their calibration.
 KVTC_RESIDENT_RATIOS = (8, 16, 32)
+# and with a key basis per layer (values cross-layer: a calibration made with --key-layer-group 1, the twin
+# ``<calibration>-k1``), whose layers rebuild their keys from their own components
+KVTC_RESIDENT_KEYS_PER_LAYER_RATIOS = (8, 16)
 PCA_QUANT_PREVIOUS = {"balance": "head", "key_metric": "variance"}
 SALIENT = 0.02  # pca_quant-salient's share of exact tokens
 
 
-def resident_calibration(calibration: str, ratio: int) -> str:
+def resident_calibration(calibration: str, ratio: int, key_layer_group: int | None = None) -> str:
     """The calibration ``kvtc_resident`` at ``ratio`` uses: the frontier's kvtc calibration, or its twin."""
+    if key_layer_group is not None:
+        return f"{calibration}-k{key_layer_group}"
     return calibration if ratio in KVTC_RATIOS else f"{calibration}-{ratio}"
+
+
+def twin_settings(relative: str, ratio: int) -> dict:
+    """``kvpack calibrate`` settings of the twin calibration at ``relative`` that a ``kvtc_resident`` row at
+    ``ratio`` uses (the frontier's ratio 16 and its own; a ``-k<g>`` twin: keys in blocks of g layers)."""
+    settings = {"ratios": tuple(sorted({16.0, float(ratio)}))}
+    tail = relative.rsplit("-", 1)[-1]
+    if tail.startswith("k") and tail[1:].isdigit():
+        settings = {"ratios": tuple(float(r) for r in KVTC_RESIDENT_KEYS_PER_LAYER_RATIOS),
+                    "key_layer_group": int(tail[1:])}
+    return settings
 
 
 def frontier_specs(budgets: list[float], calibration: str | None, layer_profile: str | None = None):
@@ -98,6 +115,9 @@ def frontier_specs(budgets: list[float], calibration: str | None, layer_profile:
         specs += [MethodSpec("kvtc_resident", None,
                              {"ratio": float(r), "calibration": resident_calibration(calibration, r)},
                              name=f"kvtc_resident-{r}x") for r in KVTC_RESIDENT_RATIOS]
+        specs += [MethodSpec("kvtc_resident", None,
+                             {"ratio": float(r), "calibration": resident_calibration(calibration, r, 1)},
+                             name=f"kvtc_resident-{r}x-keys-per-layer") for r in KVTC_RESIDENT_KEYS_PER_LAYER_RATIOS]
     return specs
 
 
@@ -146,15 +166,16 @@ def calibration_dir(model: str) -> Path:
     return rows_dir(model) / "kvtc-calibration"
 
 
-def ensure_calibration(model, tokenizer, relative: str, ratios: tuple[int, ...] = KVTC_RATIOS) -> None:
+def ensure_calibration(model, tokenizer, relative: str, **settings) -> None:
     """kvtc's calibration of ``model`` at ``ROOT/relative``, made once with ``kvpack calibrate``'s defaults
-    but for ``ratios`` (the frontier's: 4x is not among the defaults)."""
+    but for ``settings`` (by default the frontier's ratios: 4x is not among the defaults)."""
     from kvpack.storage.kvtc.calibration import TENSORS_FILE, CalibrationSettings, calibrate
 
     target = ROOT / relative
     if (target / TENSORS_FILE).is_file():
         return
-    calibrate(model, tokenizer, CalibrationSettings(ratios=tuple(float(r) for r in ratios))).save(target)
+    settings.setdefault("ratios", tuple(float(r) for r in KVTC_RATIOS))
+    calibrate(model, tokenizer, CalibrationSettings(**settings)).save(target)
 
 
 def layer_profile_dir(model: str) -> Path:
@@ -272,7 +293,8 @@ def main() -> int:
         ensure_calibration(model, tokenizer, calibration)
         for s in run_specs:  # the twins (a ratio the frontier's calibration lacks) of the rows to run
             if s.method == "kvtc_resident" and s.config["calibration"] != calibration:
-                ensure_calibration(model, tokenizer, s.config["calibration"], (16, int(s.config["ratio"])))
+                relative = s.config["calibration"]
+                ensure_calibration(model, tokenizer, relative, **twin_settings(relative, int(s.config["ratio"])))
     if any(s.name == "pca_quant-layers" for s in run_specs):
         ensure_layer_profile(model, tokenizer, layer_profile)
     run_eval(model, tokenizer, plan, out, row_fields=machine_fields(args.dtype), rows_by_method=True)
