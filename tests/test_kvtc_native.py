@@ -20,7 +20,15 @@ from kvpack.ops.bitpack import pack_bitstream
 from kvpack.ops.group_quant import quantize_groups
 from kvpack.ops.rope import LlamaRotary, RotaryTable, apply_rope
 from kvpack.storage.kvtc import native as kvtc_native
-from kvpack.storage.kvtc.coder import _checked, _decoded_layers, compress_cache, decompress_cache, inverse_dtype
+from kvpack.storage.kvtc.coder import (
+    _checked,
+    _decoded_layers,
+    compress_cache,
+    decode_coefficients,
+    decompress_cache,
+    encode_coefficients,
+    inverse_dtype,
+)
 
 from .helpers import tiny_kvtc, token_ids
 
@@ -56,6 +64,47 @@ def test_dequantize_is_the_pytorch_path_bit_for_bit(lib, width, tokens, size):
     as_bf16 = torch.zeros(tokens, size, dtype=torch.bfloat16)
     lib.kvtc_dequantize(stream, width, shift, scale, as_bf16)
     assert torch.equal(as_bf16, ref.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("width", [1, 3, 6, 8])
+@pytest.mark.parametrize("tokens,size", [(1, 1), (33, 16), (129, 64)])
+def test_dequantize_into_scattered_columns_is_the_gathered_matrix(lib, width, tokens, size):
+    """``kvtc_dequantize_columns`` writes code ``c`` to column ``columns[c]``: the contiguous pass, permuted."""
+    g = torch.Generator().manual_seed(width * 1000 + tokens + 1)
+    codes = torch.randint(0, 2 ** width, (tokens, size), dtype=torch.uint8, generator=g)
+    stream = pack_bitstream(codes, width)
+    shift, scale = (torch.randn(tokens, generator=g) * 3).half(), torch.rand(tokens, generator=g).half()
+    ref = codes.float() * scale.float()[:, None] + shift.float()[:, None]
+    columns = torch.randperm(size + 7, generator=g)[:size]  # into a wider matrix, in a shuffled order
+    for dtype in (torch.float32, torch.bfloat16):
+        matrix = torch.full((tokens, size + 7), 7.0, dtype=dtype)
+        lib.kvtc_dequantize_columns(stream, width, shift, scale, matrix, columns)
+        assert torch.equal(matrix[:, columns], ref.to(dtype))
+        untouched = torch.ones(size + 7, dtype=torch.bool)
+        untouched[columns] = False
+        assert (matrix[:, untouched] == 7).all()
+    with pytest.raises(RuntimeError, match="outside"):
+        lib.kvtc_dequantize_columns(stream, width, shift, scale, torch.zeros(tokens, size), columns + size + 7)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_coefficients_decoded_in_another_order_are_the_same_coefficients(tiny, backend):
+    """``decode_coefficients(columns=...)`` (native scatter or PyTorch) is the decoded matrix, permuted; a
+    ``columns`` that is not a permutation is refused; ``out`` receives it."""
+    model, calib = tiny
+    alloc = calib.allocation(4.0)["keys"]
+    n = 37
+    x = torch.randn(n, calib.features, generator=torch.Generator().manual_seed(5))
+    sections = encode_coefficients(x, calib.key_mean, calib.key_basis, alloc, "keys")
+    plain = decode_coefficients(sections.__getitem__, alloc, "keys", n, backend=backend)
+    columns = torch.randperm(alloc.coded_extent, generator=torch.Generator().manual_seed(6))
+    out = torch.zeros(n, alloc.coded_extent)
+    got = decode_coefficients(sections.__getitem__, alloc, "keys", n, backend=backend, columns=columns, out=out)
+    assert got is out and torch.equal(got[:, columns], plain)
+    with pytest.raises(ValueError, match="permutation"):
+        decode_coefficients(sections.__getitem__, alloc, "keys", n, backend=backend, columns=columns.clamp(max=0))
+    with pytest.raises(ValueError, match="out must be"):
+        decode_coefficients(sections.__getitem__, alloc, "keys", n, backend=backend, out=torch.zeros(n, 1))
 
 
 def test_dequantize_refuses_a_short_stream_and_bad_arguments(lib):

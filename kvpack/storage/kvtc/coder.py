@@ -121,10 +121,13 @@ def inverse_dtype(precision: str) -> torch.dtype:
 
 
 def decode_coefficients(section: Callable[[str], torch.Tensor], alloc: Allocation, prefix: str,
-                        n: int, dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
+                        n: int, dtype: torch.dtype = torch.float32, backend: str = "auto",
+                        columns: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``[n, r]`` dequantized coefficients in ``dtype`` (fp32 or bf16), ``r`` = the allocation's coded
     extent (zeros for dropped groups), from the sections :func:`encode_coefficients` wrote
-    (``section(name)`` returns one).
+    (``section(name)`` returns one). ``columns`` (int64 ``[r]``, a permutation): component ``c`` is written to
+    column ``columns[c]`` (the same values as ``out[:, columns] = coefficients``, with no gather pass).
+    ``out``: a zero-filled ``[n, r]`` matrix (or row range of one) in ``dtype`` to write into and return.
 
     ``backend``: ``auto`` unpacks and dequantizes each group in one native pass where kvpack's CPU
     kernels are built (``kvtc_dequantize``, equal to the PyTorch path bit for bit), ``torch`` always
@@ -144,20 +147,29 @@ def decode_coefficients(section: Callable[[str], torch.Tensor], alloc: Allocatio
         raise BlobError(f"blob {prefix} sections are {stream.dtype}/{shift.dtype}/{scale.dtype}, not uint8 codes "
                         "and fp16 shifts and scales")
     lib = native() if backend == "auto" and stream.device.type == "cpu" else None
-    coeffs = torch.zeros(n, alloc.coded_extent, dtype=dtype)
+    if out is not None and (tuple(out.shape) != (n, alloc.coded_extent) or out.dtype != dtype or out.stride(1) != 1):
+        raise ValueError(f"out must be [{n}, {alloc.coded_extent}] {dtype} with unit column stride, got "
+                         f"{list(out.shape)} {out.dtype}")
+    coeffs = torch.zeros(n, alloc.coded_extent, dtype=dtype) if out is None else out
     if lib is not None:
         shift, scale = shift.T.contiguous(), scale.T.contiguous()  # [groups, n]: one row per group
+    if columns is not None and not torch.equal(torch.sort(columns).values, torch.arange(alloc.coded_extent)):
+        raise ValueError(f"columns must be a permutation of the {alloc.coded_extent} coded components")
     offset = 0
     for j, (start, size, width) in enumerate(coded):
         nbytes = (n * size * width + 7) // 8
         if offset + nbytes > stream.numel():
             raise BlobError(f"blob {prefix} code stream is {stream.numel()} bytes, shorter than its groups need")
-        if lib is not None:
-            lib.kvtc_dequantize(stream[offset:offset + nbytes], width, shift[j], scale[j],
-                                coeffs[:, start:start + size])
+        part = stream[offset:offset + nbytes]
+        if lib is not None and columns is not None:
+            lib.kvtc_dequantize_columns(part, width, shift[j], scale[j], coeffs, columns[start:start + size])
+        elif lib is not None:
+            lib.kvtc_dequantize(part, width, shift[j], scale[j], coeffs[:, start:start + size])
         else:
-            codes = unpack_bitstream(stream[offset:offset + nbytes], width, n * size).reshape(n, size)
-            coeffs[:, start:start + size] = dequantize_groups(codes, shift[:, j], scale[:, j])
+            codes = unpack_bitstream(part, width, n * size).reshape(n, size)
+            values = dequantize_groups(codes, shift[:, j], scale[:, j])
+            target = slice(start, start + size) if columns is None else columns[start:start + size]
+            coeffs[:, target] = values
         offset += nbytes
     if offset != stream.numel():
         raise BlobError(f"blob {prefix} code stream has {stream.numel() - offset} unexplained bytes")

@@ -132,6 +132,7 @@ class ResidentCodes:
         # a layer is rebuilt from its own block's coefficients alone. ``order[kind]``: the coded components in
         # block order (None: one cross-layer block, component order); ``bounds[kind]``: each block's range in it.
         self.order: dict[str, torch.Tensor | None] = {}
+        self.columns: dict[str, torch.Tensor | None] = dict.fromkeys(KINDS)  # order's inverse
         self.bounds: dict[str, list[int]] = {}
         for kind in KINDS:
             extent = self.alloc[kind].coded_extent
@@ -142,6 +143,7 @@ class ResidentCodes:
             blocks = calibration.component_blocks(kind, extent)
             n_blocks = -(-len(self.layer_order) // group)
             self.order[kind] = torch.argsort(blocks, stable=True)
+            self.columns[kind] = torch.argsort(self.order[kind])  # each component's column in block order
             self.bounds[kind] = [0, *torch.bincount(blocks, minlength=n_blocks).cumsum(0).tolist()]
         self._bases: dict[tuple[str, int], torch.Tensor] = {}  # (kind, layer position): its block's basis rows
         self._coefficients: dict[str, list[torch.Tensor]] | None = None  # per block; during a forward pass only
@@ -207,15 +209,16 @@ class ResidentCodes:
         if self._coefficients is None:
             self._coefficients = {}
         if kind not in self._coefficients:
-            parts = [decode_coefficients(run.__getitem__, self.alloc[kind], kind, n, self.mm_dtype)
-                     for run, n in zip(self.sections[kind], self.runs)]
-            coeffs = torch.cat(parts) if len(parts) > 1 else parts[0]
-            order, bounds = self.order[kind], self.bounds[kind]
-            if order is None:
-                self._coefficients[kind] = [coeffs]
-            else:
-                coeffs = coeffs[:, order]
-                self._coefficients[kind] = [coeffs[:, a:b].contiguous() for a, b in zip(bounds, bounds[1:])]
+            # every run decoded into its rows of one matrix, in block order where the calibration has blocks
+            # (the native pass scatters each code to its column: no gather or concatenation after it)
+            coeffs = torch.zeros(self.n_coded, self.alloc[kind].coded_extent, dtype=self.mm_dtype)
+            first = 0
+            for run, n in zip(self.sections[kind], self.runs):
+                decode_coefficients(run.__getitem__, self.alloc[kind], kind, n, self.mm_dtype,
+                                    columns=self.columns[kind], out=coeffs[first:first + n])
+                first += n
+            bounds = self.bounds[kind]
+            self._coefficients[kind] = [coeffs[:, a:b] for a, b in zip(bounds, bounds[1:])]  # column views
         return self._coefficients[kind][block]
 
     def basis(self, kind: str, position: int) -> torch.Tensor:

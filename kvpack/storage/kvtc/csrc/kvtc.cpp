@@ -47,9 +47,11 @@ inline void put(float* dst, float x) { *dst = x; }
 inline void put(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }  // round to nearest even
 inline void put(c10::Half* dst, float x) { *dst = c10::Half(x); }          // round to nearest even
 
+// columns: the output column of each of the group's `size` codes (nullptr: 0..size-1).
 template <typename Out>
 void dequantize_rows(const uint8_t* __restrict stream, int64_t nbytes, int64_t width, const c10::Half* shift,
-                     const c10::Half* scale, Out* out, int64_t row_stride, int64_t tokens, int64_t size) {
+                     const c10::Half* scale, Out* out, int64_t row_stride, int64_t tokens, int64_t size,
+                     const int64_t* columns = nullptr) {
   const uint32_t mask = (1u << width) - 1u;
   at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -64,7 +66,7 @@ void dequantize_rows(const uint8_t* __restrict stream, int64_t nbytes, int64_t w
         const float code = float((word >> (bit & 7)) & mask);
         float v = code * a;
         v = v + b;
-        put(row + c, v);
+        put(row + (columns != nullptr ? columns[c] : c), v);
       }
     }
   });
@@ -226,11 +228,51 @@ void kvtc_dequantize(const at::Tensor& stream, int64_t width, const at::Tensor& 
   }
 }
 
+// kvtc_dequantize with the group's codes scattered to the columns `columns` (int64 [size], each within out's
+// [tokens, columns] row, unit column stride): the coefficient matrix written in another component order (a
+// layer-block calibration's, so that each block's components are adjacent) with no gather pass after it.
+void kvtc_dequantize_columns(const at::Tensor& stream, int64_t width, const at::Tensor& shift,
+                             const at::Tensor& scale, at::Tensor out, const at::Tensor& columns) {
+  TORCH_CHECK(width >= 1 && width <= 8, "kvtc_dequantize_columns: width must be in 1..8, got ", width);
+  TORCH_CHECK(stream.scalar_type() == at::kByte && stream.dim() == 1 && stream.is_contiguous(),
+              "kvtc_dequantize_columns: the stream is a contiguous uint8 vector");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1,
+              "kvtc_dequantize_columns: out is [tokens, columns] with unit column stride");
+  TORCH_CHECK(columns.scalar_type() == at::kLong && columns.dim() == 1 && columns.is_contiguous(),
+              "kvtc_dequantize_columns: columns is a contiguous int64 vector");
+  const int64_t tokens = out.size(0), size = columns.numel();
+  if (size > 0) {
+    const auto range = at::aminmax(columns);
+    TORCH_CHECK(std::get<0>(range).item<int64_t>() >= 0 && std::get<1>(range).item<int64_t>() < out.size(1),
+                "kvtc_dequantize_columns: a column is outside out's ", out.size(1));
+  }
+  TORCH_CHECK(shift.scalar_type() == at::kHalf && scale.scalar_type() == at::kHalf && shift.is_contiguous() &&
+                  scale.is_contiguous() && shift.numel() == tokens && scale.numel() == tokens,
+              "kvtc_dequantize_columns: shift and scale are contiguous fp16 [tokens]");
+  const int64_t need = (tokens * size * width + 7) / 8;
+  TORCH_CHECK(stream.numel() >= need, "kvtc_dequantize_columns: a stream of ", stream.numel(),
+              " bytes is shorter than the ", need, " its codes need");
+  if (tokens == 0 || size == 0) return;
+  const auto* s = stream.data_ptr<uint8_t>();
+  const auto* sh = shift.data_ptr<c10::Half>();
+  const auto* sc = scale.data_ptr<c10::Half>();
+  const auto* cols = columns.data_ptr<int64_t>();
+  if (out.scalar_type() == at::kFloat) {
+    dequantize_rows(s, need, width, sh, sc, out.data_ptr<float>(), out.stride(0), tokens, size, cols);
+  } else {
+    TORCH_CHECK(out.scalar_type() == at::kBFloat16, "kvtc_dequantize_columns: out is fp32 or bf16, got ",
+                out.scalar_type());
+    dequantize_rows(s, need, width, sh, sc, out.data_ptr<c10::BFloat16>(), out.stride(0), tokens, size, cols);
+  }
+}
+
 }  // namespace kvpack
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kvtc_dequantize", &kvpack::kvtc_dequantize,
         "kvtc: one coded group's bit stream unpacked and dequantized into its coefficient columns");
+  m.def("kvtc_dequantize_columns", &kvpack::kvtc_dequantize_columns,
+        "kvtc: one coded group's bit stream unpacked and dequantized into the given coefficient columns");
   m.def("kvtc_quantize", &kvpack::kvtc_quantize,
         "kvtc: one coded group's coefficient columns quantized per token and bit-packed (stream, shift, scale)");
   m.def("kvtc_layer_out", &kvpack::kvtc_layer_out,
