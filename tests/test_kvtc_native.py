@@ -28,6 +28,7 @@ from kvpack.storage.kvtc.coder import (
     decompress_cache,
     encode_coefficients,
     inverse_dtype,
+    rope_logits,
 )
 
 from .helpers import tiny_kvtc, token_ids
@@ -149,6 +150,37 @@ def test_layer_out_refuses_mismatched_shapes(lib):
         lib.kvtc_layer_out(torch.zeros(9, 32), torch.zeros(32), torch.empty(0), torch.empty(0), out)
     with pytest.raises(RuntimeError, match="cos and sin"):
         lib.kvtc_layer_out(torch.zeros(10, 32), torch.zeros(32), torch.zeros(10, 8), torch.zeros(10, 8), out)
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,rows,d,tokens", [(3, 3, 64, 97), (2, 7, 128, 17), (1, 1, 32, 1), (4, 2, 64, 300)])
+@pytest.mark.parametrize("rope", [True, False])
+def test_rope_logits_are_the_logits_against_layer_outs_keys(lib, in_dtype, heads, rows, d, tokens, rope):
+    """``kvtc_rope_logits`` = ``q · kᵀ · scaling`` for the fp32 keys ``kvtc_layer_out`` writes, in fp64, within
+    fp32 summation error; the PyTorch fallback of :func:`rope_logits` the same."""
+    g = torch.Generator().manual_seed(heads * d + tokens + rows)
+    x = (torch.randn(tokens, heads * d, generator=g) * 4).to(in_dtype)
+    mean = torch.randn(heads * d, generator=g)
+    q = torch.randn(heads, rows, d, generator=g)
+    cos_sin = RotaryTable(LlamaRotary(d), d).cos_sin(torch.arange(5, 5 + tokens)) if rope else None
+    keys = torch.empty(heads, tokens, d)
+    lib.kvtc_layer_out(x, mean, *(cos_sin or (torch.empty(0), torch.empty(0))), keys)
+    want = q.double() @ keys.double().transpose(1, 2) * 0.125
+    bound = 1e-5 * float(q.abs().sum(-1).max() * keys.abs().max()) * 0.125
+    for got in (lib.kvtc_rope_logits(x, mean, *(cos_sin or (torch.empty(0), torch.empty(0))), q, 0.125),
+                rope_logits(None, x, mean, cos_sin, q, 0.125)):
+        assert got.shape == (heads, rows, tokens) and got.dtype == torch.float32
+        assert float((got.double() - want).abs().max()) <= bound
+
+
+def test_rope_logits_refuse_mismatched_shapes(lib):
+    q = torch.zeros(2, 3, 16)
+    with pytest.raises(RuntimeError, match="matching q"):
+        lib.kvtc_rope_logits(torch.zeros(10, 48), torch.zeros(32), torch.empty(0), torch.empty(0), q, 1.0)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        lib.kvtc_rope_logits(torch.zeros(10, 32), torch.zeros(32), torch.zeros(9, 16), torch.zeros(9, 16), q, 1.0)
+    with pytest.raises(RuntimeError, match="fp32"):
+        lib.kvtc_rope_logits(torch.zeros(10, 32), torch.zeros(32), torch.empty(0), torch.empty(0), q.double(), 1.0)
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])

@@ -316,6 +316,22 @@ def layer_out(lib, x: torch.Tensor, mean: torch.Tensor, cos_sin: tuple[torch.Ten
     out.copy_(apply_rope(y, *cos_sin) if cos_sin is not None else y)
 
 
+def rope_logits(lib, x: torch.Tensor, mean: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+                q: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``[H, M, n]`` scaled logits of grouped queries ``q [H, M, d]`` against the keys :func:`layer_out` makes
+    of ``x [n, H·d]`` (+ ``mean``, RoPE'd with ``cos_sin``), without writing the keys: natively in one pass where
+    ``lib`` is given and ``q`` is fp32 (the same keys, the head dim summed in order: within fp32 rounding of the
+    PyTorch path's matmul); else the keys are made in fp32 and multiplied in ``q``'s dtype."""
+    if lib is not None and q.dtype == torch.float32:
+        none = torch.empty(0)
+        return lib.kvtc_rope_logits(x.contiguous(), mean, *(cos_sin if cos_sin is not None else (none, none)),
+                                    q.contiguous(), float(scaling))
+    heads, _, d = q.shape
+    keys = torch.empty(heads, x.shape[0], d, dtype=torch.float32)
+    layer_out(lib, x, mean, cos_sin, keys)
+    return torch.matmul(q, keys.to(q.dtype).transpose(1, 2)) * scaling
+
+
 def _decoded_layers(blob: Blob, header: KvtcHeader, calibration: Calibration, model,
                     device: torch.device | str | None, times: StageTimes = NO_TIMES, precision: str = "auto",
                     kernels: str = "auto") -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:

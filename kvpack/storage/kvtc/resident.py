@@ -54,7 +54,14 @@ from ...resident.base import LayerLayout
 from ...resident.segmented import SegmentedStore
 from .calibration import Calibration, ratio_key
 from .codec import load_calibration
-from .coder import DECODE_PRECISIONS, decode_coefficients, encode_coefficients, inverse_dtype, layer_out
+from .coder import (
+    DECODE_PRECISIONS,
+    decode_coefficients,
+    encode_coefficients,
+    inverse_dtype,
+    layer_out,
+    rope_logits,
+)
 from .features import to_features
 from .native import native
 
@@ -298,9 +305,12 @@ class ResidentCodes:
         if path == "rebuild" or (path == "auto" and qg.shape[1] >= self.calibration.head_dim):
             k, v = self.layer(layer_idx)
             return dense_state(qg, k, v, scaling, backend)
-        k = self._rebuilt("keys", layer_idx)
-        compute = torch.float64 if qg.dtype == torch.float64 else torch.float32
-        logits = torch.matmul(qg.to(compute), k.to(compute).transpose(1, 2)) * scaling  # [H, rows, n]
+        cal, j = self.calibration, self.position[layer_idx]
+        width = cal.kv_heads * cal.head_dim
+        x = self.coefficients("keys", self.block_of("keys", j)) @ self.basis("keys", j)  # [n, H·d], pre-RoPE
+        q = qg if qg.dtype == torch.float64 else qg.float()
+        logits = rope_logits(native(), x, cal.key_mean[j * width:(j + 1) * width], self.rope(layer_idx), q,
+                             scaling)  # [H, rows, n]; the keys are never written
         return state_from_logits(logits, lambda p: self.contract_values(layer_idx, p))
 
 

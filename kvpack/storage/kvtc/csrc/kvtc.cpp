@@ -23,6 +23,11 @@
 // PyTorch path's widen, add, four products, two sums, cat, permute and cast. Same fp32 products and
 // sums in the same order as kvpack.ops.rope.apply_rope (x1 cos - x2 sin | x2 cos + x1 sin), then one
 // rounding to the cache dtype: bit for bit the PyTorch path.
+//
+// kvtc_rope_logits: the scaled logits of a few grouped queries against the keys kvtc_layer_out would write from
+// X, without writing them: each token's keys are made in a small buffer (the same products and sums as
+// kvtc_layer_out, in fp32) and dotted with every query row (16 partial sums over the head dim, then added in
+// order). One read of X per layer instead of a write and a read of fp32 keys.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -121,7 +126,86 @@ void layer_out_typed(const at::Tensor& x, const float* mean, const float* cos, c
   }
 }
 
+template <typename In>
+void rope_logits_rows(const In* __restrict x, const float* __restrict mean, const float* cos, const float* sin,
+                      const float* __restrict q, float* __restrict logits, int64_t tokens, int64_t heads,
+                      int64_t rows, int64_t d, float scaling) {
+  constexpr int64_t LANES = 16;  // the dot product's partial sums: lane j sums the dims c = j (mod 16)
+  const int64_t half = d / 2, width = heads * d;
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> y(d), k(d);
+    for (int64_t t = begin; t < end; ++t) {
+      const In* row = x + t * width;
+      for (int64_t h = 0; h < heads; ++h) {
+        const In* src = row + h * d;
+        const float* mu = mean + h * d;
+        for (int64_t c = 0; c < d; ++c) y[c] = widen(src[c]) + mu[c];
+        if (cos == nullptr) {
+          for (int64_t c = 0; c < d; ++c) k[c] = y[c];
+        } else {
+          const float* ct = cos + t * d;
+          const float* st = sin + t * d;
+          for (int64_t c = 0; c < half; ++c) {
+            float a = y[c] * ct[c], b = y[c + half] * st[c];
+            k[c] = a - b;
+            float e = y[c + half] * ct[c + half], f = y[c] * st[c + half];
+            k[c + half] = e + f;
+          }
+        }
+        for (int64_t m = 0; m < rows; ++m) {
+          const float* qm = q + (h * rows + m) * d;
+          float part[LANES] = {0.0f};
+          int64_t c = 0;
+          for (; c + LANES <= d; c += LANES) {
+            for (int64_t j = 0; j < LANES; ++j) part[j] += qm[c + j] * k[c + j];
+          }
+          float sum = 0.0f;
+          for (int64_t j = 0; j < LANES; ++j) sum += part[j];
+          for (; c < d; ++c) sum += qm[c] * k[c];
+          logits[(h * rows + m) * tokens + t] = sum * scaling;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
+
+// x: [T, H*d] fp32 or bf16 contiguous; mean: fp32 [H*d]; cos, sin: fp32 [T, d] contiguous, or empty (no RoPE);
+// q: fp32 [H, M, d] contiguous. Returns fp32 [H, M, T]: scaling * q . key, key = RoPE(x + mean) per head.
+at::Tensor kvtc_rope_logits(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& q, double scaling) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(),
+              "kvtc_rope_logits: q is a contiguous fp32 [heads, rows, d] tensor");
+  const int64_t heads = q.size(0), rows = q.size(1), d = q.size(2);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == heads * d,
+              "kvtc_rope_logits: x is a contiguous [tokens, heads*d] matrix matching q");
+  TORCH_CHECK(mean.scalar_type() == at::kFloat && mean.is_contiguous() && mean.numel() == heads * d,
+              "kvtc_rope_logits: mean is fp32 [heads*d]");
+  const int64_t tokens = x.size(0);
+  const bool rope = cos.numel() > 0;
+  if (rope) {
+    TORCH_CHECK(d % 2 == 0, "kvtc_rope_logits: RoPE needs an even head dim, got ", d);
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                    sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == tokens && cos.size(1) == d &&
+                    sin.sizes() == cos.sizes(),
+                "kvtc_rope_logits: cos and sin are contiguous fp32 [tokens, d]");
+  }
+  auto logits = at::empty({heads, rows, tokens}, q.options());
+  if (tokens == 0 || rows == 0) return logits;
+  const float* c = rope ? cos.data_ptr<float>() : nullptr;
+  const float* s = rope ? sin.data_ptr<float>() : nullptr;
+  const float scale = static_cast<float>(scaling);
+  if (x.scalar_type() == at::kFloat) {
+    rope_logits_rows(x.data_ptr<float>(), mean.data_ptr<float>(), c, s, q.data_ptr<float>(),
+                     logits.data_ptr<float>(), tokens, heads, rows, d, scale);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "kvtc_rope_logits: x is fp32 or bf16, got ", x.scalar_type());
+    rope_logits_rows(x.data_ptr<c10::BFloat16>(), mean.data_ptr<float>(), c, s, q.data_ptr<float>(),
+                     logits.data_ptr<float>(), tokens, heads, rows, d, scale);
+  }
+  return logits;
+}
 
 // x: [T, H*d] fp32 or bf16 contiguous; mean: fp32 [H*d]; cos, sin: fp32 [T, d] contiguous, or empty
 // (values: no RoPE); out: [H, T, d] with unit last stride (the coded rows of a layer's cache tensor).
@@ -273,6 +357,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "kvtc: one coded group's bit stream unpacked and dequantized into its coefficient columns");
   m.def("kvtc_dequantize_columns", &kvpack::kvtc_dequantize_columns,
         "kvtc: one coded group's bit stream unpacked and dequantized into the given coefficient columns");
+  m.def("kvtc_rope_logits", &kvpack::kvtc_rope_logits,
+        "kvtc: scaled logits of grouped queries against a layer's keys rebuilt from X (+ mean, RoPE), not written");
   m.def("kvtc_quantize", &kvpack::kvtc_quantize,
         "kvtc: one coded group's coefficient columns quantized per token and bit-packed (stream, shift, scale)");
   m.def("kvtc_layer_out", &kvpack::kvtc_layer_out,
