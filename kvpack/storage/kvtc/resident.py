@@ -21,17 +21,22 @@ Layout of one sequence (all layers share one :class:`ResidentCodes`):
   the codes do not depend on ``block``: a token is coded exactly as kvtc's storage codec codes it.
 
 Attention at layer ``l``: the coded tokens' coefficients ``D [n, r]`` are dequantized once per forward pass
-(the first layer's attention; kept until the last layer has attended, then dropped). The layer's keys are
-rebuilt, ``K_l = D_K B_{K,l}ᵀ + μ_{K,l}`` (the calibration's basis rows of layer ``l``; bf16 GEMM where the
-CPU multiplies bf16 natively) with RoPE re-applied. Its values need no rebuilding for a few query rows
-(``value_path``): values are coded before any rotation, so for the softmax weights ``P [rows, n]`` of a
-KV head ``h``, ``P V_h = (P D_V) B_{V,h}ᵀ + (P 1) μ_{V,h}`` — one ``[rows, n] @ [n, r]`` product per layer
-instead of rebuilding ``[n, H·d]`` (``rows · r`` against ``n · r · H · d / rows`` multiply-adds per
-head; a decode step has ``rows`` = the query heads per KV head). Prefill chunks (``rows ≥ d``) rebuild the
-values too and attend the layer as a dense partial state. Either state is merged with the sinks', the tail's
-and the chunk's. So a forward pass holds, besides the resident codes, the dequantized coefficients
-(``n · (r_keys + r_values)`` elements in the GEMM dtype) and one layer's rebuilt keys (and values) in fp32 —
-the dense history of every layer never exists at once.
+(the first layer's attention; kept until the last layer has attended, then dropped; straight into block order
+for a layer-block calibration). The layer's pre-RoPE keys are rebuilt, ``X_l = D_K B_{K,l}ᵀ`` (the
+calibration's basis rows of layer ``l``, or of its block's components; bf16 GEMM where the CPU multiplies bf16
+natively). For a few query rows (decoding; ``value_path``):
+
+* the scores come from ``X_l`` in one pass that adds the mean, re-applies RoPE and takes the dot products
+  (:func:`~kvpack.storage.kvtc.coder.rope_logits`): the keys are never written;
+* the values are not rebuilt: they are coded before any rotation, so for the softmax weights ``P [rows, n]`` of
+  a KV head ``h``, ``P V_h = (P D_V) B_{V,h}ᵀ + (P 1) μ_{V,h}`` — ``rows · n · r`` multiply-adds per KV head
+  against ``n · r · d`` to rebuild its values.
+
+Prefill chunks (``rows ≥ d``) rebuild keys and values (fp32, kvtc's output pass) and attend them as a dense
+partial state. Either state is merged with the sinks', the tail's and the chunk's. So a forward pass holds,
+besides the resident codes, the dequantized coefficients (``n · (r_keys + r_values)`` elements in the GEMM
+dtype) and one layer's ``X_l`` (or, for a prefill chunk, its rebuilt keys and values) — the dense history of
+every layer never exists at once.
 
 It runs on the CPU (a cache on another device is refused by name).
 
