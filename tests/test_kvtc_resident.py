@@ -30,26 +30,27 @@ def calibrated(tmp_path_factory):
     return model, calib, str(directory)
 
 
+def _calibrated_again(calibrated, tmp_path_factory, name: str, **settings):
+    """The tiny model of ``calibrated`` calibrated again with other ``CalibrationSettings``, saved."""
+    model = calibrated[0]
+    calib = calibrate(model, None, CalibrationSettings(ratios=(4.0, 8.0), **settings, **TINY_KVTC_SETTINGS),
+                      chunks=tiny_kvtc_chunks(), progress=False)
+    directory = tmp_path_factory.mktemp(name)
+    calib.save(directory)
+    return model, calib, str(directory)
+
+
 @pytest.fixture(scope="module")
 def calibrated_per_layer(calibrated, tmp_path_factory):
     """The same tiny model calibrated with one basis per layer (``layer_group=1``)."""
-    model = calibrated[0]
-    calib = calibrate(model, None, CalibrationSettings(ratios=(4.0, 8.0), layer_group=1, **TINY_KVTC_SETTINGS),
-                      chunks=tiny_kvtc_chunks(), progress=False)
-    directory = tmp_path_factory.mktemp("kvtc-resident-calibration-per-layer")
-    calib.save(directory)
-    return model, calib, str(directory)
+    return _calibrated_again(calibrated, tmp_path_factory, "kvtc-resident-calibration-per-layer", layer_group=1)
 
 
 @pytest.fixture(scope="module")
 def calibrated_keys_per_layer(calibrated, tmp_path_factory):
     """The same tiny model calibrated with one key basis per layer and kvtc's cross-layer value basis."""
-    model = calibrated[0]
-    calib = calibrate(model, None, CalibrationSettings(ratios=(4.0, 8.0), key_layer_group=1, **TINY_KVTC_SETTINGS),
-                      chunks=tiny_kvtc_chunks(), progress=False)
-    directory = tmp_path_factory.mktemp("kvtc-resident-calibration-keys-per-layer")
-    calib.save(directory)
-    return model, calib, str(directory)
+    return _calibrated_again(calibrated, tmp_path_factory, "kvtc-resident-calibration-keys-per-layer",
+                             key_layer_group=1)
 
 
 CALIBRATIONS = {"cross-layer": "calibrated", "per-layer": "calibrated_per_layer",

@@ -77,33 +77,50 @@ void dequantize_rows(const uint8_t* __restrict stream, int64_t nbytes, int64_t w
   });
 }
 
+// One head's row of X plus the mean, RoPE'd with the token's ct, st [d] (nullptr: values, no RoPE), in fp32:
+// k [d] (y [d] is scratch). The products and sums of kvpack.ops.rope.apply_rope (x1 cos - x2 sin | x2 cos + x1 sin).
+template <typename In>
+inline void head_row(const In* __restrict src, const float* __restrict mu, const float* ct, const float* st,
+                     float* __restrict y, float* __restrict k, int64_t d) {
+  const int64_t half = d / 2;
+  if (ct == nullptr) {
+    for (int64_t c = 0; c < d; ++c) k[c] = widen(src[c]) + mu[c];
+    return;
+  }
+  for (int64_t c = 0; c < d; ++c) y[c] = widen(src[c]) + mu[c];
+  for (int64_t c = 0; c < half; ++c) {
+    float a = y[c] * ct[c], b = y[c + half] * st[c];
+    k[c] = a - b;
+    float e = y[c + half] * ct[c + half], f = y[c] * st[c + half];
+    k[c + half] = e + f;
+  }
+}
+
+// Every (token, head) row of X [tokens, heads*d] plus the mean, RoPE'd (head_row), handed to visit(t, h, k) as
+// fp32 k [d]; tokens split over the threads.
+template <typename In, typename Visit>
+void each_head_row(const In* __restrict x, const float* __restrict mean, const float* cos, const float* sin,
+                   int64_t tokens, int64_t heads, int64_t d, const Visit& visit) {
+  const int64_t width = heads * d;
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> y(d), k(d);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* ct = cos != nullptr ? cos + t * d : nullptr;
+      const float* st = sin != nullptr ? sin + t * d : nullptr;
+      for (int64_t h = 0; h < heads; ++h) {
+        head_row(x + t * width + h * d, mean + h * d, ct, st, y.data(), k.data(), d);
+        visit(t, h, k.data());
+      }
+    }
+  });
+}
+
 template <typename In, typename Out>
 void layer_rows(const In* __restrict x, const float* __restrict mean, const float* cos, const float* sin,
                 Out* out, int64_t tokens, int64_t heads, int64_t d, int64_t head_stride, int64_t token_stride) {
-  const int64_t half = d / 2, width = heads * d;
-  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> y(d);
-    for (int64_t t = begin; t < end; ++t) {
-      const In* row = x + t * width;
-      for (int64_t h = 0; h < heads; ++h) {
-        const In* src = row + h * d;
-        const float* mu = mean + h * d;
-        for (int64_t c = 0; c < d; ++c) y[c] = widen(src[c]) + mu[c];
-        Out* dst = out + h * head_stride + t * token_stride;
-        if (cos == nullptr) {
-          for (int64_t c = 0; c < d; ++c) put(dst + c, y[c]);
-          continue;
-        }
-        const float* ct = cos + t * d;
-        const float* st = sin + t * d;
-        for (int64_t c = 0; c < half; ++c) {
-          float a = y[c] * ct[c], b = y[c + half] * st[c];
-          put(dst + c, a - b);
-          float e = y[c + half] * ct[c + half], f = y[c] * st[c + half];
-          put(dst + c + half, e + f);
-        }
-      }
-    }
+  each_head_row(x, mean, cos, sin, tokens, heads, d, [&](int64_t t, int64_t h, const float* k) {
+    Out* dst = out + h * head_stride + t * token_stride;
+    for (int64_t c = 0; c < d; ++c) put(dst + c, k[c]);
   });
 }
 
@@ -131,42 +148,63 @@ void rope_logits_rows(const In* __restrict x, const float* __restrict mean, cons
                       const float* __restrict q, float* __restrict logits, int64_t tokens, int64_t heads,
                       int64_t rows, int64_t d, float scaling) {
   constexpr int64_t LANES = 16;  // the dot product's partial sums: lane j sums the dims c = j (mod 16)
-  const int64_t half = d / 2, width = heads * d;
-  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> y(d), k(d);
-    for (int64_t t = begin; t < end; ++t) {
-      const In* row = x + t * width;
-      for (int64_t h = 0; h < heads; ++h) {
-        const In* src = row + h * d;
-        const float* mu = mean + h * d;
-        for (int64_t c = 0; c < d; ++c) y[c] = widen(src[c]) + mu[c];
-        if (cos == nullptr) {
-          for (int64_t c = 0; c < d; ++c) k[c] = y[c];
-        } else {
-          const float* ct = cos + t * d;
-          const float* st = sin + t * d;
-          for (int64_t c = 0; c < half; ++c) {
-            float a = y[c] * ct[c], b = y[c + half] * st[c];
-            k[c] = a - b;
-            float e = y[c + half] * ct[c + half], f = y[c] * st[c + half];
-            k[c + half] = e + f;
-          }
-        }
-        for (int64_t m = 0; m < rows; ++m) {
-          const float* qm = q + (h * rows + m) * d;
-          float part[LANES] = {0.0f};
-          int64_t c = 0;
-          for (; c + LANES <= d; c += LANES) {
-            for (int64_t j = 0; j < LANES; ++j) part[j] += qm[c + j] * k[c + j];
-          }
-          float sum = 0.0f;
-          for (int64_t j = 0; j < LANES; ++j) sum += part[j];
-          for (; c < d; ++c) sum += qm[c] * k[c];
-          logits[(h * rows + m) * tokens + t] = sum * scaling;
-        }
+  each_head_row(x, mean, cos, sin, tokens, heads, d, [&](int64_t t, int64_t h, const float* k) {
+    for (int64_t m = 0; m < rows; ++m) {
+      const float* qm = q + (h * rows + m) * d;
+      float part[LANES] = {0.0f};
+      int64_t c = 0;
+      for (; c + LANES <= d; c += LANES) {
+        for (int64_t j = 0; j < LANES; ++j) part[j] += qm[c + j] * k[c + j];
       }
+      float sum = 0.0f;
+      for (int64_t j = 0; j < LANES; ++j) sum += part[j];
+      for (; c < d; ++c) sum += qm[c] * k[c];
+      logits[(h * rows + m) * tokens + t] = sum * scaling;
     }
   });
+}
+
+// The checks of the passes that add a layer's mean and re-apply RoPE to X [tokens, heads*d]; true where cos
+// and sin are given (keys).
+bool check_mean_and_rope(const char* op, const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin,
+                         int64_t heads, int64_t d, int64_t tokens) {
+  TORCH_CHECK(mean.scalar_type() == at::kFloat && mean.is_contiguous() && mean.numel() == heads * d, op,
+              ": mean is fp32 [heads*d]");
+  const bool rope = cos.numel() > 0;
+  if (rope) {
+    TORCH_CHECK(d % 2 == 0, op, ": RoPE needs an even head dim, got ", d);
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                    sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == tokens && cos.size(1) == d &&
+                    sin.sizes() == cos.sizes(),
+                op, ": cos and sin are contiguous fp32 [tokens, d]");
+  }
+  return rope;
+}
+
+// One coded group's stream, shift and scale checked and dequantized into out's rows: code c of each token to
+// column columns[c] (nullptr: column c).
+void dequantize_group(const char* op, const at::Tensor& stream, int64_t width, const at::Tensor& shift,
+                      const at::Tensor& scale, at::Tensor& out, int64_t size, const int64_t* columns) {
+  TORCH_CHECK(width >= 1 && width <= 8, op, ": width must be in 1..8, got ", width);
+  TORCH_CHECK(stream.scalar_type() == at::kByte && stream.dim() == 1 && stream.is_contiguous(), op,
+              ": the stream is a contiguous uint8 vector");
+  const int64_t tokens = out.size(0);
+  TORCH_CHECK(shift.scalar_type() == at::kHalf && scale.scalar_type() == at::kHalf && shift.is_contiguous() &&
+                  scale.is_contiguous() && shift.numel() == tokens && scale.numel() == tokens,
+              op, ": shift and scale are contiguous fp16 [tokens]");
+  const int64_t need = (tokens * size * width + 7) / 8;
+  TORCH_CHECK(stream.numel() >= need, op, ": a stream of ", stream.numel(), " bytes is shorter than the ", need,
+              " its codes need");
+  if (tokens == 0 || size == 0) return;
+  const auto* s = stream.data_ptr<uint8_t>();
+  const auto* sh = shift.data_ptr<c10::Half>();
+  const auto* sc = scale.data_ptr<c10::Half>();
+  if (out.scalar_type() == at::kFloat) {
+    dequantize_rows(s, need, width, sh, sc, out.data_ptr<float>(), out.stride(0), tokens, size, columns);
+  } else {
+    TORCH_CHECK(out.scalar_type() == at::kBFloat16, op, ": out is fp32 or bf16, got ", out.scalar_type());
+    dequantize_rows(s, need, width, sh, sc, out.data_ptr<c10::BFloat16>(), out.stride(0), tokens, size, columns);
+  }
 }
 
 }  // namespace
@@ -180,17 +218,8 @@ at::Tensor kvtc_rope_logits(const at::Tensor& x, const at::Tensor& mean, const a
   const int64_t heads = q.size(0), rows = q.size(1), d = q.size(2);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == heads * d,
               "kvtc_rope_logits: x is a contiguous [tokens, heads*d] matrix matching q");
-  TORCH_CHECK(mean.scalar_type() == at::kFloat && mean.is_contiguous() && mean.numel() == heads * d,
-              "kvtc_rope_logits: mean is fp32 [heads*d]");
   const int64_t tokens = x.size(0);
-  const bool rope = cos.numel() > 0;
-  if (rope) {
-    TORCH_CHECK(d % 2 == 0, "kvtc_rope_logits: RoPE needs an even head dim, got ", d);
-    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                    sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == tokens && cos.size(1) == d &&
-                    sin.sizes() == cos.sizes(),
-                "kvtc_rope_logits: cos and sin are contiguous fp32 [tokens, d]");
-  }
+  const bool rope = check_mean_and_rope("kvtc_rope_logits", mean, cos, sin, heads, d, tokens);
   auto logits = at::empty({heads, rows, tokens}, q.options());
   if (tokens == 0 || rows == 0) return logits;
   const float* c = rope ? cos.data_ptr<float>() : nullptr;
@@ -215,16 +244,7 @@ void kvtc_layer_out(const at::Tensor& x, const at::Tensor& mean, const at::Tenso
   const int64_t heads = out.size(0), tokens = out.size(1), d = out.size(2);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) == tokens && x.size(1) == heads * d,
               "kvtc_layer_out: x is a contiguous [tokens, heads*d] matrix matching out");
-  TORCH_CHECK(mean.scalar_type() == at::kFloat && mean.is_contiguous() && mean.numel() == heads * d,
-              "kvtc_layer_out: mean is fp32 [heads*d]");
-  const bool rope = cos.numel() > 0;
-  if (rope) {
-    TORCH_CHECK(d % 2 == 0, "kvtc_layer_out: RoPE needs an even head dim, got ", d);
-    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                    sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == tokens && cos.size(1) == d &&
-                    sin.sizes() == cos.sizes(),
-                "kvtc_layer_out: cos and sin are contiguous fp32 [tokens, d]");
-  }
+  const bool rope = check_mean_and_rope("kvtc_layer_out", mean, cos, sin, heads, d, tokens);
   if (tokens == 0) return;
   const float* c = rope ? cos.data_ptr<float>() : nullptr;
   const float* s = rope ? sin.data_ptr<float>() : nullptr;
@@ -289,27 +309,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kvtc_quantize(const at::Tensor& x
 // with unit column stride (a column slice of the coefficient matrix).
 void kvtc_dequantize(const at::Tensor& stream, int64_t width, const at::Tensor& shift, const at::Tensor& scale,
                      at::Tensor out) {
-  TORCH_CHECK(width >= 1 && width <= 8, "kvtc_dequantize: width must be in 1..8, got ", width);
-  TORCH_CHECK(stream.scalar_type() == at::kByte && stream.dim() == 1 && stream.is_contiguous(),
-              "kvtc_dequantize: the stream is a contiguous uint8 vector");
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1, "kvtc_dequantize: out is [tokens, size] with unit column stride");
-  const int64_t tokens = out.size(0), size = out.size(1);
-  TORCH_CHECK(shift.scalar_type() == at::kHalf && scale.scalar_type() == at::kHalf && shift.is_contiguous() &&
-                  scale.is_contiguous() && shift.numel() == tokens && scale.numel() == tokens,
-              "kvtc_dequantize: shift and scale are contiguous fp16 [tokens]");
-  const int64_t need = (tokens * size * width + 7) / 8;
-  TORCH_CHECK(stream.numel() >= need, "kvtc_dequantize: a stream of ", stream.numel(), " bytes is shorter than the ",
-              need, " its codes need");
-  if (tokens == 0 || size == 0) return;
-  const auto* s = stream.data_ptr<uint8_t>();
-  const auto* sh = shift.data_ptr<c10::Half>();
-  const auto* sc = scale.data_ptr<c10::Half>();
-  if (out.scalar_type() == at::kFloat) {
-    dequantize_rows(s, need, width, sh, sc, out.data_ptr<float>(), out.stride(0), tokens, size);
-  } else {
-    TORCH_CHECK(out.scalar_type() == at::kBFloat16, "kvtc_dequantize: out is fp32 or bf16, got ", out.scalar_type());
-    dequantize_rows(s, need, width, sh, sc, out.data_ptr<c10::BFloat16>(), out.stride(0), tokens, size);
-  }
+  dequantize_group("kvtc_dequantize", stream, width, shift, scale, out, out.size(1), nullptr);
 }
 
 // kvtc_dequantize with the group's codes scattered to the columns `columns` (int64 [size], each within out's
@@ -317,37 +318,17 @@ void kvtc_dequantize(const at::Tensor& stream, int64_t width, const at::Tensor& 
 // layer-block calibration's, so that each block's components are adjacent) with no gather pass after it.
 void kvtc_dequantize_columns(const at::Tensor& stream, int64_t width, const at::Tensor& shift,
                              const at::Tensor& scale, at::Tensor out, const at::Tensor& columns) {
-  TORCH_CHECK(width >= 1 && width <= 8, "kvtc_dequantize_columns: width must be in 1..8, got ", width);
-  TORCH_CHECK(stream.scalar_type() == at::kByte && stream.dim() == 1 && stream.is_contiguous(),
-              "kvtc_dequantize_columns: the stream is a contiguous uint8 vector");
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1,
               "kvtc_dequantize_columns: out is [tokens, columns] with unit column stride");
   TORCH_CHECK(columns.scalar_type() == at::kLong && columns.dim() == 1 && columns.is_contiguous(),
               "kvtc_dequantize_columns: columns is a contiguous int64 vector");
-  const int64_t tokens = out.size(0), size = columns.numel();
-  if (size > 0) {
+  if (columns.numel() > 0) {
     const auto range = at::aminmax(columns);
     TORCH_CHECK(std::get<0>(range).item<int64_t>() >= 0 && std::get<1>(range).item<int64_t>() < out.size(1),
                 "kvtc_dequantize_columns: a column is outside out's ", out.size(1));
   }
-  TORCH_CHECK(shift.scalar_type() == at::kHalf && scale.scalar_type() == at::kHalf && shift.is_contiguous() &&
-                  scale.is_contiguous() && shift.numel() == tokens && scale.numel() == tokens,
-              "kvtc_dequantize_columns: shift and scale are contiguous fp16 [tokens]");
-  const int64_t need = (tokens * size * width + 7) / 8;
-  TORCH_CHECK(stream.numel() >= need, "kvtc_dequantize_columns: a stream of ", stream.numel(),
-              " bytes is shorter than the ", need, " its codes need");
-  if (tokens == 0 || size == 0) return;
-  const auto* s = stream.data_ptr<uint8_t>();
-  const auto* sh = shift.data_ptr<c10::Half>();
-  const auto* sc = scale.data_ptr<c10::Half>();
-  const auto* cols = columns.data_ptr<int64_t>();
-  if (out.scalar_type() == at::kFloat) {
-    dequantize_rows(s, need, width, sh, sc, out.data_ptr<float>(), out.stride(0), tokens, size, cols);
-  } else {
-    TORCH_CHECK(out.scalar_type() == at::kBFloat16, "kvtc_dequantize_columns: out is fp32 or bf16, got ",
-                out.scalar_type());
-    dequantize_rows(s, need, width, sh, sc, out.data_ptr<c10::BFloat16>(), out.stride(0), tokens, size, cols);
-  }
+  dequantize_group("kvtc_dequantize_columns", stream, width, shift, scale, out, columns.numel(),
+                   columns.data_ptr<int64_t>());
 }
 
 }  // namespace kvpack
