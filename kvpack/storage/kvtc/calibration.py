@@ -82,7 +82,8 @@ class CalibrationSettings:
             cost in error (SmolLM2 at 16x: 2.7–2.9x the KL with blocks of 5 layers).
         key_layer_group: the keys' own ``layer_group`` (None: as ``layer_group``). The cross-layer gain is the
             values': on SmolLM2 at 16x, keys with a basis per layer and values with kvtc's cross-layer basis
-            have 1.75x the cross-layer KL, values per layer 41x (``benchmarks/results/kvtc-layer-groups.jsonl``).
+            have 1.8x the cross-layer KL (Qwen2.5-0.5B: 1.8x too), values per layer 41x
+            (``benchmarks/results/kvtc-layer-groups.jsonl``).
     """
 
     tokens: int = option(32768, integer(minimum=1), "calibration tokens")

@@ -320,8 +320,8 @@ def rope_logits(lib, x: torch.Tensor, mean: torch.Tensor, cos_sin: tuple[torch.T
                 q: torch.Tensor, scaling: float) -> torch.Tensor:
     """``[H, M, n]`` scaled logits of grouped queries ``q [H, M, d]`` against the keys :func:`layer_out` makes
     of ``x [n, H·d]`` (+ ``mean``, RoPE'd with ``cos_sin``), without writing the keys: natively in one pass where
-    ``lib`` is given and ``q`` is fp32 (the same keys, the head dim summed in order: within fp32 rounding of the
-    PyTorch path's matmul); else the keys are made in fp32 and multiplied in ``q``'s dtype."""
+    ``lib`` is given and ``q`` is fp32 (the same keys; the head dim summed in 16 partial sums: within fp32
+    rounding of the PyTorch path's matmul); else the keys are made in fp32 and multiplied in ``q``'s dtype."""
     if lib is not None and q.dtype == torch.float32:
         none = torch.empty(0)
         return lib.kvtc_rope_logits(x.contiguous(), mean, *(cos_sin if cos_sin is not None else (none, none)),
