@@ -123,7 +123,7 @@ class CalibrationSettings:
 
     def layer_group_of(self, kind: str) -> int | None:
         """Layers per basis block of ``kind`` (None: one cross-layer basis)."""
-        return layer_group_of(self.to_dict(), kind)
+        return layer_group_of(vars(self), kind)
 
 
 LAYER_GROUP_SETTINGS = ("layer_group", "key_layer_group")
@@ -217,6 +217,12 @@ class Calibration:
             return dict.fromkeys(self.layers)
         return layer_rotaries(model, self.layers, self.head_dim)
 
+    def layer_features(self, layer: int) -> slice:
+        """The ``kv_heads·head_dim`` features of the ``layer``-th covered layer (a position in :attr:`layers`) in
+        a feature vector ``[p]``."""
+        width = self.kv_heads * self.head_dim
+        return slice(layer * width, (layer + 1) * width)
+
     def inverse_basis(self, kind: str, layer: int | None, extent: int, dtype: torch.dtype) -> torch.Tensor:
         """``[extent, width]`` contiguous in ``dtype``: the first ``extent`` basis vectors restricted to
         the features of the ``layer``-th covered layer (``width = kv_heads·head_dim``; ``layer=None``:
@@ -232,8 +238,7 @@ class Calibration:
         if key not in self._inverse_bases:
             basis = self.key_basis if kind == "keys" else self.value_basis
             if layer is not None:
-                width = self.kv_heads * self.head_dim
-                basis = basis[layer * width:(layer + 1) * width]
+                basis = basis[self.layer_features(layer)]
             self._inverse_bases[key] = basis.T.to(dtype).contiguous()
         return self._inverse_bases[key][:extent]
 

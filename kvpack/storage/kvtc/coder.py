@@ -366,7 +366,6 @@ def _decoded_layers(blob: Blob, header: KvtcHeader, calibration: Calibration, mo
     rot = calibration.key_rotaries(model)
     positions = torch.arange(s, s + n_mid)
     cos_sin: dict = {}  # one (cos, sin) [n_mid, d] per rotary table: layers share their table
-    width = heads * d
     by_layer = {layer: j for j, layer in enumerate(calibration.layers)}
     for i in range(header.num_layers):
         if i not in by_layer:
@@ -374,7 +373,7 @@ def _decoded_layers(blob: Blob, header: KvtcHeader, calibration: Calibration, mo
             yield i, k[None].to(device=device), v[None].to(device=device)
             continue
         j = by_layer[i]
-        cols = slice(j * width, (j + 1) * width)
+        cols = calibration.layer_features(j)
         with times("assemble"):  # the layer's tensors: sinks | coded tokens (below) | window
             k = torch.empty(heads, n_tokens, d, dtype=dtype)
             v = torch.empty(heads, n_tokens, d, dtype=dtype)

@@ -267,12 +267,10 @@ class ResidentCodes:
         inverse projection in the GEMM dtype and its output pass (:func:`~kvpack.storage.kvtc.coder.layer_out`).
         fp32 because the rebuilt layer is transient: rounding it to the storage dtype would save nothing."""
         cal, j = self.calibration, self.position[layer_idx]
-        heads, d = cal.kv_heads, cal.head_dim
-        cols = slice(j * heads * d, (j + 1) * heads * d)
         mean, rope = (cal.key_mean, self.rope(layer_idx)) if kind == "keys" else (cal.value_mean, None)
         x = self.coefficients(kind, self.block_of(kind, j)) @ self.basis(kind, j)
-        y = torch.empty(heads, self.n_coded, d, dtype=torch.float32)
-        layer_out(native(), x, mean[cols], rope, y)
+        y = torch.empty(cal.kv_heads, self.n_coded, cal.head_dim, dtype=torch.float32)
+        layer_out(native(), x, mean[cal.layer_features(j)], rope, y)
         return y
 
     def block_of(self, kind: str, position: int) -> int:
@@ -299,7 +297,7 @@ class ResidentCodes:
         mm = torch.float64 if p.dtype == torch.float64 else coeffs.dtype
         pd = (p.reshape(heads * rows, -1).to(mm) @ coeffs.to(mm)).to(p.dtype).view(heads, rows, -1)  # [H, rows, r]
         per_head = basis.to(p.dtype).view(-1, heads, d).transpose(0, 1)  # [H, r, d]
-        mean = cal.value_mean[j * heads * d:(j + 1) * heads * d].to(p.dtype).view(heads, 1, d)
+        mean = cal.value_mean[cal.layer_features(j)].to(p.dtype).view(heads, 1, d)
         return torch.bmm(pd, per_head) + p.sum(-1, keepdim=True) * mean
 
     def attend(self, layer_idx: int, qg: torch.Tensor, scaling: float, backend: str) -> PartialAttention:
@@ -311,10 +309,9 @@ class ResidentCodes:
             k, v = self.layer(layer_idx)
             return dense_state(qg, k, v, scaling, backend)
         cal, j = self.calibration, self.position[layer_idx]
-        width = cal.kv_heads * cal.head_dim
         x = self.coefficients("keys", self.block_of("keys", j)) @ self.basis("keys", j)  # [n, H·d], pre-RoPE
         q = qg if qg.dtype == torch.float64 else qg.float()
-        logits = rope_logits(native(), x, cal.key_mean[j * width:(j + 1) * width], self.rope(layer_idx), q,
+        logits = rope_logits(native(), x, cal.key_mean[cal.layer_features(j)], self.rope(layer_idx), q,
                              scaling)  # [H, rows, n]; the keys are never written
         return state_from_logits(logits, lambda p: self.contract_values(layer_idx, p))
 
