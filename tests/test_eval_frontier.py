@@ -10,12 +10,13 @@ from kvpack.eval.frontier import frontier_cells, frontier_table_markdown, method
 SAMPLES = [(task, length, i) for task in ("niah_single_1", "vt") for length in (4096, 8192) for i in range(3)]
 
 
-def _rows(label, method, budget, ratio, scores, kls, setting="query-agnostic", decode_ms=10.0, errors=()):
+def _rows(label, method, budget, ratio, scores, kls, setting="query-agnostic", decode_ms=10.0, errors=(),
+          cpu="CPU A"):
     rows = []
     for (task, length, i), score, kl in zip(SAMPLES, scores, kls):
         row = {"setting": setting, "task": task, "length": length, "sample": i, "label": label, "method": method,
                "budget": budget, "ratio": ratio, "score": score, "kl": kl, "kl_answer": kl, "kl_continuation": kl,
-               "top1": 1.0 - kl, "decode_ms": decode_ms, "config": {"version": 1}, "overrides": {}}
+               "top1": 1.0 - kl, "decode_ms": decode_ms, "config": {"version": 1}, "overrides": {}, "cpu": cpu}
         if (task, length, i) in errors:
             row.update(error="ValueError: refused", score=None)
         rows.append(row)
@@ -62,6 +63,20 @@ def test_paired_tests_against_fullkv_and_the_best_peer_at_no_more_bytes(rows):
     assert mine["decode_vs_full"] == {"median": pytest.approx(1.2), "max": pytest.approx(1.2), "n": 12}
     assert _cell(cells, "hf_quantized-quanto4")["best_peer"] is None  # peers are not compared with peers
     assert _cell(cells, "kivi", 0.1)["best_peer"] is None  # no peer holds <= 0.1 of the bytes
+
+
+def test_decode_ratio_pairs_only_rows_of_one_cpu():
+    # FullKV's rows ran on CPU A; the method's first 4 samples on CPU A (1.5x), the rest on CPU B (3x as slow
+    # as FullKV on A: a figure of two machines, never a ratio)
+    full = _rows("full", "full", None, 1.0, [1.0] * 12, [0.0] * 12, decode_ms=10.0)
+    mine = _rows("kivi@0.28", "kivi", 0.28, 0.28, [1.0] * 12, [0.1] * 12, decode_ms=15.0)
+    for r in mine[4:]:
+        r.update(cpu="CPU B", decode_ms=30.0)
+    assert _cell(frontier_cells(full + mine, "tiny"), "kivi", 0.28)["decode_vs_full"] == {
+        "median": pytest.approx(1.5), "max": pytest.approx(1.5), "n": 4}
+    for r in mine[:4]:
+        r.update(cpu="CPU B")
+    assert _cell(frontier_cells(full + mine, "tiny"), "kivi", 0.28)["decode_vs_full"] is None
 
 
 def test_plots_and_the_docs_tables(rows, tmp_path):

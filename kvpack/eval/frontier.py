@@ -16,7 +16,8 @@ A *cell* pools every sample of one method at one budget in one setting, over all
   :data:`BYTES_TOLERANCE`): the highest-scoring such cell, ties broken by the lower KL; McNemar on the
   shared samples and the paired mean KL difference (method − peer) with a bootstrap interval;
 * ``decode_vs_full`` — the median over samples of the row's decode ms/token ÷ FullKV's on the same
-  sample in the same run, and the slowest sample's ratio; ``cpus`` names the CPUs the cell's rows ran on
+  sample on the same CPU, and the slowest sample's ratio (FullKV's row may come from an earlier run of the
+  frontier on that CPU: rows are resumed, not rerun); ``cpus`` names the CPUs the cell's rows ran on
   (a table shows the ratio only for a cell whose rows all ran on one).
 
 Settings are written ``query_aware`` / ``query_agnostic`` in the records (the runner's rows say
@@ -163,8 +164,14 @@ def _paired_test(cell: dict, other: dict) -> dict | None:
 
 
 def _decode_ratio(cell: dict, full: dict) -> dict | None:
-    ratios = [r["decode_ms"] / full["_rows"][k]["decode_ms"] for k, r in cell["_rows"].items()
-              if r.get("decode_ms") and k in full["_rows"] and full["_rows"][k].get("decode_ms")]
+    """Median and slowest per-sample decode ms/token ÷ FullKV's, over the samples whose FullKV row ran on the
+    same CPU (a ratio across machines would measure the machines; a row without a CPU pairs with none)."""
+    ratios = []
+    for k, r in cell["_rows"].items():
+        ref = full["_rows"].get(k)
+        if r.get("decode_ms") and ref is not None and ref.get("decode_ms") and r.get("cpu") \
+                and r.get("cpu") == ref.get("cpu"):
+            ratios.append(r["decode_ms"] / ref["decode_ms"])
     return {"median": statistics.median(ratios), "max": max(ratios), "n": len(ratios)} if ratios else None
 
 
