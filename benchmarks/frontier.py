@@ -71,22 +71,23 @@ PCA_QUANT_PREVIOUS = {"balance": "head", "key_metric": "variance"}
 SALIENT = 0.02  # pca_quant-salient's share of exact tokens
 
 
-def resident_calibration(calibration: str, ratio: int, key_layer_group: int | None = None) -> str:
-    """The calibration ``kvtc_resident`` at ``ratio`` uses: the frontier's kvtc calibration, or its twin."""
+def resident_calibration(calibration: str, ratio: int, key_layer_group: int | None = None) -> tuple[str, dict | None]:
+    """The calibration ``kvtc_resident`` at ``ratio`` uses — the frontier's kvtc calibration, or a twin of it — and
+    the ``kvpack calibrate`` settings that make the twin (None for the frontier's own). Twins: ``-<ratio>``
+    (the frontier's ratio 16 and this one) and ``-k<g>`` (keys in blocks of ``g`` layers, values cross-layer)."""
     if key_layer_group is not None:
-        return f"{calibration}-k{key_layer_group}"
-    return calibration if ratio in KVTC_RATIOS else f"{calibration}-{ratio}"
+        return f"{calibration}-k{key_layer_group}", {
+            "ratios": tuple(float(r) for r in KVTC_RESIDENT_KEYS_PER_LAYER_RATIOS), "key_layer_group": key_layer_group}
+    if ratio in KVTC_RATIOS:
+        return calibration, None
+    return f"{calibration}-{ratio}", {"ratios": tuple(sorted({16.0, float(ratio)}))}
 
 
-def twin_settings(relative: str, ratio: int) -> dict:
-    """``kvpack calibrate`` settings of the twin calibration at ``relative`` that a ``kvtc_resident`` row at
-    ``ratio`` uses (the frontier's ratio 16 and its own; a ``-k<g>`` twin: keys in blocks of g layers)."""
-    settings = {"ratios": tuple(sorted({16.0, float(ratio)}))}
-    tail = relative.rsplit("-", 1)[-1]
-    if tail.startswith("k") and tail[1:].isdigit():
-        settings = {"ratios": tuple(float(r) for r in KVTC_RESIDENT_KEYS_PER_LAYER_RATIOS),
-                    "key_layer_group": int(tail[1:])}
-    return settings
+def resident_calibrations(calibration: str) -> dict[str, dict | None]:
+    """Every calibration the frontier's ``kvtc_resident`` rows use, with its settings (:func:`resident_calibration`)."""
+    made = [resident_calibration(calibration, r) for r in KVTC_RESIDENT_RATIOS]
+    made += [resident_calibration(calibration, r, 1) for r in KVTC_RESIDENT_KEYS_PER_LAYER_RATIOS]
+    return dict(made)
 
 
 def frontier_specs(budgets: list[float], calibration: str | None, layer_profile: str | None = None):
@@ -113,10 +114,10 @@ def frontier_specs(budgets: list[float], calibration: str | None, layer_profile:
         specs += [MethodSpec("kvtc", None, {"ratio": float(r), "calibration": calibration}, name=f"kvtc-{r}x")
                   for r in KVTC_RATIOS]
         specs += [MethodSpec("kvtc_resident", None,
-                             {"ratio": float(r), "calibration": resident_calibration(calibration, r)},
+                             {"ratio": float(r), "calibration": resident_calibration(calibration, r)[0]},
                              name=f"kvtc_resident-{r}x") for r in KVTC_RESIDENT_RATIOS]
         specs += [MethodSpec("kvtc_resident", None,
-                             {"ratio": float(r), "calibration": resident_calibration(calibration, r, 1)},
+                             {"ratio": float(r), "calibration": resident_calibration(calibration, r, 1)[0]},
                              name=f"kvtc_resident-{r}x-keys-per-layer") for r in KVTC_RESIDENT_KEYS_PER_LAYER_RATIOS]
     return specs
 
@@ -291,10 +292,10 @@ def main() -> int:
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     if args.kvtc:
         ensure_calibration(model, tokenizer, calibration)
-        for s in run_specs:  # the twins (a ratio the frontier's calibration lacks) of the rows to run
-            if s.method == "kvtc_resident" and s.config["calibration"] != calibration:
-                relative = s.config["calibration"]
-                ensure_calibration(model, tokenizer, relative, **twin_settings(relative, int(s.config["ratio"])))
+        twins = resident_calibrations(calibration)
+        for relative in dict.fromkeys(s.config["calibration"] for s in run_specs if s.method == "kvtc_resident"):
+            if twins[relative] is not None:  # the twins of the rows to run (made once, like kvtc's own)
+                ensure_calibration(model, tokenizer, relative, **twins[relative])
     if any(s.name == "pca_quant-layers" for s in run_specs):
         ensure_layer_profile(model, tokenizer, layer_profile)
     run_eval(model, tokenizer, plan, out, row_fields=machine_fields(args.dtype), rows_by_method=True)

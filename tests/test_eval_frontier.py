@@ -168,3 +168,23 @@ def test_a_method_set_by_its_own_ratio_ranks_at_every_target_it_fits_under():
     assert best_per_budget(cells, "query_agnostic", 0.0625)[0] is None  # 0.089 > 0.0625; FullKV and peers never
     best, _, peer = best_per_budget([budgeted, {**ratio, "n": 12}, quanto], "query_agnostic", 0.1)
     assert best["method"] == "pca_quant" and peer["method"] == "hf_quantized-quanto2"  # still filling: not ranked
+
+
+def test_every_kvtc_resident_row_names_a_calibration_the_frontier_makes(monkeypatch):
+    """The runner makes each twin calibration a kvtc_resident row names, with the settings its name promises
+    (a ratio the frontier's kvtc calibration lacks; a key basis per layer)."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from frontier import KVTC_RATIOS, frontier_specs, resident_calibrations
+
+    made = resident_calibrations("cal")
+    rows = [s for s in frontier_specs([0.28], "cal") if s.method == "kvtc_resident"]
+    assert rows and all(s.config["calibration"] in made for s in rows)
+    for s in rows:
+        settings = made[s.config["calibration"]]
+        if settings is None:  # the frontier's own calibration: kvtc's ratios
+            assert s.config["calibration"] == "cal" and s.config["ratio"] in KVTC_RATIOS
+            continue
+        assert s.config["ratio"] in settings["ratios"]
+        assert (settings.get("key_layer_group") == 1) == s.name.endswith("-keys-per-layer")
