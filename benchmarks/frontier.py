@@ -282,7 +282,7 @@ def main() -> int:
         if missing:
             p.error(f"--only: {missing} not in the plan; its names: {sorted({s.name or s.method for s in specs})}")
     plan = EvalPlan(tasks=args.tasks.split(","), lengths=lengths, samples=args.samples, specs=run_specs,
-                    settings=args.settings.split(","))
+                    settings=args.settings.split(","), reference_timing=True)
     out = Path(args.out) if args.out else rows_dir(args.model)
     out.mkdir(parents=True, exist_ok=True)
     (out / "frontier-plan.json").write_text(json.dumps(

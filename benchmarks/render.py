@@ -71,8 +71,9 @@ def frontier_rows(records: dict[str, dict], families: list[str]) -> str:
     return (table + f"\n\nFrom `benchmarks/results/frontier-*.json` (rows from: {_machines(records)}). "
             "*Differs from FullKV*: exact McNemar test on fully correct answers over the same samples, "
             "p < 0.05; *decode ÷ FullKV*: the median over samples of decode ms/token ÷ FullKV's on the "
-            "same sample on the same CPU (FullKV's row may come from an earlier run on that CPU; not shown for a "
-            "cell whose rows ran on several CPUs, nor for one whose FullKV rows ran on another).\n")
+            "same sample, timed in the row's own run (rows made before the frontier timed FullKV in every run: "
+            "FullKV's row of the sample, where it ran on the same CPU); not shown for a cell whose rows ran on "
+            "several CPUs.\n")
 
 
 def options(method: str) -> str:

@@ -275,6 +275,37 @@ def test_rows_split_by_method_resume_like_one_file(tiny_model, tokenizer, tmp_pa
     assert len(load_results(tmp_path)) == len(rows)
 
 
+def test_reference_timing_is_fullkv_decode_of_the_same_sample_in_the_same_run(tiny_model, tokenizer, tmp_path,
+                                                                               monkeypatch):
+    """``reference_timing``: every row carries FullKV's decode ms/token of its sample timed in its run — FullKV's own
+    row's when FullKV runs too (nothing timed twice), else one FullKV decode per sample that its rows share."""
+    import kvpack.eval.runner as runner
+
+    specs = method_specs(["full", "streaming"], [0.5, 0.25], {})
+    plan = EvalPlan(tasks=["vt"], lengths=[256], samples=2, specs=specs, settings=["query-aware"], fidelity=False,
+                    reference_timing=True)
+    monkeypatch.setattr(runner, "_reference_decode_ms", lambda *a: pytest.fail("FullKV's decode timed twice"))
+    rows = run_eval(tiny_model, tokenizer, plan, tmp_path / "with-full", progress=False)
+    for sample in (0, 1):
+        mine = [r for r in rows if r["sample"] == sample]
+        full = next(r for r in mine if r["method"] == "full")
+        assert len(mine) == 3 and full["decode_ms"] > 0
+        assert all(r["reference_decode_ms"] == full["decode_ms"] for r in mine)
+    monkeypatch.undo()
+    calls = []
+    timed = runner._reference_decode_ms
+    monkeypatch.setattr(runner, "_reference_decode_ms", lambda *a: calls.append(1) or timed(*a))
+    later = EvalPlan(**{**plan.__dict__, "specs": specs[1:]})  # FullKV's rows made by an earlier run
+    rows = run_eval(tiny_model, tokenizer, later, tmp_path / "without-full", progress=False)
+    assert len(rows) == 4 and len(calls) == 2  # once per sample
+    for sample in (0, 1):
+        times = {r["reference_decode_ms"] for r in rows if r["sample"] == sample}
+        assert len(times) == 1 and next(iter(times)) > 0
+    plain = run_eval(tiny_model, tokenizer, EvalPlan(**{**later.__dict__, "reference_timing": False}),
+                     tmp_path / "plain", progress=False)
+    assert len(calls) == 2 and not any("reference_decode_ms" in r for r in plain)
+
+
 @pytest.mark.parametrize("fidelity", [True, False])
 def test_a_length_that_does_not_fit_the_context_is_refused_before_anything_runs(tiny_model, tokenizer, tmp_path,
                                                                                 fidelity):

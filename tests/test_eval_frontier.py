@@ -60,12 +60,12 @@ def test_paired_tests_against_fullkv_and_the_best_peer_at_no_more_bytes(rows):
     assert mine["best_peer"] == "hf_quantized-quanto4"
     assert mine["vs_best_peer"]["score_diff"] == pytest.approx(-4 / 12)
     assert mine["vs_best_peer"]["kl_diff"] == pytest.approx(0.08)
-    assert mine["decode_vs_full"] == {"median": pytest.approx(1.2), "max": pytest.approx(1.2), "n": 12}
+    assert mine["decode_vs_full"] == {"median": pytest.approx(1.2), "max": pytest.approx(1.2), "n": 12, "same_run": 0}
     assert _cell(cells, "hf_quantized-quanto4")["best_peer"] is None  # peers are not compared with peers
     assert _cell(cells, "kivi", 0.1)["best_peer"] is None  # no peer holds <= 0.1 of the bytes
 
 
-def test_decode_ratio_pairs_only_rows_of_one_cpu():
+def test_decode_ratio_is_against_the_same_run_else_fullkv_on_the_same_cpu():
     # FullKV's rows ran on CPU A; the method's first 4 samples on CPU A (1.5x), the rest on CPU B (3x as slow
     # as FullKV on A: a figure of two machines, never a ratio)
     full = _rows("full", "full", None, 1.0, [1.0] * 12, [0.0] * 12, decode_ms=10.0)
@@ -73,10 +73,16 @@ def test_decode_ratio_pairs_only_rows_of_one_cpu():
     for r in mine[4:]:
         r.update(cpu="CPU B", decode_ms=30.0)
     assert _cell(frontier_cells(full + mine, "tiny"), "kivi", 0.28)["decode_vs_full"] == {
-        "median": pytest.approx(1.5), "max": pytest.approx(1.5), "n": 4}
+        "median": pytest.approx(1.5), "max": pytest.approx(1.5), "n": 4, "same_run": 0}
     for r in mine[:4]:
         r.update(cpu="CPU B")
     assert _cell(frontier_cells(full + mine, "tiny"), "kivi", 0.28)["decode_vs_full"] is None
+    # rows that timed FullKV in their own run (on CPU B: 20 ms) are against that, whatever FullKV's rows say:
+    # 4 samples at 15 ms, 2 at 30 ms
+    for r in mine[:6]:
+        r.update(reference_decode_ms=20.0)
+    assert _cell(frontier_cells(full + mine, "tiny"), "kivi", 0.28)["decode_vs_full"] == {
+        "median": pytest.approx(0.75), "max": pytest.approx(1.5), "n": 6, "same_run": 6}
 
 
 def test_plots_and_the_docs_tables(rows, tmp_path):

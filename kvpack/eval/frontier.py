@@ -16,9 +16,10 @@ A *cell* pools every sample of one method at one budget in one setting, over all
   :data:`BYTES_TOLERANCE`): the highest-scoring such cell, ties broken by the lower KL; McNemar on the
   shared samples and the paired mean KL difference (method − peer) with a bootstrap interval;
 * ``decode_vs_full`` — the median over samples of the row's decode ms/token ÷ FullKV's on the same
-  sample on the same CPU, and the slowest sample's ratio (FullKV's row may come from an earlier run of the
-  frontier on that CPU: rows are resumed, not rerun); ``cpus`` names the CPUs the cell's rows ran on
-  (a table shows the ratio only for a cell whose rows all ran on one).
+  sample, and the slowest sample's ratio: FullKV's decode timed in the row's own run (the frontier times it
+  for every sample), or for rows made before that, FullKV's row of the sample where it ran on the same CPU
+  (``same_run`` counts the former); ``cpus`` names the CPUs the cell's rows ran on (a table shows the ratio
+  only for a cell whose rows all ran on one).
 
 Settings are written ``query_aware`` / ``query_agnostic`` in the records (the runner's rows say
 ``query-aware`` / ``query-agnostic``).
@@ -164,15 +165,24 @@ def _paired_test(cell: dict, other: dict) -> dict | None:
 
 
 def _decode_ratio(cell: dict, full: dict) -> dict | None:
-    """Median and slowest per-sample decode ms/token ÷ FullKV's, over the samples whose FullKV row ran on the
-    same CPU (a ratio across machines would measure the machines; a row without a CPU pairs with none)."""
-    ratios = []
+    """Median and slowest per-sample decode ms/token ÷ FullKV's: FullKV's decode of the same sample timed in the
+    row's own run (``reference_decode_ms``) where the row has it, else FullKV's row of the sample when that ran on
+    the same CPU (a ratio across machines would measure the machines; a row without a CPU pairs with none).
+    ``same_run``: how many of the ratios have their reference from the row's own run."""
+    ratios, same_run = [], 0
     for k, r in cell["_rows"].items():
+        if not r.get("decode_ms"):
+            continue
+        if r.get("reference_decode_ms"):
+            ratios.append(r["decode_ms"] / r["reference_decode_ms"])
+            same_run += 1
+            continue
         ref = full["_rows"].get(k)
-        if r.get("decode_ms") and ref is not None and ref.get("decode_ms") and r.get("cpu") \
-                and r.get("cpu") == ref.get("cpu"):
+        if ref is not None and ref.get("decode_ms") and r.get("cpu") and r.get("cpu") == ref.get("cpu"):
             ratios.append(r["decode_ms"] / ref["decode_ms"])
-    return {"median": statistics.median(ratios), "max": max(ratios), "n": len(ratios)} if ratios else None
+    if not ratios:
+        return None
+    return {"median": statistics.median(ratios), "max": max(ratios), "n": len(ratios), "same_run": same_run}
 
 
 def plot_frontier(cells: list[dict], path_prefix: str | Path) -> list[Path]:

@@ -7,7 +7,8 @@ query-aware prefill when both run (one model run per sample) — and every metho
 from that same prefill and decoded greedily (the rest of the prompt is prefilled over the
 compressed cache first). Decoding stops once the prediction holds every reference (its score can
 no longer change); each row records the median milliseconds of its decode steps (after the first
-new token, which also prefills the rest of the prompt), the report's speed column. Rows are
+new token, which also prefills the rest of the prompt), the report's speed column, and with
+``reference_timing`` FullKV's median on the same sample timed in the same run (``reference_decode_ms``). Rows are
 appended to ``results.jsonl`` (or, split by method name, to ``rows/<name>.jsonl``) as they finish; a
 rerun skips every (setting, task, length, sample, method, budget, config overrides) already there — a
 method rerun with other ``--set`` overrides is computed again, not taken from the earlier rows.
@@ -99,6 +100,9 @@ class EvalPlan:
     settings: list[str] = field(default_factory=lambda: ["query-aware"])
     seed: int = 0
     fidelity: bool = True
+    # Time FullKV's decode of every sample in the run (each row's ``reference_decode_ms``), so a row's speed has a
+    # reference from the same process, sample and machine even when FullKV's own row was made by an earlier run.
+    reference_timing: bool = False
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tasks if t not in TASKS]
@@ -282,7 +286,7 @@ def _evaluate(model, tokenizer, plan: EvalPlan, unit: _Unit, spec: MethodSpec) -
         built = get_method(spec.method, **spec.method_config()).from_prefill(model, unit.prefill)
         # the fidelity pass runs on a copy of the same compressed cache (decoding mutates it); the
         # exact cache's pass is the unit's reference, already computed
-        exact = spec.method == REFERENCE_METHOD and not spec.method_config()
+        exact = _is_reference(spec)
         again = built.copy() if plan.fidelity and not exact else None
         prediction, decode_s, steps_ms = _greedy(model, tokenizer, built, unit.ids, sample)
         row.update(config=built.config, kv_bytes=built.kv_bytes, dense_kv_bytes=built.dense_kv_bytes,
@@ -294,6 +298,20 @@ def _evaluate(model, tokenizer, plan: EvalPlan, unit: _Unit, spec: MethodSpec) -
     except (ValueError, NotImplementedError) as exc:
         row.update(error=f"{type(exc).__name__}: {exc}", score=None)
     return row
+
+
+@torch.no_grad()
+def _is_reference(spec: MethodSpec) -> bool:
+    """The exact cache with its defaults: the spec whose rows are the KL's and the speed's reference."""
+    return spec.method == REFERENCE_METHOD and not spec.method_config()
+
+
+def _reference_decode_ms(model, tokenizer, unit: _Unit) -> float | None:
+    """FullKV's median decode ms/token on the unit's sample (its greedy decode, as a FullKV row times it; None
+    when it answers with its first token, which leaves no decode step)."""
+    built = get_method(REFERENCE_METHOD).from_prefill(model, unit.prefill)
+    steps_ms = _greedy(model, tokenizer, built, unit.ids, unit.sample)[2]
+    return statistics.median(steps_ms) if steps_ms else None
 
 
 @torch.no_grad()
@@ -370,9 +388,16 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
             unit = _prepare_unit(model, tokenizer, plan, setting, task, length, index, last_prefill)
             if unit.fresh:
                 last_prefill = unit.prefill
-            for spec in pending:
+            timed, reference_ms = False, None
+            for spec in sorted(pending, key=lambda s: not _is_reference(s)):  # FullKV first: its decode is the timing
                 row = {"setting": setting, "task": task, "length": length, "sample": index,
                        **_evaluate(model, tokenizer, plan, unit, spec), **(row_fields or {})}
+                if plan.reference_timing and "error" not in row:
+                    if _is_reference(spec):
+                        timed, reference_ms = True, row["decode_ms"]
+                    elif not timed:
+                        timed, reference_ms = True, _reference_decode_ms(model, tokenizer, unit)
+                    row["reference_decode_ms"] = reference_ms
                 sink = sink_for(spec)
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
