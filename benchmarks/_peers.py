@@ -8,6 +8,20 @@ import statistics
 from pathlib import Path
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; else what ``platform`` says). Standard library only: the peer
+    workers stamp it on every raw row they write, so a row keeps the machine it ran on."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def finished_rows(path: str | Path) -> list[dict]:
     """The rows a peer worker already wrote to ``path`` (a JSON line each; a torn last line of an
     interrupted run is skipped), so a rerun resumes. Standard library only: the workers import it in
@@ -103,7 +117,11 @@ def frontier_peer_rows(rows: list[dict], family: str, both_settings: bool, field
     (``same_run_both_settings``). The peer's decode ms/token is its own runtime's, not comparable with
     kvpack's FullKV step, so it is kept as ``decode_ms_own_runtime`` and the frontier's speed ratio skips it.
     KL and top-1 come where the peer's script measures them (kvpress: against its own press-free pass over
-    the same answer and continuation, in its environment); llama.cpp's rows have scores only."""
+    the same answer and continuation, in its environment); llama.cpp's rows have scores only.
+
+    ``fields`` (the driver's commit, dtype, versions) go on every row, except ``cpu``: a row names the CPU its
+    worker ran on (``cpu`` of its raw row), or ``unknown`` for a raw row written before workers named it — a
+    resumed run's rows come from several machines."""
     out = []
     for r in rows:
         settings = ("query-aware", "query-agnostic") if both_settings else (r["setting"],)
@@ -111,6 +129,7 @@ def frontier_peer_rows(rows: list[dict], family: str, both_settings: bool, field
         for setting in settings:
             row = {k: v for k, v in r.items() if k not in ("decode_ms", "label", "method", "setting")}
             row.update(setting=setting, method=family, label=name, budget=r.get("budget"),
-                       decode_ms_own_runtime=r.get("decode_ms"), same_run_both_settings=both_settings, **fields)
+                       decode_ms_own_runtime=r.get("decode_ms"), same_run_both_settings=both_settings,
+                       **{**fields, "cpu": r.get("cpu") or "unknown"})
             out.append(row)
     return out

@@ -122,16 +122,6 @@ def frontier_specs(budgets: list[float], calibration: str | None, layer_profile:
     return specs
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def commit() -> str:
     try:
         out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -155,6 +145,8 @@ def versions() -> dict:
 
 def machine_fields(dtype: str) -> dict:
     """What each new row records of the run that made it (rows from several runs share one file)."""
+    from _peers import cpu_name
+
     return {"cpu": f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads)",
             "commit": commit(), "dtype": dtype, "versions": versions()}
 

@@ -24,6 +24,7 @@ Usage: python benchmarks/peer_kvpress.py [--venv .kvpress-venv]
     [--tasks niah_single_1,niah_single_2] [--samples 8]
     [--out results/peer-kvpress] [--kvpack-results kvpack-eval/]
        python benchmarks/peer_kvpress.py --frontier --model smollm2   (the frontier's samples and rows)
+       ... --frontier --model smollm2 --collect   (no worker: the rows of the raw rows earlier runs finished)
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ def worker(samples_path: str, model_dir: str, presses: list[str], kept: list[flo
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    from _peers import cpu_name
+
+    cpu = f"{cpu_name()} ({torch.get_num_threads()} threads)"
     versions = {"kvpress": importlib.metadata.version("kvpress"), "transformers": transformers.__version__,
                 "torch": torch.__version__}
 
@@ -150,7 +154,7 @@ def worker(samples_path: str, model_dir: str, presses: list[str], kept: list[flo
                     out.write(json.dumps({"key": s["key"], "setting": setting, "press": name, "kept": k,
                                           "new_ids": new, "prefill_s": prefill_s, "steps_ms": steps,
                                           "ratio": held / (n_pre * per_token), "masked": masked,
-                                          "versions": versions, **fid}) + "\n")
+                                          "versions": versions, "cpu": cpu, **fid}) + "\n")
                     out.flush()
             print(f"[kvpress] {s['key']}: done", file=sys.stderr, flush=True)
 
@@ -174,7 +178,7 @@ def kvpress_rows(samples: list[dict], raw: list[dict], model: str = "smollm2") -
                      "method": f"kvpress-{r['press']}", "budget": r["kept"],
                      "label": f"kvpress {r['press']}@{r['kept']:g}" + (" (masks)" if r["masked"] else ""),
                      "prediction": prediction, "score": score(prediction, s["answers"], s["metric"]),
-                     "ratio": r["ratio"], "masked": r["masked"], "prefill_s": r["prefill_s"],
+                     "ratio": r["ratio"], "masked": r["masked"], "prefill_s": r["prefill_s"], "cpu": r.get("cpu"),
                      **{f: r[f] for f in ("kl", "kl_answer", "kl_continuation", "top1") if f in r},
                      "decode_ms": statistics.median(r["steps_ms"]) if r["steps_ms"] else None})
     return rows
@@ -198,6 +202,9 @@ def main() -> int:
                         help="the frontier's samples of --model (benchmarks/frontier.py: its tasks, lengths and "
                         "samples; --kept defaults to its budgets); rows to "
                         "benchmarks/results/frontier/<model>/peer-kvpress.jsonl, resumable")
+    parser.add_argument("--collect", action="store_true",
+                        help="run no worker: only score the raw rows earlier runs finished into the rows (after "
+                        "an interrupted run, or to rebuild them)")
     parser.add_argument("--worker", nargs=3, metavar=("SAMPLES", "MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.frontier and args.kept == KEPT_DEFAULT:
@@ -217,7 +224,7 @@ def main() -> int:
     from kvpack.hf.models import model_directory
 
     python = Path(args.venv) / "bin" / "python"
-    if not python.exists():
+    if not python.exists() and not args.collect:  # --collect: the raw rows name kvpress's versions themselves
         print(f"no kvpress environment at {args.venv}: run `bash scripts/install_kvpress.sh` first (or pass --venv)",
               file=sys.stderr)
         return 2
@@ -233,14 +240,14 @@ def main() -> int:
     samples = build_samples(tasks, lengths, per_task, args.seed, out / "samples.jsonl", model=args.model)
     raw_path = out / "kvpress_raw.jsonl"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    worker_run = subprocess.run([str(python), __file__, "--presses", args.presses, "--kept", args.kept, "--worker",
-                                 str(out / "samples.jsonl"), str(model_directory(args.model)), str(raw_path)],
-                                env=env)
+    returncode = 0 if args.collect else subprocess.run(
+        [str(python), __file__, "--presses", args.presses, "--kept", args.kept, "--worker",
+         str(out / "samples.jsonl"), str(model_directory(args.model)), str(raw_path)], env=env).returncode
     from kvpack.eval.runner import load_rows
 
     raw = load_rows(raw_path)  # a torn last line of an interrupted worker is skipped
-    if worker_run.returncode != 0:  # rows finished before a failure (or an interrupt) are still reported
-        print(f"the kvpress worker exited with {worker_run.returncode}: reporting its {len(raw)} finished rows",
+    if returncode != 0:  # rows finished before a failure (or an interrupt) are still reported
+        print(f"the kvpress worker exited with {returncode}: reporting its {len(raw)} finished rows",
               file=sys.stderr)
     if not raw:
         return 1

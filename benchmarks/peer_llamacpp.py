@@ -18,6 +18,7 @@ Usage: python benchmarks/peer_llamacpp.py [--venv .llamacpp-venv] [--lengths 204
     [--tasks niah_single_1,niah_single_2] [--samples 8] [--kv f16,q8_0,q4_0] [--out results/peer-llamacpp]
     [--kvpack-results kvpack-eval/]   (adds kvpack's rows from an eval directory beside llama.cpp's)
        python benchmarks/peer_llamacpp.py --frontier --model smollm2   (the frontier's samples and rows)
+       ... --frontier --model smollm2 --collect   (no worker: the rows of the raw rows earlier runs finished)
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from _peers import build_samples, finished_rows, table, write_outputs
+from _peers import build_samples, cpu_name, finished_rows, table, write_outputs
 
 # ggml's block sizes: (bytes per block, values per block) — the nominal bits per value.
 GGML_TYPES = {"f16": (1, 2, 1), "q8_0": (8, 34, 32), "q4_0": (2, 18, 32)}  # name: (ggml type id, bytes, values)
@@ -46,6 +47,7 @@ def worker(samples_path: str, gguf: str, kv_types: list[str], threads: int, out_
     samples = [json.loads(line) for line in Path(samples_path).read_text().splitlines()]
     n_ctx = max(len(s["ids"]) + s["max_new_tokens"] for s in samples) + 8
     done = {(tuple(r["key"]), r["kv"]) for r in finished_rows(out_path)}  # resumable: not run again
+    cpu = f"{cpu_name()} (llama.cpp, {threads} threads)"
     with open(out_path, "a") as out:
         for kv in kv_types:
             todo = [s for s in samples if (tuple(s["key"]), kv) not in done]
@@ -79,7 +81,7 @@ def worker(samples_path: str, gguf: str, kv_types: list[str], threads: int, out_
                 steps = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
                 out.write(json.dumps({"key": s["key"], "kv": kv, "new_ids": new, "prefill_s": stamps[0] - start,
                                       "steps_ms": steps, "state_bytes": state, "base_state_bytes": base,
-                                      "cached_tokens": llm.n_tokens}) + "\n")
+                                      "cached_tokens": llm.n_tokens, "cpu": cpu}) + "\n")
                 out.flush()
                 print(f"[llama.cpp {kv}] {s['key']}: {len(new)} tokens", file=sys.stderr, flush=True)
             del llm
@@ -108,7 +110,7 @@ def llamacpp_rows(samples: list[dict], raw: list[dict], model_cfg, model: str = 
                      "label": f"llama.cpp {r['kv']}", "kv": r["kv"], "prediction": prediction,
                      "score": score(prediction, s["answers"], s["metric"]), "bits_per_value": bits,
                      "ratio": bits / 16, "nominal_ratio": 8 * GGML_TYPES[r["kv"]][1] / GGML_TYPES[r["kv"]][2] / 16,
-                     "prefill_s": r["prefill_s"], "steps": len(r["steps_ms"]),
+                     "prefill_s": r["prefill_s"], "steps": len(r["steps_ms"]), "cpu": r.get("cpu"),
                      "decode_ms": statistics.median(r["steps_ms"]) if r["steps_ms"] else None})
     return rows
 
@@ -128,6 +130,9 @@ def main() -> int:
     parser.add_argument("--frontier", action="store_true",
                         help="the frontier's samples of --model (benchmarks/frontier.py: its tasks, lengths and "
                         "samples); rows to benchmarks/results/frontier/<model>/peer-llamacpp.jsonl, resumable")
+    parser.add_argument("--collect", action="store_true",
+                        help="run no worker: only score the raw rows earlier runs finished into the rows (after "
+                        "an interrupted run, or to rebuild them)")
     parser.add_argument("--worker", nargs=3, metavar=("SAMPLES", "GGUF", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     kv_types = [k for k in args.kv.split(",") if k]
@@ -160,11 +165,17 @@ def main() -> int:
     samples = build_samples(tasks, lengths, per_task, args.seed, out / "samples.jsonl", model=args.model)
     _, gguf = resolve_model_source(args.model)
     raw_path = out / "llamacpp_raw.jsonl"
-    subprocess.run([str(python), __file__, "--kv", args.kv, "--threads", str(args.threads), "--worker",
-                    str(out / "samples.jsonl"), str(gguf), str(raw_path)], check=True)
+    returncode = 0 if args.collect else subprocess.run(
+        [str(python), __file__, "--kv", args.kv, "--threads", str(args.threads), "--worker",
+         str(out / "samples.jsonl"), str(gguf), str(raw_path)]).returncode
     from kvpack.eval.runner import load_rows
 
     raw = load_rows(raw_path)  # a torn last line of an interrupted worker is skipped
+    if returncode != 0:  # rows finished before a failure (or an interrupt) are still reported
+        print(f"the llama.cpp worker exited with {returncode}: reporting its {len(raw)} finished rows",
+              file=sys.stderr)
+    if not raw:
+        return 1
     rows = llamacpp_rows(samples, raw, AutoConfig.from_pretrained(model_directory(args.model), local_files_only=True),
                          args.model)
     if args.frontier:

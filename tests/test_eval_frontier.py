@@ -65,6 +65,28 @@ def test_paired_tests_against_fullkv_and_the_best_peer_at_no_more_bytes(rows):
     assert _cell(cells, "kivi", 0.1)["best_peer"] is None  # no peer holds <= 0.1 of the bytes
 
 
+def test_a_peer_run_cut_short_does_not_rank_as_the_best_peer(rows):
+    """A peer cell on 3 of the 12 samples that answers every one with KL 0 at fewer bytes neither replaces the
+    complete quanto4 cell as the best peer nor as the summary's peer; with all 12 samples it does."""
+    from kvpack.eval.frontier import best_per_budget
+
+    press = _rows("kvpress-snapkv@0.28", "kvpress-snapkv", 0.28, 0.2, [1.0] * 12, [0.0] * 12)
+    for r in press:
+        r["method"] = "kvpress"  # a peer family; the cell's name comes from the label: kvpress-snapkv
+    few = frontier_cells(rows + press[:3], "tiny")
+    assert _cell(few, "kvpress-snapkv", 0.28)["n"] == 3
+    assert _cell(few, "anchor_plus", 0.28)["best_peer"] == "hf_quantized-quanto4"
+    assert best_per_budget(few, "query_agnostic", 0.28)[2]["method"] == "hf_quantized-quanto4"
+    # the only peer at <= bytes is cut short: it is shown, with its sample count
+    alone = frontier_cells([r for r in rows if r["method"] != "hf_quantized"] + press[:3], "tiny")
+    record = {"tiny": {"cells": alone, "budgets": [0.28]}}
+    line = [x for x in frontier_table_markdown(record).splitlines() if "query-agnostic" in x][0]
+    assert "`kvpress-snapkv` 0, 1.00" in line and ", 0.200, 3 samples |" in line and line.endswith("| 12 |")
+    full = frontier_cells(rows + press, "tiny")
+    assert _cell(full, "anchor_plus", 0.28)["best_peer"] == "kvpress-snapkv"
+    assert best_per_budget(full, "query_agnostic", 0.28)[2]["method"] == "kvpress-snapkv"
+
+
 def test_decode_ratio_is_against_the_same_run_else_fullkv_on_the_same_cpu():
     # FullKV's rows ran on CPU A; the method's first 4 samples on CPU A (1.5x), the rest on CPU B (3x as slow
     # as FullKV on A: a figure of two machines, never a ratio)
@@ -123,17 +145,19 @@ def test_peer_rows_from_their_scripts_join_the_frontier_as_peers(monkeypatch, ro
     from _peers import frontier_peer_rows
 
     llama = [{"task": t, "length": n, "sample": i, "method": "llamacpp", "label": "llama.cpp q4_0", "kv": "q4_0",
-              "score": 1.0, "ratio": 0.2813, "decode_ms": 3.0} for t, n, i in SAMPLES]
+              "score": 1.0, "ratio": 0.2813, "decode_ms": 3.0, "cpu": "worker CPU"} for t, n, i in SAMPLES]
     press = [{"setting": "query-agnostic", "task": t, "length": n, "sample": i, "method": "kvpress-snapkv",
               "budget": 0.28, "label": "kvpress snapkv@0.28", "score": 0.0, "ratio": 0.28, "decode_ms": 9.0}
              for t, n, i in SAMPLES]
-    fields = {"cpu": "test CPU", "commit": "abc"}
+    fields = {"cpu": "driver CPU", "commit": "abc"}  # a row names its worker's CPU, not the driver's
     llama_rows = frontier_peer_rows(llama, "llamacpp", both_settings=True, fields=fields)
     press_rows = frontier_peer_rows(press, "kvpress", both_settings=False, fields=fields)
     assert len(llama_rows) == 2 * len(llama) and len(press_rows) == len(press)
     assert {r["setting"] for r in llama_rows} == {"query-aware", "query-agnostic"}
-    assert all(r["label"] == "llamacpp-q4_0" and r["method"] == "llamacpp" and r["cpu"] == "test CPU"
-               and "decode_ms" not in r and r["decode_ms_own_runtime"] == 3.0 for r in llama_rows)
+    assert all(r["label"] == "llamacpp-q4_0" and r["method"] == "llamacpp" and r["cpu"] == "worker CPU"
+               and r["commit"] == "abc" and "decode_ms" not in r and r["decode_ms_own_runtime"] == 3.0
+               for r in llama_rows)
+    assert {r["cpu"] for r in press_rows} == {"unknown"}  # raw rows from before workers named their CPU
     cells = frontier_cells(rows + llama_rows + press_rows, "tiny")
     q4 = _cell(cells, "llamacpp-q4_0")
     assert q4["peer"] and q4["n"] == 12 and q4["decode_vs_full"] is None and q4["kl"] is None

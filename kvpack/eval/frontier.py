@@ -13,7 +13,8 @@ A *cell* pools every sample of one method at one budget in one setting, over all
 * ``vs_full`` — the exact McNemar test on fully correct answers against FullKV on the same samples;
 * ``vs_best_peer`` — against the best *peer* (transformers' ``QuantizedCache``, llama.cpp, kvpress: the
   methods users already run; :data:`PEER_FAMILIES`) whose cell holds at most as many bytes (within
-  :data:`BYTES_TOLERANCE`): the highest-scoring such cell, ties broken by the lower KL; McNemar on the
+  :data:`BYTES_TOLERANCE`): the highest-scoring such cell, ties broken by the lower KL, among those with
+  the most samples (a peer run cut short does not rank on a few samples); McNemar on the
   shared samples and the paired mean KL difference (method − peer) with a bootstrap interval;
 * ``decode_vs_full`` — the median over samples of the row's decode ms/token ÷ FullKV's on the same
   sample, and the slowest sample's ratio: FullKV's decode timed in the row's own run (the frontier times it
@@ -136,12 +137,20 @@ def _by_task(rows: list[dict]) -> dict[str, list[float]]:
     return out
 
 
+def _most_complete(cells: list[dict]) -> list[dict]:
+    """The cells with as many samples as the most complete of them: a cell whose rows are still coming in (a
+    peer run cut short after a few samples) does not rank against complete ones on a handful of samples."""
+    most = max((c["n"] for c in cells), default=0)
+    return [c for c in cells if c["n"] == most]
+
+
 def _best_peer(cell: dict, peers: list[dict]) -> dict | None:
-    """The highest-scoring peer cell (then the lower KL) holding at most the cell's bytes (+ tolerance)."""
+    """The highest-scoring peer cell (then the lower KL) holding at most the cell's bytes (+ tolerance), among
+    the most complete such cells (:func:`_most_complete`)."""
     if cell["bytes_ratio"] is None or cell["peer"]:
         return None
     limit = cell["bytes_ratio"] * (1 + BYTES_TOLERANCE)
-    fits = [p for p in peers if p["bytes_ratio"] is not None and p["bytes_ratio"] <= limit]
+    fits = _most_complete([p for p in peers if p["bytes_ratio"] is not None and p["bytes_ratio"] <= limit])
     if not fits:
         return None
     return max(fits, key=lambda p: (p["score"], -(p["kl"] if p["kl"] is not None else float("inf"))))
@@ -252,7 +261,8 @@ def best_per_budget(cells: list[dict], setting: str, budget: float) -> tuple[dic
     target (``kvtc_resident``'s ratio, PuzzleKV's INT4 paper setting), holding at most the target's bytes —
     with the lowest mean KL (then the higher score), among the cells with as many samples as the most
     complete one (a method whose rows are still coming in does not rank on fewer samples); the storage codec
-    and the peer with the lowest KL holding at most that cell's measured bytes (+ :data:`BYTES_TOLERANCE`)."""
+    and the peer with the lowest KL holding at most that cell's measured bytes (+ :data:`BYTES_TOLERANCE`),
+    each by the same rule (:func:`_most_complete`)."""
 
     def at_target(c: dict) -> bool:
         if c["budget"] is None:
@@ -263,30 +273,32 @@ def best_per_budget(cells: list[dict], setting: str, budget: float) -> tuple[dic
            and c["family"] != REFERENCE and not is_storage(c) and c["n"]]
     if not own:
         return None, None, None
-    most = max(c["n"] for c in own)
-    own = [c for c in own if c["n"] == most]
-    best = min(own, key=_kl_first)
+    best = min(_most_complete(own), key=_kl_first)
     limit = best["bytes_ratio"] * (1 + BYTES_TOLERANCE)
 
     def fitting(pred):
-        fits = [c for c in cells if c["setting"] == setting and c["n"] and pred(c)
-                and c["bytes_ratio"] is not None and c["bytes_ratio"] <= limit]
+        fits = _most_complete([c for c in cells if c["setting"] == setting and c["n"] and pred(c)
+                               and c["bytes_ratio"] is not None and c["bytes_ratio"] <= limit])
         return min(fits, key=_kl_first) if fits else None
 
     return best, fitting(is_storage), fitting(lambda c: c["peer"])
 
 
-def _cell_text(c: dict | None, empty: str = "none at ≤ bytes") -> str:
+def _cell_text(c: dict | None, empty: str = "none at ≤ bytes", samples: int | None = None) -> str:
+    """A cell's method, KL, score (interval) and bytes; its sample count too where it has fewer than
+    ``samples`` (the row's own method's: a cell whose rows are still coming in says so)."""
     if c is None:
         return empty
     kl = "–" if c["kl"] is None else f"{c['kl']:.3g}"
-    return f"`{c['method']}` {kl}, {_fmt_ci(c['score'], c['score_ci'])}, {c['bytes_ratio']:.3f}"
+    fewer = f", {c['n']} samples" if samples is not None and c["n"] < samples else ""
+    return f"`{c['method']}` {kl}, {_fmt_ci(c['score'], c['score_ci'])}, {c['bytes_ratio']:.3f}{fewer}"
 
 
 def frontier_table_markdown(records: dict[str, dict]) -> str:
     """A short table from frontier results files (``{model: file contents}``): per model, setting and
     budget, the best resident kvpack method, the best storage codec and the best peer at equal or fewer
-    bytes (:func:`best_per_budget`), each with its mean KL, score (95% interval) and measured bytes."""
+    bytes (:func:`best_per_budget`), each with its mean KL, score (95% interval) and measured bytes (and its
+    samples, where fewer than the kvpack method's)."""
     lines = ["| model | setting | budget | best resident kvpack method: KL, score, bytes | storage (kvtc) at ≤ "
              "bytes | best peer at ≤ bytes | FullKV score | samples |", "|---|---|---|---|---|---|---|---|"]
     for model, data in records.items():
@@ -298,7 +310,7 @@ def frontier_table_markdown(records: dict[str, dict]) -> str:
                 if best is None:
                     continue
                 lines.append(f"| {model} | {setting.replace('_', '-')} | {budget:g} | {_cell_text(best)} | "
-                             f"{_cell_text(storage)} | {_cell_text(peer)} | "
+                             f"{_cell_text(storage, samples=best['n'])} | {_cell_text(peer, samples=best['n'])} | "
                              f"{_fmt_ci(full['score'], full['score_ci']) if full else '–'} | {best['n']} |")
     return "\n".join(lines)
 
