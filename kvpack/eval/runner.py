@@ -300,7 +300,6 @@ def _evaluate(model, tokenizer, plan: EvalPlan, unit: _Unit, spec: MethodSpec) -
     return row
 
 
-@torch.no_grad()
 def _is_reference(spec: MethodSpec) -> bool:
     """The exact cache with its defaults: the spec whose rows are the KL's and the speed's reference."""
     return spec.method == REFERENCE_METHOD and not spec.method_config()
