@@ -36,6 +36,23 @@ def finished_rows(path: str | Path) -> list[dict]:
     return rows
 
 
+def run_worker(command: list[str], raw_path: Path, tool: str, collect: bool = False,
+               env: dict | None = None) -> list[dict]:
+    """Run a peer's worker (``command``, in its own environment; not with ``collect``) and return every raw row in
+    ``raw_path``, this run's and earlier runs'. A worker that stops part way (a failure, a signal) still leaves its
+    finished rows, which are returned and said so on stderr; a torn last line is skipped."""
+    import subprocess
+    import sys
+
+    from kvpack.eval.runner import load_rows
+
+    returncode = 0 if collect else subprocess.run(command, env=env).returncode
+    raw = load_rows(raw_path)
+    if returncode != 0:
+        print(f"the {tool} worker exited with {returncode}: reporting its {len(raw)} finished rows", file=sys.stderr)
+    return raw
+
+
 def build_samples(tasks: list[str], lengths: list[int], samples: int, seed: int, path: Path,
                   model: str = "smollm2") -> list[dict]:
     """kvpack's eval samples as token ids (exactly the ids kvpack's eval feeds ``model``)."""

@@ -35,7 +35,6 @@ import importlib.metadata
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -185,7 +184,7 @@ def kvpress_rows(samples: list[dict], raw: list[dict], model: str = "smollm2") -
 
 
 def main() -> int:
-    from _peers import build_samples, table, write_outputs
+    from _peers import build_samples, run_worker, table, write_outputs
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--venv", default=".kvpress-venv", help="the kvpress virtual environment")
@@ -240,15 +239,9 @@ def main() -> int:
     samples = build_samples(tasks, lengths, per_task, args.seed, out / "samples.jsonl", model=args.model)
     raw_path = out / "kvpress_raw.jsonl"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    returncode = 0 if args.collect else subprocess.run(
-        [str(python), __file__, "--presses", args.presses, "--kept", args.kept, "--worker",
-         str(out / "samples.jsonl"), str(model_directory(args.model)), str(raw_path)], env=env).returncode
-    from kvpack.eval.runner import load_rows
-
-    raw = load_rows(raw_path)  # a torn last line of an interrupted worker is skipped
-    if returncode != 0:  # rows finished before a failure (or an interrupt) are still reported
-        print(f"the kvpress worker exited with {returncode}: reporting its {len(raw)} finished rows",
-              file=sys.stderr)
+    raw = run_worker([str(python), __file__, "--presses", args.presses, "--kept", args.kept, "--worker",
+                      str(out / "samples.jsonl"), str(model_directory(args.model)), str(raw_path)],
+                     raw_path, "kvpress", collect=args.collect, env=env)
     if not raw:
         return 1
     rows = kvpress_rows(samples, raw, args.model)

@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from _peers import build_samples, cpu_name, finished_rows, table, write_outputs
+from _peers import build_samples, cpu_name, finished_rows, run_worker, table, write_outputs
 
 # ggml's block sizes: (bytes per block, values per block) — the nominal bits per value.
 GGML_TYPES = {"f16": (1, 2, 1), "q8_0": (8, 34, 32), "q4_0": (2, 18, 32)}  # name: (ggml type id, bytes, values)
@@ -165,15 +165,9 @@ def main() -> int:
     samples = build_samples(tasks, lengths, per_task, args.seed, out / "samples.jsonl", model=args.model)
     _, gguf = resolve_model_source(args.model)
     raw_path = out / "llamacpp_raw.jsonl"
-    returncode = 0 if args.collect else subprocess.run(
-        [str(python), __file__, "--kv", args.kv, "--threads", str(args.threads), "--worker",
-         str(out / "samples.jsonl"), str(gguf), str(raw_path)]).returncode
-    from kvpack.eval.runner import load_rows
-
-    raw = load_rows(raw_path)  # a torn last line of an interrupted worker is skipped
-    if returncode != 0:  # rows finished before a failure (or an interrupt) are still reported
-        print(f"the llama.cpp worker exited with {returncode}: reporting its {len(raw)} finished rows",
-              file=sys.stderr)
+    raw = run_worker([str(python), __file__, "--kv", args.kv, "--threads", str(args.threads), "--worker",
+                      str(out / "samples.jsonl"), str(gguf), str(raw_path)],
+                     raw_path, "llama.cpp", collect=args.collect)
     if not raw:
         return 1
     rows = llamacpp_rows(samples, raw, AutoConfig.from_pretrained(model_directory(args.model), local_files_only=True),
