@@ -22,6 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from _util import machine  # noqa: E402
 
+from kvpack.divergence import kl_per_position  # noqa: E402
 from kvpack.eval.runner import teacher_forced_logprobs  # noqa: E402
 from kvpack.hf.models import load_model  # noqa: E402
 from kvpack.hf.prefill import exact_prefill  # noqa: E402
@@ -79,7 +80,7 @@ def main() -> None:
                 print(f"{budget:<6} {label:<24} refused: {exc}")
                 continue
             logp = teacher_forced_logprobs(model, built, cont, total)
-            kl = (ref.exp() * (ref - logp)).sum(-1).mean().item()
+            kl = kl_per_position(ref, logp).mean().item()
             top1 = (ref.argmax(-1) == logp.argmax(-1)).float().mean().item()
             ppl = math.exp(-logp[:-1].gather(1, targets[:, None]).mean().item())
             store = built.cache.kvpack_layers[0].rows[0]

@@ -111,7 +111,9 @@ def worker(samples_path: str, model_dir: str, presses: list[str], kept: list[flo
     def fidelity(ref: torch.Tensor | None, logp: torch.Tensor | None, n_answer: int) -> dict:
         if ref is None or logp is None:
             return {}
-        kl = (ref.exp() * (ref - logp)).sum(-1)
+        # kvpack.divergence.kl_per_position's KL, clamped at 0 per position as it is; kvpack itself is not
+        # importable in kvpress's environment (transformers < 5.3)
+        kl = (ref.exp() * (ref - logp)).sum(-1).clamp_min(0.0)
         return {"kl": float(kl.mean()), "kl_answer": float(kl[:n_answer].mean()),
                 "kl_continuation": float(kl[n_answer:].mean()),
                 "top1": float((ref.argmax(-1) == logp.argmax(-1)).float().mean())}

@@ -35,6 +35,7 @@ from typing import Any, TextIO
 import torch
 from tqdm import tqdm
 
+from ..divergence import kl_per_position
 from ..hf.cache import cache_kwargs
 from ..hf.generation import StepClock, context_limit, greedy_generate
 from ..hf.prefill import ExactPrefill, exact_prefill
@@ -267,7 +268,7 @@ def _fidelity(model, unit: _Unit, prepared: PreparedCache | None) -> dict:
     targets = torch.tensor(unit.tf_chunk[a + unit.ans_len:], device=logp.device)
     scored = slice(a - 1, a - 1 + unit.ans_len + len(targets))  # answer positions, then continuation's
     ref = unit.ref_logprobs[scored]
-    kl = (ref.exp() * (ref - logp[scored])).sum(-1)  # [answer + continuation tokens]
+    kl = kl_per_position(ref, logp[scored])  # [answer + continuation tokens]
     agree = (ref.argmax(-1) == logp[scored].argmax(-1)).float()
     nll = -logp[scored][unit.ans_len:].gather(1, targets[:, None]).mean()
     return {"kl_answer": float(kl[:unit.ans_len].mean()), "kl_continuation": float(kl[unit.ans_len:].mean()),

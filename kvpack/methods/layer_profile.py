@@ -17,6 +17,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from ..divergence import kl_per_position
 from ..hf.attach import attach
 from ..hf.cache import cache_kwargs
 from ..hf.fingerprint import full_attention_layers, model_fingerprint
@@ -102,10 +103,8 @@ def profile_layers(model, tokenizer, method: str = "pca_quant", budgets: tuple[f
             for j, b in enumerate(budgets):
                 cache = resident_cache_from(model, OneLayerCoded(codecs[b], layer), prefill)
                 logp = _continuation_logprobs(model, cache, cont, len(ids))
-                # KL >= 0 exactly, but for a layer coded nearly losslessly the fp32 log-probabilities differ by
-                # rounding only and a position's sum can come out a few ulps below zero (seen on an AMD Zen 4
-                # at budget 0.8): clamped there, as the profile refuses negative KL
-                per_position = (ref.exp() * (ref - logp)).sum(-1).clamp_min(0.0)
+                # clamped at 0 per position: the profile refuses negative KL (kl_per_position's numerics)
+                per_position = kl_per_position(ref, logp)
                 kl[i, j] += per_position.mean() / len(token_chunks)
                 bar.update(1)
     bar.close()
