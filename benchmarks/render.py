@@ -56,8 +56,8 @@ def frontier_summary(records: dict[str, dict]) -> str:
             f"\n\nFrom `benchmarks/results/frontier-*.json` (rows from: {_machines(records)}). Per budget: the "
             "resident kvpack method with the lowest mean KL at that target (or, for one set by its own parameters, "
             "holding at most the target's bytes; among the methods with the most samples there), then kvtc "
-            "(storage: decoded before attention) and the peer with the lowest KL holding at most its measured bytes "
-            "(2% tolerance). "
+            "(storage: decoded before attention) and the peer with the lowest KL holding at most the larger of its "
+            "measured bytes and the budget (2% tolerance). "
             "Each entry: mean KL(FullKV ‖ method) per token over the answer and a held-out continuation, "
             "score pooled over the tasks and lengths with its 95% interval, measured bytes ÷ dense bf16.\n")
 

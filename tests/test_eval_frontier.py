@@ -218,3 +218,21 @@ def test_every_kvtc_resident_row_names_a_calibration_the_frontier_makes(monkeypa
             continue
         assert s.config["ratio"] in settings["ratios"]
         assert (settings.get("key_layer_group") == 1) == s.name.endswith("-keys-per-layer")
+
+
+def test_a_cell_meets_the_peers_at_its_budget_in_both_settings():
+    """A cell's measured bytes under its target (0.2756 at 0.28) still meet a peer at 0.2812 (within 2% of the
+    target, not of 0.2756); a method set by its own ratio, with no target, is held to its measured bytes."""
+    from kvpack.eval.frontier import best_per_budget, bytes_limit
+
+    assert bytes_limit(0.2756, 0.28) == pytest.approx(0.2856) and bytes_limit(0.2756, None) < 0.28125
+    full = _rows("full", "full", None, 1.0, [1.0] * 12, [0.0] * 12)
+    quanto = _rows("hf_quantized-quanto4", "hf_quantized", None, 0.28125, [1.0] * 6 + [0.0] * 6, [0.3] * 12)
+    weak = _rows("hf_quantized-quanto2", "hf_quantized", None, 0.156, [0.0] * 12, [3.5] * 12)
+    under = _rows("pca_quant-layers@0.28", "pca_quant", 0.28, 0.2756, [1.0] * 12, [0.002] * 12)
+    ratio = _rows("kvtc_resident-8x", "kvtc_resident", None, 0.2756, [1.0] * 12, [0.004] * 12)
+    cells = frontier_cells(full + quanto + weak + under + ratio, "tiny")
+    assert _cell(cells, "pca_quant-layers", 0.28)["best_peer"] == "hf_quantized-quanto4"
+    assert _cell(cells, "kvtc_resident-8x")["best_peer"] == "hf_quantized-quanto2"  # 0.28125 > 0.2756 * 1.02
+    best, _, peer = best_per_budget(cells, "query_agnostic", 0.28)
+    assert best["method"] == "pca_quant-layers" and peer["method"] == "hf_quantized-quanto4"

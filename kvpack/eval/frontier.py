@@ -12,8 +12,8 @@ A *cell* pools every sample of one method at one budget in one setting, over all
 * ``bytes_ratio`` — the measured bytes held ÷ dense bf16 bytes, mean over the samples;
 * ``vs_full`` — the exact McNemar test on fully correct answers against FullKV on the same samples;
 * ``vs_best_peer`` — against the best *peer* (transformers' ``QuantizedCache``, llama.cpp, kvpress: the
-  methods users already run; :data:`PEER_FAMILIES`) whose cell holds at most as many bytes (within
-  :data:`BYTES_TOLERANCE`): the highest-scoring such cell, ties broken by the lower KL, among those with
+  methods users already run; :data:`PEER_FAMILIES`) whose cell holds at most as many bytes as the cell holds
+  or its budget allows (within :data:`BYTES_TOLERANCE`; :func:`bytes_limit`): the highest-scoring such cell, ties broken by the lower KL, among those with
   the most samples (a peer run cut short does not rank on a few samples); McNemar on the
   shared samples and the paired mean KL difference (method − peer) with a bootstrap interval;
 * ``decode_vs_full`` — the median over samples of the row's decode ms/token ÷ FullKV's on the same
@@ -41,8 +41,8 @@ REFERENCE = "full"
 PEER_FAMILIES = ("hf_quantized", "llamacpp", "kvpress")
 # Storage codecs: the cache is a blob between turns and is decoded before attention reads it.
 STORAGE_FAMILIES = ("kvtc",)
-# A peer counts as "at equal or fewer bytes" up to this relative excess over the cell's measured bytes
-# (budgets are targets; measured ratios of two methods at one target differ in the third decimal).
+# A peer counts as "at equal or fewer bytes" up to this relative excess over the bytes a cell holds or was
+# asked to hold (budgets are targets; measured ratios of two methods at one target differ in the third decimal).
 BYTES_TOLERANCE = 0.02
 SIGNIFICANCE = 0.05
 
@@ -144,12 +144,24 @@ def _most_complete(cells: list[dict]) -> list[dict]:
     return [c for c in cells if c["n"] == most]
 
 
+def bytes_limit(measured: float, target: float | None) -> float:
+    """The most bytes (÷ dense bf16) a cell compared with "at equal or fewer bytes" may hold: the larger of the
+    ``measured`` bytes and the ``target`` budget (None: a method set by its own parameters), plus
+    :data:`BYTES_TOLERANCE`.
+
+    The target counts so that a method coming in under the bytes it was asked for still meets the peers at
+    those bytes, and so that one method at one target meets the same peers in both settings: its measured
+    bytes differ between them in the fourth decimal (0.2756 and 0.2758 at a 0.28 target put a 0.2812 peer on
+    either side of a limit taken from the measured bytes alone)."""
+    return max(measured, target if target is not None else 0.0) * (1 + BYTES_TOLERANCE)
+
+
 def _best_peer(cell: dict, peers: list[dict]) -> dict | None:
-    """The highest-scoring peer cell (then the lower KL) holding at most the cell's bytes (+ tolerance), among
-    the most complete such cells (:func:`_most_complete`)."""
+    """The highest-scoring peer cell (then the lower KL) within the cell's :func:`bytes_limit`, among the most
+    complete such cells (:func:`_most_complete`)."""
     if cell["bytes_ratio"] is None or cell["peer"]:
         return None
-    limit = cell["bytes_ratio"] * (1 + BYTES_TOLERANCE)
+    limit = bytes_limit(cell["bytes_ratio"], cell["budget"])
     fits = _most_complete([p for p in peers if p["bytes_ratio"] is not None and p["bytes_ratio"] <= limit])
     if not fits:
         return None
@@ -261,7 +273,7 @@ def best_per_budget(cells: list[dict], setting: str, budget: float) -> tuple[dic
     target (``kvtc_resident``'s ratio, PuzzleKV's INT4 paper setting), holding at most the target's bytes —
     with the lowest mean KL (then the higher score), among the cells with as many samples as the most
     complete one (a method whose rows are still coming in does not rank on fewer samples); the storage codec
-    and the peer with the lowest KL holding at most that cell's measured bytes (+ :data:`BYTES_TOLERANCE`),
+    and the peer with the lowest KL within :func:`bytes_limit` of that cell's measured bytes and the budget,
     each by the same rule (:func:`_most_complete`)."""
 
     def at_target(c: dict) -> bool:
@@ -274,7 +286,7 @@ def best_per_budget(cells: list[dict], setting: str, budget: float) -> tuple[dic
     if not own:
         return None, None, None
     best = min(_most_complete(own), key=_kl_first)
-    limit = best["bytes_ratio"] * (1 + BYTES_TOLERANCE)
+    limit = bytes_limit(best["bytes_ratio"], budget)
 
     def fitting(pred):
         fits = _most_complete([c for c in cells if c["setting"] == setting and c["n"] and pred(c)
