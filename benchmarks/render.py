@@ -8,6 +8,8 @@ a page of docs/; nothing between the markers is typed by hand. Blocks:
   ``benchmarks/results/frontier-<model>.json``;
 * ``frontier-rows:FAMILY[,FAMILY...]`` — every frontier cell of those registry methods (a method page's
   own rows);
+* ``peers-vs-kvpack`` — every peer cell against the best resident kvpack cell at no more bytes, paired
+  (:func:`kvpack.eval.frontier.peers_vs_kvpack_markdown`);
 * ``options:METHOD`` — the method's config fields: default, allowed values, what each does;
 * ``sources`` — each results file with the commands, kvpack commits, package versions and CPUs of its rows.
 
@@ -76,6 +78,20 @@ def frontier_rows(records: dict[str, dict], families: list[str]) -> str:
             "several CPUs.\n")
 
 
+def peers_vs_kvpack(records: dict[str, dict]) -> str:
+    from kvpack.eval.frontier import peers_vs_kvpack_markdown
+
+    table = peers_vs_kvpack_markdown(records)
+    if not records:
+        return table + "\n"
+    return (table + f"\n\nFrom `benchmarks/results/frontier-*.json` (rows from: {_machines(records)}). Each peer "
+            "cell against the resident kvpack method with the lowest mean KL holding at most the peer's measured "
+            "bytes (2% tolerance; among the methods with the most samples there), paired on the samples both ran. "
+            "*Who wins*: more fully correct answers where the exact McNemar test gives p < 0.05, lower KL where the "
+            "95% interval of the paired KL difference excludes zero; llama.cpp's rows have no KL (its worker "
+            "returns text only).\n")
+
+
 def options(method: str) -> str:
     import dataclasses
 
@@ -114,12 +130,14 @@ def render_block(name: str, records: dict[str, dict]) -> str:
         return frontier_summary(records)
     if kind == "frontier-rows":
         return frontier_rows(records, arg.split(","))
+    if kind == "peers-vs-kvpack":
+        return peers_vs_kvpack(records)
     if kind == "options":
         return options(arg)
     if kind == "sources":
         return sources(records)
-    raise ValueError(f"unknown generated block {name!r} (known: frontier-summary, frontier-rows:F, options:M, "
-                     "sources)")
+    raise ValueError(f"unknown generated block {name!r} (known: frontier-summary, frontier-rows:F, "
+                     "peers-vs-kvpack, options:M, sources)")
 
 
 def render_text(text: str, records: dict[str, dict]) -> str:

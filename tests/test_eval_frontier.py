@@ -236,3 +236,26 @@ def test_a_cell_meets_the_peers_at_its_budget_in_both_settings():
     assert _cell(cells, "kvtc_resident-8x")["best_peer"] == "hf_quantized-quanto2"  # 0.28125 > 0.2756 * 1.02
     best, _, peer = best_per_budget(cells, "query_agnostic", 0.28)
     assert best["method"] == "pca_quant-layers" and peer["method"] == "hf_quantized-quanto4"
+
+
+def test_every_peer_meets_the_best_kvpack_cell_at_no_more_bytes(rows):
+    """The reverse comparison: a peer against kvpack's resident cell with the lowest KL at most at its bytes
+    (never FullKV, another peer or a storage codec), paired, with who wins on answers and on KL."""
+    from kvpack.eval.frontier import peers_vs_kvpack_markdown
+
+    kvtc = _rows("kvtc-8x", "kvtc", None, 0.12, [1.0] * 12, [0.001] * 12)  # storage: not a resident rival
+    cells = frontier_cells(rows + kvtc, "tiny")
+    near = _cell(cells, "hf_quantized-quanto4")  # 0.283: anchor_plus@0.28 (12 samples) beats kivi@0.1 (7)
+    assert (near["best_kvpack"], near["best_kvpack_budget"]) == ("anchor_plus", 0.28)
+    assert near["vs_best_kvpack"]["score_diff"] == pytest.approx(4 / 12)
+    assert near["vs_best_kvpack"]["kl_diff"] == pytest.approx(-0.08) and not near["vs_best_kvpack"]["distinguishable"]
+    weak = _cell(cells, "hf_quantized-quanto2")  # 0.15: only kivi@0.1 fits; it answers 7 that quanto2 misses
+    assert weak["best_kvpack"] == "kivi" and weak["vs_best_kvpack"]["only_other"] == 7
+    assert weak["vs_best_kvpack"]["p_value"] == pytest.approx(2 / 128)
+    assert "best_kvpack" not in _cell(cells, "anchor_plus", 0.28)  # kvpack's own cells have vs_best_peer
+    table = peers_vs_kvpack_markdown({"tiny": {"cells": cells}})
+    line = next(t for t in table.splitlines() if "`hf_quantized-quanto4`" in t)
+    assert "`anchor_plus@0.28`" in line and line.endswith("| 12 | lower KL: peer |")
+    line = next(t for t in table.splitlines() if "`hf_quantized-quanto2`" in t)
+    assert "`kivi@0.1`" in line and line.endswith("more answers: kvpack; lower KL: kvpack |")
+    assert peers_vs_kvpack_markdown({"tiny": {"cells": [c for c in cells if not c["peer"]]}}) == "(no peer cells yet)"

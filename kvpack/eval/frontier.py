@@ -13,9 +13,13 @@ A *cell* pools every sample of one method at one budget in one setting, over all
 * ``vs_full`` — the exact McNemar test on fully correct answers against FullKV on the same samples;
 * ``vs_best_peer`` — against the best *peer* (transformers' ``QuantizedCache``, llama.cpp, kvpress: the
   methods users already run; :data:`PEER_FAMILIES`) whose cell holds at most as many bytes as the cell holds
-  or its budget allows (within :data:`BYTES_TOLERANCE`; :func:`bytes_limit`): the highest-scoring such cell, ties broken by the lower KL, among those with
-  the most samples (a peer run cut short does not rank on a few samples); McNemar on the
-  shared samples and the paired mean KL difference (method − peer) with a bootstrap interval;
+  or its budget allows (within :data:`BYTES_TOLERANCE`; :func:`bytes_limit`): the highest-scoring such
+  cell, ties broken by the lower KL, among those with the most samples (a peer run cut short does not rank
+  on a few samples); McNemar on the shared samples and the paired mean KL difference (method − peer) with a
+  bootstrap interval;
+* ``best_kvpack`` / ``vs_best_kvpack`` (peer cells only) — the other way round: the resident kvpack cell
+  with the lowest KL holding at most the peer's measured bytes (within :data:`BYTES_TOLERANCE`; among the
+  most complete), and the same paired comparison (peer − kvpack);
 * ``decode_vs_full`` — the median over samples of the row's decode ms/token ÷ FullKV's on the same
   sample, and the slowest sample's ratio: FullKV's decode timed in the row's own run (the frontier times it
   for every sample), or for rows made before that, FullKV's row of the sample where it ran on the same CPU
@@ -119,6 +123,14 @@ def frontier_cells(rows: list[dict], model: str) -> list[dict]:
             c["best_peer"] = best["method"] if best is not None else None
             c["best_peer_bytes_ratio"] = best["bytes_ratio"] if best is not None else None
             c["vs_best_peer"] = _paired_test(c, best) if best is not None else None
+        own = [c for c in scells if _is_resident_kvpack(c) and c["n"] and c["bytes_ratio"] is not None]
+        for c in scells:
+            if not c["peer"]:
+                continue
+            mine = _best_kvpack(c, own)
+            c["best_kvpack"] = mine["method"] if mine is not None else None
+            c["best_kvpack_budget"] = mine["budget"] if mine is not None else None
+            c["vs_best_kvpack"] = _paired_test(c, mine) if mine is not None else None
     for c in cells:
         del c["_rows"]
     return sorted(cells, key=lambda c: (c["setting"], c["family"] != REFERENCE, c["peer"], c["method"],
@@ -168,6 +180,23 @@ def _best_peer(cell: dict, peers: list[dict]) -> dict | None:
     return max(fits, key=lambda p: (p["score"], -(p["kl"] if p["kl"] is not None else float("inf"))))
 
 
+def _is_resident_kvpack(cell: dict) -> bool:
+    """One of kvpack's resident methods (or baselines): not FullKV, not a peer, not a storage codec."""
+    return not cell["peer"] and cell["family"] != REFERENCE and cell["family"] not in STORAGE_FAMILIES
+
+
+def _best_kvpack(peer: dict, own: list[dict]) -> dict | None:
+    """The resident kvpack cell with the lowest KL (then the higher score) holding at most the peer cell's
+    measured bytes (+ :data:`BYTES_TOLERANCE`), among the most complete such cells: what kvpack offers a user
+    of that peer at no more memory. A peer has no budget target here (kvpress's kept share is not a byte
+    target), so only its measured bytes count."""
+    if peer["bytes_ratio"] is None:
+        return None
+    limit = bytes_limit(peer["bytes_ratio"], None)
+    fits = _most_complete([c for c in own if c["bytes_ratio"] <= limit])
+    return min(fits, key=_kl_first) if fits else None
+
+
 def _paired_test(cell: dict, other: dict) -> dict | None:
     """McNemar on fully correct answers and the mean KL difference (cell − other), over the samples
     both ran."""
@@ -178,7 +207,7 @@ def _paired_test(cell: dict, other: dict) -> dict | None:
     theirs = [other["_rows"][k] for k in shared]
     test = mcnemar_exact([r["score"] == 1.0 for r in theirs], [r["score"] == 1.0 for r in mine])
     diffs = [a["kl"] - b["kl"] for a, b in zip(mine, theirs) if a.get("kl") is not None and b.get("kl") is not None]
-    return {"against": other["method"] if other["budget"] is None else f"{other['method']}@{other['budget']:g}",
+    return {"against": _label(other),
             "n": len(shared), "score_diff": statistics.fmean(a["score"] - b["score"] for a, b in zip(mine, theirs)),
             "only_other": test["only_reference"], "only_method": test["only_method"], "p_value": test["p_value"],
             "distinguishable": test["p_value"] < SIGNIFICANCE,
@@ -301,9 +330,19 @@ def _cell_text(c: dict | None, empty: str = "none at ≤ bytes", samples: int | 
     ``samples`` (the row's own method's: a cell whose rows are still coming in says so)."""
     if c is None:
         return empty
-    kl = "–" if c["kl"] is None else f"{c['kl']:.3g}"
     fewer = f", {c['n']} samples" if samples is not None and c["n"] < samples else ""
-    return f"`{c['method']}` {kl}, {_fmt_ci(c['score'], c['score_ci'])}, {c['bytes_ratio']:.3f}{fewer}"
+    return f"`{c['method']}` {_figures_text(c)}{fewer}"
+
+
+def _figures_text(c: dict) -> str:
+    """A cell's mean KL, score (interval) and measured bytes."""
+    kl = "–" if c["kl"] is None else f"{c['kl']:.3g}"
+    return f"{kl}, {_fmt_ci(c['score'], c['score_ci'])}, {c['bytes_ratio']:.3f}"
+
+
+def _label(c: dict) -> str:
+    """``method@budget`` (or the method alone where its bytes follow its own settings)."""
+    return c["method"] if c["budget"] is None else f"{c['method']}@{c['budget']:g}"
 
 
 def frontier_table_markdown(records: dict[str, dict]) -> str:
@@ -325,6 +364,42 @@ def frontier_table_markdown(records: dict[str, dict]) -> str:
                              f"{_cell_text(storage, samples=best['n'])} | {_cell_text(peer, samples=best['n'])} | "
                              f"{_fmt_ci(full['score'], full['score_ci']) if full else '–'} | {best['n']} |")
     return "\n".join(lines)
+
+
+def _verdict(vs: dict) -> str:
+    """Who wins a paired comparison of a peer with kvpack (``vs``: :func:`_paired_test` of the peer against the
+    kvpack cell): more fully correct answers where McNemar's p < 0.05, lower mean KL where the paired interval
+    of the difference excludes zero; "not distinguishable" where neither is."""
+    parts = []
+    if vs["distinguishable"]:
+        parts.append(f"more answers: {'peer' if vs['score_diff'] > 0 else 'kvpack'}")
+    ci = vs.get("kl_diff_ci")
+    if ci is not None and (ci[0] > 0 or ci[1] < 0):
+        parts.append(f"lower KL: {'kvpack' if ci[0] > 0 else 'peer'}")
+    return "; ".join(parts) or "not distinguishable"
+
+
+def peers_vs_kvpack_markdown(records: dict[str, dict]) -> str:
+    """Every peer cell of frontier results files against the best resident kvpack cell holding at most its
+    bytes (``best_kvpack``), paired on their shared samples: one line per (model, setting, peer cell)."""
+    lines = ["| model | setting | peer | its KL, score, bytes | best kvpack at ≤ bytes | score: peer − kvpack "
+             "(McNemar p) | KL: peer − kvpack (95% interval) | shared samples | who wins |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for model, data in records.items():
+        by_key = {(c["setting"], c["method"], c["budget"]): c for c in data["cells"]}
+        for c in data["cells"]:
+            if not c["peer"] or not c["n"]:
+                continue
+            vs, mine = c.get("vs_best_kvpack"), by_key.get((c["setting"], c.get("best_kvpack"),
+                                                            c.get("best_kvpack_budget")))
+            head = f"| {model} | {c['setting'].replace('_', '-')} | `{_label(c)}` | {_figures_text(c)} | "
+            if mine is None or vs is None:
+                lines.append(head + "none at ≤ bytes | – | – | – | – |")
+                continue
+            kl = "–" if vs["kl_diff"] is None else _fmt_ci(vs["kl_diff"], vs["kl_diff_ci"], ".3g")
+            lines.append(head + f"`{_label(mine)}` {_figures_text(mine)} | {vs['score_diff']:+.2f} "
+                         f"(p = {vs['p_value']:.2g}) | {kl} | {vs['n']} | {_verdict(vs)} |")
+    return "\n".join(lines) if len(lines) > 2 else "(no peer cells yet)"
 
 
 def method_table_markdown(records: dict[str, dict], families: Iterable[str]) -> str:
