@@ -372,7 +372,8 @@ def _verdict(vs: dict) -> str:
     of the difference excludes zero; "not distinguishable" where neither is."""
     parts = []
     if vs["distinguishable"]:
-        parts.append(f"more answers: {'peer' if vs['score_diff'] > 0 else 'kvpack'}")
+        # McNemar's discordant pairs: answers only the peer got (only_method) against only kvpack's
+        parts.append(f"more answers: {'peer' if vs['only_method'] > vs['only_other'] else 'kvpack'}")
     ci = vs.get("kl_diff_ci")
     if ci is not None and (ci[0] > 0 or ci[1] < 0):
         parts.append(f"lower KL: {'kvpack' if ci[0] > 0 else 'peer'}")
