@@ -13,7 +13,7 @@ rendered from every ``frontier-*.json`` by ``benchmarks/render.py`` (``--render`
 Methods (:func:`frontier_specs`): FullKV; at every budget PuzzleKV, ``puzzle_plus``, AnchorKV,
 ``anchor_plus``, KIVI, ``pca_quant`` (also with its budget spread over the layers by the model's layer
 profile, ``pca_quant-layers``, made once into ``benchmarks/results/frontier/<model>/pca_quant-layer-profile``,
-and its previous default as ``pca_quant-head``), SnapKV, StreamingLLM; the faithful PuzzleKV with INT4
+and its previous default as ``pca_quant-head``), SnapKV, StreamingLLM, H2O, global SVD; the faithful PuzzleKV with INT4
 factors at the paper's page and ranks (P = 32, ranks 16 / 14: its 18.7%-of-bytes setting); kvtc at 4x / 8x / 16x and
 ``kvtc_resident`` (kvtc's codes held resident) at 8x / 16x / 32x, and at 8x / 16x with a key basis per layer
 (``-keys-per-layer``), when a calibration is given (``--kvtc``, or
@@ -58,7 +58,7 @@ BUDGETS = (0.5, 0.28, 0.15, 0.1, 0.0625)
 # continuation, so its long length is the longest that fits (the runner refuses a longer one by name).
 LENGTHS = {"smollm2": (4096, 7936), "qwen2.5-0.5b": (4096, 8192)}
 SAMPLES_PER_TASK_AND_LENGTH = 3  # 8 tasks x 2 lengths x 3 = 48 samples a cell
-BUDGETED = ("puzzle", "puzzle_plus", "anchor", "anchor_plus", "kivi", "pca_quant", "snapkv", "streaming")
+BUDGETED = ("puzzle", "puzzle_plus", "anchor", "anchor_plus", "kivi", "pca_quant", "snapkv", "streaming", "h2o", "svd")
 KVTC_RATIOS = (4, 8, 16)
 # kvtc_resident: kvtc's codes held resident (4x sits above the 0.15 budget; 32x lands near 0.0625). A ratio the
 # frontier's kvtc calibration lacks comes from a twin calibration of the same basis, ``<calibration>-<ratio>``
