@@ -129,6 +129,12 @@ def test_plots_and_the_docs_tables(rows, tmp_path):
     assert "no (p = 0.12)" in rows_table[2] and "| 1.20x | 12 |" in rows_table[2]
     assert "`kvtc-8x` | – | 0.120" in rows_table[3]
     assert method_table_markdown({"tiny": {"cells": cells}}, ["svd"]) == "(no frontier cells of this method yet)"
+    # a budget the method refused on every sample is a line saying so, with its reason (not left out)
+    refused = _rows("kivi@0.0625", "kivi", 0.0625, 0.06, [1.0] * 12, [0.5] * 12, errors=SAMPLES)
+    kivi = method_table_markdown({"tiny": {"cells": frontier_cells(rows + refused, "tiny")}}, ["kivi"]).splitlines()
+    assert len(kivi) == 2 + 2 and "| 0.1 | 0.100 |" in kivi[2] and kivi[2].endswith("| 7 |")
+    assert "| 0.0625 | – |" in kivi[3]
+    assert kivi[3].endswith("refused on every sample (12), e.g. ValueError: refused | – | – | 0 |")
     # a cell whose rows ran on two CPUs shows no speed ratio (figures of two CPUs never mix)
     mixed = [dict(r, cpu="CPU A" if i % 2 else "CPU B") for i, r in enumerate(rows + kvtc)]
     mixed_cells = frontier_cells(mixed, "tiny")

@@ -340,6 +340,10 @@ def _figures_text(c: dict) -> str:
     return f"{kl}, {_fmt_ci(c['score'], c['score_ci'])}, {c['bytes_ratio']:.3f}"
 
 
+def _budget_text(c: dict) -> str:
+    return "–" if c["budget"] is None else f"{c['budget']:g}"
+
+
 def _label(c: dict) -> str:
     """``method@budget`` (or the method alone where its bytes follow its own settings)."""
     return c["method"] if c["budget"] is None else f"{c['method']}@{c['budget']:g}"
@@ -411,7 +415,14 @@ def method_table_markdown(records: dict[str, dict], families: Iterable[str]) -> 
              "differs from FullKV | decode ÷ FullKV | samples |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for model, data in records.items():
         for c in data["cells"]:
-            if c["family"] not in families or not c["n"]:
+            if c["family"] not in families:
+                continue
+            if not c["n"]:  # refused on every sample so far: say so, with the method's reason
+                if c["refused"]:
+                    reason = "; ".join(c["errors"][:1]).replace("|", "\\|")
+                    lines.append(f"| {model} | {c['setting'].replace('_', '-')} | `{c['method']}` | "
+                                 f"{_budget_text(c)} | – | – | – | refused on every sample ({c['refused']}), e.g. "
+                                 f"{reason} | – | – | 0 |")
                 continue
             vs = c.get("vs_full")
             differs = "–" if vs is None else (f"{'**yes**' if vs['distinguishable'] else 'no'} "
@@ -420,8 +431,7 @@ def method_table_markdown(records: dict[str, dict], families: Iterable[str]) -> 
             # a speed ratio is shown only where every row ran on one CPU (figures of two CPUs never mix)
             speed = "–" if dec is None else (f"{dec['median']:.2f}x" if len(c.get("cpus", [])) <= 1
                                              else "several CPUs")
-            budget = "–" if c["budget"] is None else f"{c['budget']:g}"
-            lines.append(f"| {model} | {c['setting'].replace('_', '-')} | `{c['method']}` | {budget} | "
+            lines.append(f"| {model} | {c['setting'].replace('_', '-')} | `{c['method']}` | {_budget_text(c)} | "
                          f"{c['bytes_ratio']:.3f} | {_fmt_ci(c['kl'], c['kl_ci'], '.3g')} | "
                          f"{'–' if c['top1'] is None else format(c['top1'], '.3f')} | "
                          f"{_fmt_ci(c['score'], c['score_ci'])} | {differs} | {speed} | {c['n']} |")
