@@ -31,6 +31,7 @@ Usage:
     python benchmarks/frontier.py --model qwen2.5-0.5b --budgets 0.28,0.15,0.0625   # after install_models.sh
     python benchmarks/frontier.py --model smollm2 --only pca_quant   # one method's rows first (the plan's own)
     python benchmarks/frontier.py --render      # the cells, plots and docs table from the committed rows
+    python benchmarks/frontier.py --model qwen2.5-0.5b --budgets 0.28,0.15,0.0625 --kvtc --status   # how far
 """
 
 from __future__ import annotations
@@ -215,6 +216,52 @@ def write_results(model: str, command: str | None = None) -> Path | None:
     return path
 
 
+def status_report(model: str, specs: list, plan_units: list[tuple]) -> str:
+    """What the committed rows of ``model`` hold of the plan: per method spec and setting, the samples
+    answered and refused of the cell's target, then the runs still to do and how many samples (each a
+    prefill) they need; peer cells (``peer-*.jsonl``) with their sample counts. Reads rows only."""
+    from collections import Counter
+
+    from kvpack.eval.runner import load_results, load_rows, row_key
+
+    rows = load_results(rows_dir(model))
+    units = set(plan_units)
+    answered, refused, pending_units, pending = Counter(), Counter(), set(), 0
+    done = {}
+    for r in rows:
+        key = row_key(r)
+        if key[:4] in units:
+            done[key] = r.get("error") is None
+    settings = sorted({u[0] for u in units})
+    target = len(units) // len(settings)
+    for spec in specs:
+        for unit in units:
+            ok = done.get((*unit, *spec.key))
+            if ok is None:
+                pending += 1
+                pending_units.add(unit)
+            else:
+                (answered if ok else refused)[(spec.label, unit[0])] += 1
+    lines = [f"{model}: {len(specs)} method specs x {len(settings)} settings, {target} samples a cell", "",
+             f"{'cell':36} " + " ".join(f"{s:>22}" for s in settings)]
+    for spec in specs:
+        counts = [f"{answered[(spec.label, s)]:>3}/{target}" + (f" ({refused[(spec.label, s)]} refused)"
+                                                                  if refused[(spec.label, s)] else "")
+                  for s in settings]
+        lines.append(f"{spec.label:36} " + " ".join(f"{c:>22}" for c in counts))
+    lines += ["", f"to do: {pending} runs over {len(pending_units)} of {len(units)} (setting, sample) units "
+              "(each unit pays one exact prefill, shared by its runs)"]
+    peers = Counter()
+    for path in sorted(rows_dir(model).glob("peer-*.jsonl")):
+        for r in load_rows(path):
+            if r.get("error") is None:
+                peers[(r["label"], r["setting"])] += 1
+    if peers:
+        lines += ["", "peers (their own scripts):"]
+        lines += [f"{label:36} {setting:>15} {n:>3}/{target}" for (label, setting), n in sorted(peers.items())]
+    return "\n".join(lines)
+
+
 def render_docs() -> None:
     """Every generated block of the README and docs/ (the frontier tables among them), from the results."""
     from render import render_all
@@ -243,6 +290,9 @@ def main() -> int:
     p.add_argument("--out", default=None, help="rows directory for a trial run (default: the committed one; "
                    "a trial directory writes no results file, plot or docs table)")
     p.add_argument("--render", action="store_true", help="only write the cells, plots and docs table")
+    p.add_argument("--status", action="store_true",
+                   help="only print how far the committed rows are: samples per cell of this plan (the same "
+                   "--budgets, --kvtc, ... as the run), runs still to do, peers' samples; loads no model")
     args = p.parse_args()
     command = "python benchmarks/frontier.py " + " ".join(sys.argv[1:])
     os.chdir(ROOT)  # the kvtc calibration is named relative to the repository root
@@ -275,6 +325,11 @@ def main() -> int:
             p.error(f"--only: {missing} not in the plan; its names: {sorted({s.name or s.method for s in specs})}")
     plan = EvalPlan(tasks=args.tasks.split(","), lengths=lengths, samples=args.samples, specs=run_specs,
                     settings=args.settings.split(","), reference_timing=True)
+    if args.status:
+        units = [(s, t, n, i) for s in plan.settings for t in plan.tasks for n in plan.lengths
+                 for i in range(plan.samples)]
+        print(status_report(args.model, run_specs, units))
+        return 0
     out = Path(args.out) if args.out else rows_dir(args.model)
     out.mkdir(parents=True, exist_ok=True)
     (out / "frontier-plan.json").write_text(json.dumps(

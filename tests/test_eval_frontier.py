@@ -265,3 +265,36 @@ def test_every_peer_meets_the_best_kvpack_cell_at_no_more_bytes(rows):
     line = next(t for t in table.splitlines() if "`hf_quantized-quanto2`" in t)
     assert "`kivi@0.1`" in line and line.endswith("more answers: kvpack; lower KL: kvpack |")
     assert peers_vs_kvpack_markdown({"tiny": {"cells": [c for c in cells if not c["peer"]]}}) == "(no peer cells yet)"
+
+
+def test_status_counts_each_cells_samples_refusals_runs_to_do_and_peers(monkeypatch, tmp_path):
+    """``frontier.py --status``: per plan spec and setting the samples answered (and refused) of the target, the
+    runs still to do over how many units, and the peers' samples — from the rows alone."""
+    import json
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import frontier
+
+    from kvpack.eval.runner import MethodSpec
+
+    monkeypatch.setattr(frontier, "rows_dir", lambda model: tmp_path)
+    units = [(s, "vt", 4096, i) for s in ("query-agnostic", "query-aware") for i in range(2)]
+    specs = [MethodSpec("full"), MethodSpec("kivi", 0.1)]
+
+    def row(unit, spec, **extra):
+        return {"setting": unit[0], "task": unit[1], "length": unit[2], "sample": unit[3], "method": spec.method,
+                "budget": spec.budget, "overrides": spec.config, "label": spec.label, **extra}
+
+    (tmp_path / "rows").mkdir()
+    lines = [row(u, specs[0]) for u in units] + [row(units[2], specs[1]), row(units[3], specs[1], error="refused")]
+    lines.append(row(("query-aware", "vt", 4096, 7), specs[1]))  # a sample outside the plan: not counted
+    (tmp_path / "rows" / "x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    peer = {"label": "llamacpp-f16", "setting": "query-aware"}
+    (tmp_path / "peer-llamacpp.jsonl").write_text(json.dumps(peer) + "\n")
+    report = frontier.status_report("tiny", specs, units).splitlines()
+    assert report[0] == "tiny: 2 method specs x 2 settings, 2 samples a cell"
+    assert report[3].split() == ["full", "2/2", "2/2"]
+    assert report[4].split() == ["kivi@0.1", "0/2", "1/2", "(1", "refused)"]
+    assert "to do: 2 runs over 2 of 4 (setting, sample) units" in report[6]
+    assert report[-1].split() == ["llamacpp-f16", "query-aware", "1/2"]

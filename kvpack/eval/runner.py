@@ -69,7 +69,7 @@ class MethodSpec:
     @property
     def key(self) -> tuple:
         """``(method, budget, overrides as canonical JSON)``: the spec's part of a result row's identity
-        (the last three fields of :func:`_row_key`)."""
+        (the last three fields of :func:`row_key`)."""
         return self.method, self.budget, _canonical(self.config)
 
     def method_config(self) -> dict:
@@ -126,7 +126,9 @@ def _canonical(overrides: dict) -> str:
     return json.dumps(overrides, sort_keys=True)
 
 
-def _row_key(row: dict) -> tuple:
+def row_key(row: dict) -> tuple:
+    """A row's identity: (setting, task, length, sample, method, budget, canonical overrides) — a rerun skips
+    the rows whose key is already there; the last three are a :class:`MethodSpec`'s ``key``."""
     # Rows written before overrides were recorded had none.
     return (row["setting"], row["task"], row["length"], row["sample"], row["method"], row["budget"],
             _canonical(row.get("overrides", {})))
@@ -138,7 +140,7 @@ def rows_in_plan(rows: list[dict], plan: EvalPlan) -> list[dict]:
              for i in range(plan.samples)}
     specs = {s.key for s in plan.specs}
     return [r for r in rows if (r["setting"], r["task"], r["length"], r["sample"]) in units
-            and _row_key(r)[4:] in specs]
+            and row_key(r)[4:] in specs]
 
 
 ROWS_BY_METHOD = "rows"  # the subdirectory of one rows file per method name (run_eval's rows_by_method)
@@ -358,7 +360,7 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = load_results(out_dir)
-    done = {_row_key(r) for r in rows}
+    done = {row_key(r) for r in rows}
     # Both settings of a sample run back to back, so a run cut short has comparable rows; sample index
     # outermost, so a run cut short has every task and length at fewer samples rather than some not at all.
     units = [(setting, task, length, index) for index in range(plan.samples) for task in plan.tasks
@@ -402,7 +404,7 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
                 rows.append(row)
-                done.add(_row_key(row))
+                done.add(row_key(row))
                 bar.update(1)
     bar.close()
     (out_dir / "plan.json").write_text(json.dumps({**asdict(plan), "specs": [asdict(s) for s in plan.specs]},
