@@ -215,3 +215,47 @@ def test_eviction_budget_too_small_for_window_is_refused():
     k, v = correlated_kv(2, 200, 16)
     with pytest.raises(ValueError, match="snapkv: budget 0.01 keeps 2 of 200 tokens, fewer than the 32"):
         store.append(k, v, torch.randn(2, 200, 16))
+
+
+def test_scores_shared_within_a_block_are_computed_once_and_equal(monkeypatch):
+    """Inside shared_prefill_scores, one (q, k, scale, chunk) is scored once — also through a fresh view of
+    the same tensors — and every caller gets its own copy; other inputs, an input changed in place and
+    calls outside the block are scored afresh."""
+    import kvpack.attention.scores as scores_module
+    from kvpack.attention.scores import shared_prefill_scores
+
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(4, 40, 8, generator=g), torch.randn(2, 40, 8, generator=g)
+    plain = accumulated_attention(q, k, 0.3, chunk=16)
+    calls, real = [], scores_module._accumulated_attention
+    monkeypatch.setattr(scores_module, "_accumulated_attention", lambda *a: calls.append(1) or real(*a))
+    with shared_prefill_scores() as memo:
+        first = accumulated_attention(q, k, 0.3, chunk=16)
+        first.add_(1.0)  # a caller changing its copy does not change the next caller's
+        again = accumulated_attention(q[None][0], k[None][0], 0.3, chunk=16)  # new views, same tensors
+        assert len(calls) == 1 and memo["hits"] == 1 and torch.equal(again, plain)
+        accumulated_attention(q, k, 0.5, chunk=16)  # another scale
+        accumulated_attention(q[:, :20], k[:, :20], 0.3, chunk=16)  # another shape
+        assert len(calls) == 3
+        k.mul_(2.0)  # changed in place: its version moved, the memo misses
+        torch.testing.assert_close(accumulated_attention(q, k, 0.3, chunk=16), real(q, k, 0.3, 16))
+        assert len(calls) == 4 and memo["hits"] == 1
+    accumulated_attention(q, k, 0.3, chunk=16)
+    assert len(calls) == 5  # outside the block: no memo
+
+
+def test_h2o_at_two_budgets_from_one_prefill_shares_its_scores_and_keeps_the_same_tokens():
+    """What the harness does: one exact prefill, H2O built at two budgets inside the block — the second reuses
+    the first's scores and keeps exactly the tokens it keeps when built alone."""
+    from kvpack.attention.scores import shared_prefill_scores
+    from kvpack.hf.prefill import exact_prefill, resident_cache_from
+
+    model = tiny_llama(layers=2)
+    prefill = exact_prefill(model, list(range(5, 69)))
+    alone = {b: resident_cache_from(model, get_resident_method("h2o", budget=b), prefill) for b in (0.5, 0.3)}
+    with shared_prefill_scores() as memo:
+        shared = {b: resident_cache_from(model, get_resident_method("h2o", budget=b), prefill) for b in (0.5, 0.3)}
+        assert memo["hits"] == 2  # the second budget, in each of the two layers
+    for b in (0.5, 0.3):
+        for a, s in zip(alone[b].kvpack_layers, shared[b].kvpack_layers, strict=True):
+            assert torch.equal(a.rows[0].k, s.rows[0].k) and torch.equal(a.rows[0].v, s.rows[0].v)

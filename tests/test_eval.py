@@ -453,3 +453,23 @@ def test_spec_name_labels_rows_without_changing_their_identity():
     named = type(a)(a.method, a.budget, a.config, name="hf_quantized-2bit")
     assert a.label == "hf_quantized" and named.label == "hf_quantized-2bit" and named.key == a.key
     assert type(a)("kivi", 0.25, name="kivi-x").label == "kivi-x@0.25"
+
+
+def test_h2o_at_several_budgets_of_one_sample_scores_its_prefill_once(tiny_model, tokenizer, tmp_path, monkeypatch):
+    """The runner builds a sample's methods inside shared_prefill_scores: H2O's attention-mass scores are
+    computed once per layer and setting, not once per budget, and the rows whose build reused them say so
+    (their compress_s leaves the scoring out); the kept tokens are those of a build on its own."""
+    import kvpack.attention.scores as scores_module
+
+    calls, real = [], scores_module._accumulated_attention
+    monkeypatch.setattr(scores_module, "_accumulated_attention", lambda *a: calls.append(1) or real(*a))
+    specs = method_specs(["h2o"], [0.6, 0.4, 0.3], {})
+    plan = EvalPlan(tasks=["vt"], lengths=[256], samples=1, specs=specs, settings=["query-aware"], fidelity=False)
+    rows = run_eval(tiny_model, tokenizer, plan, tmp_path, progress=False)
+    layers = len(tiny_model.model.layers)
+    assert len(calls) == layers  # one scoring per layer, shared by the three budgets
+    assert [r.get("prefill_scores_reused", False) for r in rows] == [False, True, True]
+    alone = run_eval(tiny_model, tokenizer, EvalPlan(tasks=["vt"], lengths=[256], samples=1, specs=specs[2:],
+                                                     settings=["query-aware"], fidelity=False), tmp_path / "alone",
+                     progress=False)
+    assert alone[0]["prediction"] == rows[2]["prediction"] and alone[0]["kv_bytes"] == rows[2]["kv_bytes"]

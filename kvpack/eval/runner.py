@@ -5,7 +5,9 @@ attention (:mod:`kvpack.hf.prefill`) — in the *query-aware* setting everything
 prompt token, in the *query-agnostic* setting only instruction + context, cut from the
 query-aware prefill when both run (one model run per sample) — and every method × budget is built
 from that same prefill and decoded greedily (the rest of the prompt is prefilled over the
-compressed cache first). Decoding stops once the prediction holds every reference (its score can
+compressed cache first). What a method derives from the prefill alone is computed once per sample and
+setting (:func:`kvpack.attention.scores.shared_prefill_scores`: H2O's attention mass, the same at every
+budget); a row whose build reused it says ``prefill_scores_reused`` (its ``compress_s`` leaves that out). Decoding stops once the prediction holds every reference (its score can
 no longer change); each row records the median milliseconds of its decode steps (after the first
 new token, which also prefills the rest of the prompt), the report's speed column, and with
 ``reference_timing`` FullKV's median on the same sample timed in the same run (``reference_decode_ms``). Rows are
@@ -35,6 +37,7 @@ from typing import Any, TextIO
 import torch
 from tqdm import tqdm
 
+from ..attention.scores import shared_prefill_scores
 from ..divergence import kl_per_position
 from ..hf.cache import cache_kwargs
 from ..hf.generation import StepClock, context_limit, greedy_generate
@@ -391,21 +394,26 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
             if unit.fresh:
                 last_prefill = unit.prefill
             timed, reference_ms = False, None
-            for spec in sorted(pending, key=lambda s: not _is_reference(s)):  # FullKV first: its decode is the timing
-                row = {"setting": setting, "task": task, "length": length, "sample": index,
-                       **_evaluate(model, tokenizer, plan, unit, spec), **(row_fields or {})}
-                if plan.reference_timing and "error" not in row:
-                    if _is_reference(spec):
-                        timed, reference_ms = True, row["decode_ms"]
-                    elif not timed:
-                        timed, reference_ms = True, _reference_decode_ms(model, tokenizer, unit)
-                    row["reference_decode_ms"] = reference_ms
-                sink = sink_for(spec)
-                sink.write(json.dumps(row) + "\n")
-                sink.flush()
-                rows.append(row)
-                done.add(row_key(row))
-                bar.update(1)
+            # the unit's methods share what depends only on its prefill (H2O's scores at every budget)
+            with shared_prefill_scores() as shared:
+                for spec in sorted(pending, key=lambda s: not _is_reference(s)):  # FullKV first: it times decode
+                    hits = shared["hits"]
+                    row = {"setting": setting, "task": task, "length": length, "sample": index,
+                           **_evaluate(model, tokenizer, plan, unit, spec), **(row_fields or {})}
+                    if shared["hits"] > hits:  # its compress_s leaves out the scores an earlier build computed
+                        row["prefill_scores_reused"] = True
+                    if plan.reference_timing and "error" not in row:
+                        if _is_reference(spec):
+                            timed, reference_ms = True, row["decode_ms"]
+                        elif not timed:
+                            timed, reference_ms = True, _reference_decode_ms(model, tokenizer, unit)
+                        row["reference_decode_ms"] = reference_ms
+                    sink = sink_for(spec)
+                    sink.write(json.dumps(row) + "\n")
+                    sink.flush()
+                    rows.append(row)
+                    done.add(row_key(row))
+                    bar.update(1)
     bar.close()
     (out_dir / "plan.json").write_text(json.dumps({**asdict(plan), "specs": [asdict(s) for s in plan.specs]},
                                                   indent=1))
