@@ -1,19 +1,19 @@
 """The evaluation runner: tasks × lengths × samples × methods × budgets on one model, resumable.
 
-For each sample the prompt (instruction + context + question) is prefilled once with exact
-attention (:mod:`kvpack.hf.prefill`) — in the *query-aware* setting everything but the last
-prompt token, in the *query-agnostic* setting only instruction + context, cut from the
-query-aware prefill when both run (one model run per sample) — and every method × budget is built
-from that same prefill and decoded greedily (the rest of the prompt is prefilled over the
-compressed cache first). What a method derives from the prefill alone is computed once per sample and
-setting (:func:`kvpack.attention.scores.shared_prefill_scores`: H2O's attention mass, the same at every
-budget); a row whose build reused it says ``prefill_scores_reused`` (its ``compress_s`` leaves that out). Decoding stops once the prediction holds every reference (its score can
-no longer change); each row records the median milliseconds of its decode steps (after the first
-new token, which also prefills the rest of the prompt), the report's speed column, and with
-``reference_timing`` FullKV's median on the same sample timed in the same run (``reference_decode_ms``). Rows are
-appended to ``results.jsonl`` (or, split by method name, to ``rows/<name>.jsonl``) as they finish; a
-rerun skips every (setting, task, length, sample, method, budget, config overrides) already there — a
-method rerun with other ``--set`` overrides is computed again, not taken from the earlier rows.
+For each sample the prompt (instruction + context + question) is prefilled once with exact attention
+(:mod:`kvpack.hf.prefill`) — in the *query-aware* setting everything but the last prompt token, in the *query-
+agnostic* setting only instruction + context, cut from the query-aware prefill when both run (one model run
+per sample) — and every method × budget is built from that same prefill and decoded greedily (the rest of the
+prompt is prefilled over the compressed cache first). What a method derives from the prefill alone is computed
+once per sample and setting (:func:`kvpack.attention.scores.shared_prefill_scores`: H2O's attention mass, the
+same at every budget); a row whose build reused it says ``prefill_scores_reused`` (its ``compress_s`` leaves
+that out). Decoding stops once the prediction holds every reference (its score can no longer change); each row
+records the median milliseconds of its decode steps (after the first new token, which also prefills the rest
+of the prompt), the report's speed column, and with ``reference_timing`` FullKV's median on the same sample
+timed in the same run (``reference_decode_ms``). Rows are appended to ``results.jsonl`` (or, split by method
+name, to ``rows/<name>.jsonl``) as they finish; a rerun skips every (setting, task, length, sample, method,
+budget, config overrides) already there — a method rerun with other ``--set`` overrides is computed again, not
+taken from the earlier rows.
 
 Fidelity (``fidelity=True``), from a copy of each built cache taken before decoding (one build
 per method and sample): the rest of the prompt, the gold answer and a held-out continuation (more
