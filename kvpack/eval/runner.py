@@ -1,8 +1,8 @@
 """The evaluation runner: tasks × lengths × samples × methods × budgets on one model, resumable.
 
 For each sample the prompt (instruction + context + question) is prefilled once with exact attention
-(:mod:`kvpack.hf.prefill`) — in the *query-aware* setting everything but the last prompt token, in the *query-
-agnostic* setting only instruction + context, cut from the query-aware prefill when both run (one model run
+(:mod:`kvpack.hf.prefill`) — in the *query-aware* setting everything but the last prompt token, in the
+*query-agnostic* setting only instruction + context, cut from the query-aware prefill when both run (one model run
 per sample) — and every method × budget is built from that same prefill and decoded greedily (the rest of the
 prompt is prefilled over the compressed cache first). What a method derives from the prefill alone is computed
 once per sample and setting (:func:`kvpack.attention.scores.shared_prefill_scores`: H2O's attention mass, the
