@@ -115,6 +115,9 @@ def test_plots_and_the_docs_tables(rows, tmp_path):
     written = plot_frontier(cells, tmp_path / "frontier-tiny")
     assert [p.name for p in written] == ["frontier-tiny-query_agnostic.png"]
     assert written[0].stat().st_size > 10_000
+    from kvpack.eval.frontier import curve_label
+
+    assert curve_label("kivi", 7, 12) == "kivi (n = 7)" and curve_label("anchor_plus", 12, 12) == "anchor_plus"
     table = frontier_table_markdown({"tiny": {"cells": cells, "budgets": [0.28, 0.1]}})
     lines = table.splitlines()
     assert len(lines) == 2 + 2  # header, rule, one line per budget that has a kvpack cell

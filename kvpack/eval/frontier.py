@@ -235,9 +235,19 @@ def _decode_ratio(cell: dict, full: dict) -> dict | None:
     return {"median": statistics.median(ratios), "max": max(ratios), "n": len(ratios), "same_run": same_run}
 
 
+_MARKERS = ("o", "^", "D", "v", "P")
+
+
+def curve_label(name: str, n: int, most: int) -> str:
+    """A plot's legend entry: the method's name, and its sample count where its cells have fewer than the
+    most complete cell of the plot (a curve from a run still filling in, or a peer cut short, says so)."""
+    return name if n >= most else f"{name} (n = {n})"
+
+
 def plot_frontier(cells: list[dict], path_prefix: str | Path) -> list[Path]:
     """One PNG per setting, ``<path_prefix>-<setting>.png``: score vs bytes and KL vs bytes (log axes),
-    one curve per method over its budgets, peers dashed; returns the files written."""
+    one curve per method over its budgets, peers dashed, a curve with fewer samples than the most complete
+    labelled with its count (:func:`curve_label`); returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -250,10 +260,13 @@ def plot_frontier(cells: list[dict], path_prefix: str | Path) -> list[Path]:
         curves: dict[str, list[dict]] = defaultdict(list)
         for c in scells:
             curves[c["method"]].append(c)
+        most = max((c["n"] for c in scells), default=0)
         for i, (name, pts) in enumerate(sorted(curves.items())):
             pts.sort(key=lambda c: c["bytes_ratio"])
-            style = dict(linestyle="--" if pts[0]["peer"] else "-", marker="s" if pts[0]["peer"] else "o",
-                         color=plt.cm.tab20(i % 20), label=name)
+            # tab20's colours repeat after 20 curves: the marker tells those apart
+            marker = "s" if pts[0]["peer"] else _MARKERS[(i // 20) % len(_MARKERS)]
+            style = dict(linestyle="--" if pts[0]["peer"] else "-", marker=marker, color=plt.cm.tab20(i % 20),
+                         label=curve_label(name, min(c["n"] for c in pts), most))
             x = [c["bytes_ratio"] for c in pts]
             y = [c["score"] for c in pts]
             # clamped: Wilson's bounds at a score of 0 or 1 can sit a rounding error inside it
@@ -270,10 +283,13 @@ def plot_frontier(cells: list[dict], path_prefix: str | Path) -> list[Path]:
                  ylabel="mean KL(FullKV ‖ method), answer + continuation", title=f"{model}, {setting}: KL")
         for ax in (ax_s, ax_k):
             ax.grid(alpha=0.3, which="both")
-        ax_k.legend(fontsize=7, ncol=2)
         fig.tight_layout()
+        # one legend for both panels, outside them (the score panel has every curve; llama.cpp has no KL)
+        handles, labels = ax_s.get_legend_handles_labels()
+        fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7,
+                   ncol=1 if len(labels) <= 24 else 2)
         path = Path(f"{path_prefix}-{setting}.png")
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
         plt.close(fig)
         written.append(path)
     return written
