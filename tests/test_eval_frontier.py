@@ -117,7 +117,8 @@ def test_plots_and_the_docs_tables(rows, tmp_path):
     assert written[0].stat().st_size > 10_000
     from kvpack.eval.frontier import curve_label
 
-    assert curve_label("kivi", 7, 12) == "kivi (n = 7)" and curve_label("anchor_plus", 12, 12) == "anchor_plus"
+    assert curve_label("kivi", [7], 12) == "kivi (n = 7)" and curve_label("anchor_plus", [12, 12], 12) == "anchor_plus"
+    assert curve_label("anchor", [12, 3, 12], 12) == "anchor (n = 3–12)"
     table = frontier_table_markdown({"tiny": {"cells": cells, "budgets": [0.28, 0.1]}})
     lines = table.splitlines()
     assert len(lines) == 2 + 2  # header, rule, one line per budget that has a kvpack cell

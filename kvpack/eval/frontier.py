@@ -238,10 +238,13 @@ def _decode_ratio(cell: dict, full: dict) -> dict | None:
 _MARKERS = ("o", "^", "D", "v", "P")
 
 
-def curve_label(name: str, n: int, most: int) -> str:
-    """A plot's legend entry: the method's name, and its sample count where its cells have fewer than the
-    most complete cell of the plot (a curve from a run still filling in, or a peer cut short, says so)."""
-    return name if n >= most else f"{name} (n = {n})"
+def curve_label(name: str, counts: list[int], most: int) -> str:
+    """A plot's legend entry: the method's name, and the sample counts of its cells (``counts``) where one has
+    fewer than the most complete cell of the plot (a curve still filling in, or a peer cut short, says so)."""
+    low, high = min(counts), max(counts)
+    if low >= most:
+        return name
+    return f"{name} (n = {low})" if low == high else f"{name} (n = {low}–{high})"
 
 
 def plot_frontier(cells: list[dict], path_prefix: str | Path) -> list[Path]:
@@ -266,7 +269,7 @@ def plot_frontier(cells: list[dict], path_prefix: str | Path) -> list[Path]:
             # tab20's colours repeat after 20 curves: the marker tells those apart
             marker = "s" if pts[0]["peer"] else _MARKERS[(i // 20) % len(_MARKERS)]
             style = dict(linestyle="--" if pts[0]["peer"] else "-", marker=marker, color=plt.cm.tab20(i % 20),
-                         label=curve_label(name, min(c["n"] for c in pts), most))
+                         label=curve_label(name, [c["n"] for c in pts], most))
             x = [c["bytes_ratio"] for c in pts]
             y = [c["score"] for c in pts]
             # clamped: Wilson's bounds at a score of 0 or 1 can sit a rounding error inside it
