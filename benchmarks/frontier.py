@@ -216,25 +216,18 @@ def write_results(model: str, command: str | None = None) -> Path | None:
     return path
 
 
-def status_report(model: str, specs: list, plan_units: list[tuple]) -> str:
-    """What the committed rows of ``model`` hold of the plan: per method spec and setting, the samples
-    answered and refused of the cell's target, then the runs still to do and how many samples (each a
-    prefill) they need; peer cells (``peer-*.jsonl``) with their sample counts. Reads rows only."""
+def status_report(model: str, plan) -> str:
+    """What the committed rows of ``model`` hold of ``plan`` (an ``EvalPlan``): per method spec and setting,
+    the samples answered and refused of the cell's target, then the runs still to do and how many samples
+    (each a prefill) they need; peer cells (``peer-*.jsonl``) with their sample counts. Reads rows only."""
     from collections import Counter
 
-    from kvpack.eval.runner import load_results, load_rows, row_key
+    from kvpack.eval.runner import load_results, load_rows, row_key, rows_in_plan
 
-    rows = load_results(rows_dir(model))
-    units = set(plan_units)
+    done = {row_key(r): r.get("error") is None for r in rows_in_plan(load_results(rows_dir(model)), plan)}
+    units = plan.units()
     answered, refused, pending_units, pending = Counter(), Counter(), set(), 0
-    done = {}
-    for r in rows:
-        key = row_key(r)
-        if key[:4] in units:
-            done[key] = r.get("error") is None
-    settings = sorted({u[0] for u in units})
-    target = len(units) // len(settings)
-    for spec in specs:
+    for spec in plan.specs:
         for unit in units:
             ok = done.get((*unit, *spec.key))
             if ok is None:
@@ -242,9 +235,11 @@ def status_report(model: str, specs: list, plan_units: list[tuple]) -> str:
                 pending_units.add(unit)
             else:
                 (answered if ok else refused)[(spec.label, unit[0])] += 1
-    lines = [f"{model}: {len(specs)} method specs x {len(settings)} settings, {target} samples a cell", "",
+    settings = sorted(plan.settings)
+    target = len(units) // len(settings)
+    lines = [f"{model}: {len(plan.specs)} method specs x {len(settings)} settings, {target} samples a cell", "",
              f"{'cell':36} " + " ".join(f"{s:>22}" for s in settings)]
-    for spec in specs:
+    for spec in plan.specs:
         counts = [f"{answered[(spec.label, s)]:>3}/{target}" + (f" ({refused[(spec.label, s)]} refused)"
                                                                   if refused[(spec.label, s)] else "")
                   for s in settings]
@@ -326,9 +321,7 @@ def main() -> int:
     plan = EvalPlan(tasks=args.tasks.split(","), lengths=lengths, samples=args.samples, specs=run_specs,
                     settings=args.settings.split(","), reference_timing=True)
     if args.status:
-        units = [(s, t, n, i) for s in plan.settings for t in plan.tasks for n in plan.lengths
-                 for i in range(plan.samples)]
-        print(status_report(args.model, run_specs, units))
+        print(status_report(args.model, plan))
         return 0
     out = Path(args.out) if args.out else rows_dir(args.model)
     out.mkdir(parents=True, exist_ok=True)

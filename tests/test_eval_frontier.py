@@ -280,11 +280,12 @@ def test_status_counts_each_cells_samples_refusals_runs_to_do_and_peers(monkeypa
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import frontier
 
-    from kvpack.eval.runner import MethodSpec
+    from kvpack.eval.runner import EvalPlan, MethodSpec
 
     monkeypatch.setattr(frontier, "rows_dir", lambda model: tmp_path)
     units = [(s, "vt", 4096, i) for s in ("query-agnostic", "query-aware") for i in range(2)]
     specs = [MethodSpec("full"), MethodSpec("kivi", 0.1)]
+    plan = EvalPlan(tasks=["vt"], lengths=[4096], samples=2, specs=specs, settings=["query-agnostic", "query-aware"])
 
     def row(unit, spec, **extra):
         return {"setting": unit[0], "task": unit[1], "length": unit[2], "sample": unit[3], "method": spec.method,
@@ -296,7 +297,7 @@ def test_status_counts_each_cells_samples_refusals_runs_to_do_and_peers(monkeypa
     (tmp_path / "rows" / "x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     peer = {"label": "llamacpp-f16", "setting": "query-aware"}
     (tmp_path / "peer-llamacpp.jsonl").write_text(json.dumps(peer) + "\n")
-    report = frontier.status_report("tiny", specs, units).splitlines()
+    report = frontier.status_report("tiny", plan).splitlines()
     assert report[0] == "tiny: 2 method specs x 2 settings, 2 samples a cell"
     assert report[3].split() == ["full", "2/2", "2/2"]
     assert report[4].split() == ["kivi@0.1", "0/2", "1/2", "(1", "refused)"]

@@ -124,6 +124,13 @@ class EvalPlan:
         for spec in self.specs:  # refuse unknown methods, fields and budgets now, not hours into a run
             get_method(spec.method, **spec.method_config())
 
+    def units(self) -> list[tuple[str, str, int, int]]:
+        """Every ``(setting, task, length, sample)`` of the plan, in the order :func:`run_eval` runs them: sample
+        index outermost, so a run cut short has every task and length at fewer samples rather than some not at
+        all; both settings of a sample back to back, so its rows are comparable (and share one model run)."""
+        return [(setting, task, length, index) for index in range(self.samples) for task in self.tasks
+                for length in self.lengths for setting in self.settings]
+
 
 def _canonical(overrides: dict) -> str:
     return json.dumps(overrides, sort_keys=True)
@@ -139,8 +146,7 @@ def row_key(row: dict) -> tuple:
 
 def rows_in_plan(rows: list[dict], plan: EvalPlan) -> list[dict]:
     """The rows a plan asks for (an output directory may also hold rows of earlier, wider runs)."""
-    units = {(s, t, n, i) for s in plan.settings for t in plan.tasks for n in plan.lengths
-             for i in range(plan.samples)}
+    units = set(plan.units())
     specs = {s.key for s in plan.specs}
     return [r for r in rows if (r["setting"], r["task"], r["length"], r["sample"]) in units
             and row_key(r)[4:] in specs]
@@ -364,10 +370,7 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = load_results(out_dir)
     done = {row_key(r) for r in rows}
-    # Both settings of a sample run back to back, so a run cut short has comparable rows; sample index
-    # outermost, so a run cut short has every task and length at fewer samples rather than some not at all.
-    units = [(setting, task, length, index) for index in range(plan.samples) for task in plan.tasks
-             for length in plan.lengths for setting in plan.settings]
+    units = plan.units()
     bar = tqdm(total=len(units) * len(plan.specs), desc="[kvpack] eval", unit="run", disable=not progress)
     bar.update(sum(1 for u in units for s in plan.specs if (*u, *s.key) in done))
     last_prefill = None
