@@ -192,8 +192,13 @@ def _best_kvpack(peer: dict, own: list[dict]) -> dict | None:
     target), so only its measured bytes count."""
     if peer["bytes_ratio"] is None:
         return None
-    limit = bytes_limit(peer["bytes_ratio"], None)
-    fits = _most_complete([c for c in own if c["bytes_ratio"] <= limit])
+    return _lowest_kl_within(own, bytes_limit(peer["bytes_ratio"], None))
+
+
+def _lowest_kl_within(cells: list[dict], limit: float) -> dict | None:
+    """The cell with the lowest KL (then the higher score, :func:`_kl_first`) among the most complete of
+    ``cells`` holding at most ``limit`` of the bytes (:func:`_most_complete`); None when none does."""
+    fits = _most_complete([c for c in cells if c["bytes_ratio"] is not None and c["bytes_ratio"] <= limit])
     return min(fits, key=_kl_first) if fits else None
 
 
@@ -337,9 +342,7 @@ def best_per_budget(cells: list[dict], setting: str, budget: float) -> tuple[dic
     limit = bytes_limit(best["bytes_ratio"], budget)
 
     def fitting(pred):
-        fits = _most_complete([c for c in cells if c["setting"] == setting and c["n"] and pred(c)
-                               and c["bytes_ratio"] is not None and c["bytes_ratio"] <= limit])
-        return min(fits, key=_kl_first) if fits else None
+        return _lowest_kl_within([c for c in cells if c["setting"] == setting and c["n"] and pred(c)], limit)
 
     return best, fitting(is_storage), fitting(lambda c: c["peer"])
 
