@@ -14,6 +14,16 @@ environment is the reference, and after each press the rest of the prompt, the g
 held-out continuation are teacher-forced over a copy of the compressed cache (KVzip's masks in place):
 KL(exact ‖ press) per token over the answer and the continuation, and top-1 agreement.
 
+One prefill serves every press and share of a sample and setting. A press rewrites an attention layer's
+cache in a forward hook after that layer's attention, so a prefill's hidden states, and every layer's
+inputs, are the same with or without it: the press-free prefill records each layer's hook arguments, and
+each press's own hook is then called on them over a copy of the press-free cache (rows flagged
+``replayed``). KVzip runs live (its prefill and context-reconstruction scoring) once per sample and setting;
+its other shares take that run's scores, which do not depend on the share, through its own
+``compress_post``. ``--check-replay`` runs every press and share both ways on one sample and compares the
+caches and KVzip's masks tensor for tensor. A replayed row's ``prefill_s`` is the press-free prefill's
+seconds plus the press's own (KVzip: its live run's, less that run's masking, plus this share's masking).
+
 Bytes are measured from the cache's tensors after the prefill. SnapKV, StreamingLLM and expected
 attention gather the kept tokens into smaller tensors: they free memory. KVzip scores by context
 reconstruction and then *masks* the evicted keys at attention time (kvpress's attention patch): its
@@ -25,6 +35,7 @@ Usage: python benchmarks/peer_kvpress.py [--venv .kvpress-venv]
     [--out results/peer-kvpress] [--kvpack-results kvpack-eval/]
        python benchmarks/peer_kvpress.py --frontier --model smollm2   (the frontier's samples and rows)
        ... --frontier --model smollm2 --collect   (no worker: the rows of the raw rows earlier runs finished)
+       ... --check-replay --lengths 1024 --tasks niah_single_1 --samples 1   (replayed caches equal live ones)
 """
 
 from __future__ import annotations
@@ -55,7 +66,8 @@ def make_press(name: str, kept: float):
     return cls(compression_ratio=1.0 - kept)
 
 
-def worker(samples_path: str, model_dir: str, presses: list[str], kept: list[float], out_path: str) -> None:
+def worker(samples_path: str, model_dir: str, presses: list[str], kept: list[float], out_path: str,
+           check_replay: bool = False) -> None:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -118,14 +130,120 @@ def worker(samples_path: str, model_dir: str, presses: list[str], kept: list[flo
                 "kl_continuation": float(kl[n_answer:].mean()),
                 "top1": float((ref.argmax(-1) == logp.argmax(-1)).float().mean())}
 
+    def recorded_prefill(ids: list[int]):
+        """An exact (press-free) prefill of ``ids``: its cache, its seconds, and each attention layer's inputs and
+        output as a press's forward hook receives them ({layer index: (kwargs, output)})."""
+        records = {}
+
+        def record(module, args, kwargs, output):
+            records[module.layer_idx] = (dict(kwargs), output)
+
+        cache = DynamicCache()
+        hooks = [layer.self_attn.register_forward_hook(record, with_kwargs=True) for layer in model.model.layers]
+        try:
+            start = time.perf_counter()
+            model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+            seconds = time.perf_counter() - start
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return cache, seconds, records
+
+    def replayed(press, exact, records) -> tuple[DynamicCache, float]:
+        """The cache ``press`` leaves after a prefill, from the exact prefill's recorded layer inputs: a copy of
+        the exact cache, and the press's own forward hook called on each layer in order, with the arguments a
+        live prefill hands it (``press(model)`` registers that hook and sets each layer's rotary embedding).
+        Equal to the live run's cache because a press only rewrites the layer's cache after the layer's
+        attention: the prefill's hidden states, and so every later layer's inputs, do not depend on it
+        (``--check-replay`` compares the two tensor for tensor). Returns the cache and the press's seconds."""
+        cache = copy.deepcopy(exact)
+        start = time.perf_counter()
+        press.post_init_from_model(model)
+        for layer in model.model.layers:
+            module = layer.self_attn
+            module.rotary_emb = model.model.rotary_emb
+            kwargs, output = records[module.layer_idx]
+            press.forward_hook(module, [], {**kwargs, "past_key_values": cache}, output)
+        return cache, time.perf_counter() - start
+
+    def kvzip_live(kept_share: float, ids: list[int]) -> tuple[DynamicCache, float, dict]:
+        """KVzip run as kvpress runs it (its prefill, its context-reconstruction scoring, its masks): the cache,
+        the seconds, and what a replay at another share needs — the scores (they do not depend on the share:
+        the share only picks how many of the lowest to mask, in ``compress_post``), the cache before decoding,
+        and the seconds of this run less its own masking."""
+        press, cache, saved = make_press("kvzip", kept_share), DynamicCache(), {}
+        compress_post = press.compress_post
+
+        def keep_scores(model_):
+            saved["scores"] = press.score_val.clone()
+            start = time.perf_counter()
+            compress_post(model_)
+            saved["post_s"] = time.perf_counter() - start
+
+        press.compress_post = keep_scores
+        start = time.perf_counter()
+        with press(model):
+            model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        seconds = time.perf_counter() - start
+        saved.update(cache=copy.deepcopy(cache), shared_s=seconds - saved.get("post_s", 0.0))
+        return cache, seconds, saved
+
+    def kvzip_replayed(kept_share: float, saved: dict) -> tuple[DynamicCache, float]:
+        """KVzip at ``kept_share`` from another share's live run (:func:`kvzip_live`): its masks from the same
+        scores by KVzip's own ``compress_post``, over a copy of the same cache."""
+        press = make_press("kvzip", kept_share)
+        press.score_val = saved["scores"].clone()
+        start = time.perf_counter()
+        press.compress_post(model)
+        return copy.deepcopy(saved["cache"]), saved["shared_s"] + time.perf_counter() - start
+
+    def masks() -> list:
+        return [getattr(layer.self_attn, "masked_key_indices", None) for layer in model.model.layers]
+
+    if check_replay:
+        s = samples[0]
+        mismatches = 0
+        for setting in SETTINGS:
+            n_pre = len(s["ids"]) - 1 if setting == "query-aware" else s["context_tokens"]
+            clear_masks()
+            exact, _, records = recorded_prefill(s["ids"][:n_pre])
+            saved = None
+            for name in presses:
+                for k in kept:
+                    clear_masks()
+                    live = DynamicCache()
+                    if name == "kvzip":
+                        live, _, first = kvzip_live(k, s["ids"][:n_pre])
+                        live_masks = masks()
+                        saved = saved or first
+                        clear_masks()
+                        again, _ = kvzip_replayed(k, saved)
+                    else:
+                        with make_press(name, k)(model):
+                            model(input_ids=torch.tensor([s["ids"][:n_pre]]), past_key_values=live, use_cache=True)
+                        live_masks = masks()
+                        again, _ = replayed(make_press(name, k), exact, records)
+                    same = all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+                               for a, b in zip(live.layers, again.layers))
+                    same = same and all((x is None and y is None) or (x is not None and y is not None and all(
+                        torch.equal(u, v) for u, v in zip(x, y))) for x, y in zip(live_masks, masks()))
+                    mismatches += not same
+                    print(f"[kvpress replay check] {s['key']} {setting} {name}@{k:g}: "
+                          f"{'equal' if same else 'DIFFERENT'}", flush=True)
+            clear_masks()
+        if mismatches:
+            raise SystemExit(f"{mismatches} replayed caches differ from their live runs")
+        return
+
     from _peers import finished_rows
 
     # resumable: rows already in out_path are kept and not run again
     done = {(tuple(r["key"]), r["setting"], r["press"], r["kept"]) for r in finished_rows(out_path)}
 
-    # One exact (press-free) reference per sample and setting, shared by every press and kept share; the
-    # fidelity pass runs on a copy of each compressed cache taken before decoding (decoding mutates it),
-    # with KVzip's masks still in place.
+    # One exact (press-free) prefill per sample and setting: the reference of the fidelity pass, and the recorded
+    # layer inputs every press but KVzip is replayed on (:func:`replayed`). KVzip runs live once per sample and
+    # setting; its other shares reuse that run's scores (:func:`kvzip_replayed`). The fidelity pass runs on a
+    # copy of each compressed cache taken before decoding (decoding mutates it), with KVzip's masks in place.
     with open(out_path, "a") as out:
         for s in samples:
             for setting in SETTINGS:
@@ -135,28 +253,31 @@ def worker(samples_path: str, model_dir: str, presses: list[str], kept: list[flo
                 ids = s["ids"]
                 n_pre = len(ids) - 1 if setting == "query-aware" else s["context_tokens"]
                 clear_masks()
-                exact = DynamicCache()
-                model(input_ids=torch.tensor([ids[:n_pre]]), past_key_values=exact, use_cache=True)
-                ref = scored_logprobs(exact, s, n_pre)
-                del exact
+                exact, exact_s, records = recorded_prefill(ids[:n_pre])
+                ref = scored_logprobs(copy.deepcopy(exact), s, n_pre)
+                kvzip_saved = None
                 for name, k in todo:
-                    press, cache = make_press(name, k), DynamicCache()
                     clear_masks()
-                    start = time.perf_counter()
-                    with press(model):
-                        model(input_ids=torch.tensor([ids[:n_pre]]), past_key_values=cache, use_cache=True)
-                    prefill_s = time.perf_counter() - start
+                    if name == "kvzip" and kvzip_saved is None:
+                        cache, prefill_s, kvzip_saved = kvzip_live(k, ids[:n_pre])
+                        how = {"replayed": False}
+                    elif name == "kvzip":
+                        cache, prefill_s = kvzip_replayed(k, kvzip_saved)
+                        how = {"replayed": True}
+                    else:
+                        cache, press_s = replayed(make_press(name, k), exact, records)
+                        prefill_s, how = exact_s + press_s, {"replayed": True, "press_s": press_s}
                     held = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)
-                    masked = any(getattr(layer.self_attn, "masked_key_indices", None) is not None
-                                 for layer in model.model.layers)
+                    masked = any(m is not None for m in masks())
                     fid = fidelity(ref, scored_logprobs(copy.deepcopy(cache), s, n_pre), len(s.get("answer_ids", [])))
                     new, steps = greedy(cache, ids[n_pre:], n_pre, s["max_new_tokens"])
                     clear_masks()
                     out.write(json.dumps({"key": s["key"], "setting": setting, "press": name, "kept": k,
                                           "new_ids": new, "prefill_s": prefill_s, "steps_ms": steps,
                                           "ratio": held / (n_pre * per_token), "masked": masked,
-                                          "versions": versions, "cpu": cpu, **fid}) + "\n")
+                                          "versions": versions, "cpu": cpu, **how, **fid}) + "\n")
                     out.flush()
+                del exact, records
             print(f"[kvpress] {s['key']}: done", file=sys.stderr, flush=True)
 
 
@@ -206,6 +327,10 @@ def main() -> int:
     parser.add_argument("--collect", action="store_true",
                         help="run no worker: only score the raw rows earlier runs finished into the rows (after "
                         "an interrupted run, or to rebuild them)")
+    parser.add_argument("--check-replay", action="store_true",
+                        help="write no rows: on the first sample, in both settings, run every press and share live "
+                        "and replayed (one exact prefill's recorded layer inputs; KVzip from another share's scores) "
+                        "and compare the caches and masks tensor for tensor; exits 1 where any differ")
     parser.add_argument("--worker", nargs=3, metavar=("SAMPLES", "MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.frontier and args.kept == KEPT_DEFAULT:
@@ -218,7 +343,7 @@ def main() -> int:
     if any(not 0 < k <= 1 for k in kept):
         parser.error(f"--kept must be shares in (0, 1], got {kept}")
     if args.worker:
-        worker(args.worker[0], args.worker[1], presses, kept, args.worker[2])
+        worker(args.worker[0], args.worker[1], presses, kept, args.worker[2], check_replay=args.check_replay)
         return 0
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -241,9 +366,13 @@ def main() -> int:
     samples = build_samples(tasks, lengths, per_task, args.seed, out / "samples.jsonl", model=args.model)
     raw_path = out / "kvpress_raw.jsonl"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    raw = run_worker([str(python), __file__, "--presses", args.presses, "--kept", args.kept, "--worker",
-                      str(out / "samples.jsonl"), str(model_directory(args.model)), str(raw_path)],
-                     raw_path, "kvpress", collect=args.collect, env=env)
+    command = [str(python), __file__, "--presses", args.presses, "--kept", args.kept, "--worker",
+               str(out / "samples.jsonl"), str(model_directory(args.model)), str(raw_path)]
+    if args.check_replay:
+        import subprocess
+
+        return subprocess.run([*command, "--check-replay"], env=env).returncode
+    raw = run_worker(command, raw_path, "kvpress", collect=args.collect, env=env)
     if not raw:
         return 1
     rows = kvpress_rows(samples, raw, args.model)
