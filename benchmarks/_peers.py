@@ -55,16 +55,18 @@ def run_worker(command: list[str], raw_path: Path, tool: str, collect: bool = Fa
 
 def build_samples(tasks: list[str], lengths: list[int], samples: int, seed: int, path: Path,
                   model: str = "smollm2") -> list[dict]:
-    """kvpack's eval samples as token ids (exactly the ids kvpack's eval feeds ``model``)."""
+    """kvpack's eval samples as token ids (exactly the ids kvpack's eval feeds ``model``), in the order kvpack's
+    runner takes them (``EvalPlan.units``: sample index outermost), which the workers follow: a peer's run cut
+    short has every task and length at fewer samples, as kvpack's own cells, rather than some tasks not at all."""
     from kvpack.eval.runner import _scored_ids
     from kvpack.eval.tasks import make_sample
     from kvpack.hf.models import load_tokenizer
 
     tok = load_tokenizer(model)
     rows = []
-    for task in tasks:
-        for length in lengths:
-            for index in range(samples):
+    for index in range(samples):
+        for task in tasks:
+            for length in lengths:
                 s = make_sample(tok, task, length, index, samples, seed)
                 context = tok(s.context).input_ids
                 ids = context + tok(s.question, add_special_tokens=False).input_ids

@@ -66,6 +66,53 @@ def make_press(name: str, kept: float):
     return cls(compression_ratio=1.0 - kept)
 
 
+def recorded_prefill(model, ids: list[int]):
+    """An exact (press-free) prefill of ``ids``: its ``DynamicCache``, its seconds, and each attention layer's
+    inputs and output as a press's forward hook receives them ({layer index: (kwargs, output)})."""
+    import torch
+    from transformers import DynamicCache
+
+    records = {}
+
+    def record(module, args, kwargs, output):
+        records[module.layer_idx] = (dict(kwargs), output)
+
+    cache = DynamicCache()
+    hooks = [layer.self_attn.register_forward_hook(record, with_kwargs=True) for layer in model.model.layers]
+    try:
+        start = time.perf_counter()
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        seconds = time.perf_counter() - start
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return cache, seconds, records
+
+
+def replayed(model, press, exact, records: dict):
+    """The cache ``press`` (a kvpress press) leaves after a prefill, from the exact prefill's recorded layer inputs
+    (:func:`recorded_prefill`): a copy of the exact cache, and the press's own forward hook called on each layer in
+    order with the arguments a live prefill hands it (``press(model)`` registers that hook and sets each layer's
+    rotary embedding). Equal to the live run's cache because a press only rewrites the layer's cache after the
+    layer's attention: the prefill's hidden states, and so every later layer's inputs, do not depend on it
+    (``--check-replay`` compares the two tensor for tensor). Returns the cache and the press's seconds."""
+    import torch
+
+    cache = copy.deepcopy(exact)
+    start = time.perf_counter()
+    press.post_init_from_model(model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            module = layer.self_attn
+            module.rotary_emb = model.model.rotary_emb
+            kwargs, output = records[module.layer_idx]
+            # the recorded cache argument (``past_key_values`` in kvpress's transformers) becomes the copy
+            press.forward_hook(module, [], {name: cache if value is exact else value for name, value in kwargs.items()},
+                               output)
+    return cache, time.perf_counter() - start
+
+
 def worker(samples_path: str, model_dir: str, presses: list[str], kept: list[float], out_path: str,
            check_replay: bool = False) -> None:
     import torch
@@ -130,42 +177,6 @@ def worker(samples_path: str, model_dir: str, presses: list[str], kept: list[flo
                 "kl_continuation": float(kl[n_answer:].mean()),
                 "top1": float((ref.argmax(-1) == logp.argmax(-1)).float().mean())}
 
-    def recorded_prefill(ids: list[int]):
-        """An exact (press-free) prefill of ``ids``: its cache, its seconds, and each attention layer's inputs and
-        output as a press's forward hook receives them ({layer index: (kwargs, output)})."""
-        records = {}
-
-        def record(module, args, kwargs, output):
-            records[module.layer_idx] = (dict(kwargs), output)
-
-        cache = DynamicCache()
-        hooks = [layer.self_attn.register_forward_hook(record, with_kwargs=True) for layer in model.model.layers]
-        try:
-            start = time.perf_counter()
-            model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
-            seconds = time.perf_counter() - start
-        finally:
-            for hook in hooks:
-                hook.remove()
-        return cache, seconds, records
-
-    def replayed(press, exact, records) -> tuple[DynamicCache, float]:
-        """The cache ``press`` leaves after a prefill, from the exact prefill's recorded layer inputs: a copy of
-        the exact cache, and the press's own forward hook called on each layer in order, with the arguments a
-        live prefill hands it (``press(model)`` registers that hook and sets each layer's rotary embedding).
-        Equal to the live run's cache because a press only rewrites the layer's cache after the layer's
-        attention: the prefill's hidden states, and so every later layer's inputs, do not depend on it
-        (``--check-replay`` compares the two tensor for tensor). Returns the cache and the press's seconds."""
-        cache = copy.deepcopy(exact)
-        start = time.perf_counter()
-        press.post_init_from_model(model)
-        for layer in model.model.layers:
-            module = layer.self_attn
-            module.rotary_emb = model.model.rotary_emb
-            kwargs, output = records[module.layer_idx]
-            press.forward_hook(module, [], {**kwargs, "past_key_values": cache}, output)
-        return cache, time.perf_counter() - start
-
     def kvzip_live(kept_share: float, ids: list[int]) -> tuple[DynamicCache, float, dict]:
         """KVzip run as kvpress runs it (its prefill, its context-reconstruction scoring, its masks): the cache,
         the seconds, and what a replay at another share needs — the scores (they do not depend on the share:
@@ -206,7 +217,7 @@ def worker(samples_path: str, model_dir: str, presses: list[str], kept: list[flo
         for setting in SETTINGS:
             n_pre = len(s["ids"]) - 1 if setting == "query-aware" else s["context_tokens"]
             clear_masks()
-            exact, _, records = recorded_prefill(s["ids"][:n_pre])
+            exact, _, records = recorded_prefill(model, s["ids"][:n_pre])
             saved = None
             for name in presses:
                 for k in kept:
@@ -222,7 +233,7 @@ def worker(samples_path: str, model_dir: str, presses: list[str], kept: list[flo
                         with make_press(name, k)(model):
                             model(input_ids=torch.tensor([s["ids"][:n_pre]]), past_key_values=live, use_cache=True)
                         live_masks = masks()
-                        again, _ = replayed(make_press(name, k), exact, records)
+                        again, _ = replayed(model, make_press(name, k), exact, records)
                     same = all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
                                for a, b in zip(live.layers, again.layers))
                     same = same and all((x is None and y is None) or (x is not None and y is not None and all(
@@ -253,7 +264,7 @@ def worker(samples_path: str, model_dir: str, presses: list[str], kept: list[flo
                 ids = s["ids"]
                 n_pre = len(ids) - 1 if setting == "query-aware" else s["context_tokens"]
                 clear_masks()
-                exact, exact_s, records = recorded_prefill(ids[:n_pre])
+                exact, exact_s, records = recorded_prefill(model, ids[:n_pre])
                 ref = scored_logprobs(copy.deepcopy(exact), s, n_pre)
                 kvzip_saved = None
                 for name, k in todo:
@@ -265,7 +276,7 @@ def worker(samples_path: str, model_dir: str, presses: list[str], kept: list[flo
                         cache, prefill_s = kvzip_replayed(k, kvzip_saved)
                         how = {"replayed": True}
                     else:
-                        cache, press_s = replayed(make_press(name, k), exact, records)
+                        cache, press_s = replayed(model, make_press(name, k), exact, records)
                         prefill_s, how = exact_s + press_s, {"replayed": True, "press_s": press_s}
                     held = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)
                     masked = any(m is not None for m in masks())
