@@ -209,11 +209,27 @@ def write_results(model: str, command: str | None = None) -> Path | None:
             "commits": sorted({r.get("commit", "unknown") for r in rows}),
             "versions": [json.loads(v) for v in sorted({json.dumps(r["versions"], sort_keys=True)
                                                         for r in rows if r.get("versions")})],
-            "dtypes": sorted({r.get("dtype", "unknown") for r in rows}), "cells": cells}
+            "dtypes": sorted({r.get("dtype", "unknown") for r in rows}),
+            "planned": planned_cells(plan), "cells": cells}
     path.write_text(json.dumps(data, indent=1) + "\n")
     PLOTS.mkdir(parents=True, exist_ok=True)
     plot_frontier(cells, PLOTS / f"frontier-{model}")
     return path
+
+
+def planned_cells(plan: dict) -> dict:
+    """The cells the frontier plans for a model (its plan file's budgets, tasks, lengths, samples and settings):
+    kvpack's method specs as labels (the kvtc rows included: both models' frontiers run with ``--kvtc``), the
+    peers' configurations (llama.cpp's K/V types; kvpress's presses at each budget), the settings and the samples
+    a cell — against which the docs list the cells not yet complete (``frontier-coverage``)."""
+    from peer_kvpress import PRESSES
+    from peer_llamacpp import GGML_TYPES
+
+    specs = frontier_specs(plan["budgets"], calibration="kvtc", layer_profile="profile")  # only the labels matter
+    return {"target": plan["samples_per_task_and_length"] * len(plan["tasks"]) * len(plan["lengths"]),
+            "settings": plan["settings"], "cells": [s.label for s in specs],
+            "peers": [f"llamacpp-{kv}" for kv in GGML_TYPES] + [f"kvpress-{p}@{b:g}" for p in PRESSES
+                                                                 for b in plan["budgets"]]}
 
 
 def status_report(model: str, plan) -> str:

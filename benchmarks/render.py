@@ -10,6 +10,8 @@ a page of docs/; nothing between the markers is typed by hand. Blocks:
   own rows);
 * ``peers-vs-kvpack`` — every peer cell against the best resident kvpack cell at no more bytes, paired
   (:func:`kvpack.eval.frontier.peers_vs_kvpack_markdown`);
+* ``frontier-coverage`` — per model, the planned cells that hold fewer samples than the plan's target
+  (:func:`kvpack.eval.frontier.coverage_markdown`);
 * ``options:METHOD`` — the method's config fields: default, allowed values, what each does;
 * ``sources`` — each results file with the commands, kvpack commits, package versions and CPUs of its rows.
 
@@ -92,6 +94,12 @@ def peers_vs_kvpack(records: dict[str, dict]) -> str:
             "returns text only).\n")
 
 
+def frontier_coverage(records: dict[str, dict]) -> str:
+    from kvpack.eval.frontier import coverage_markdown
+
+    return coverage_markdown(records) + "\n"
+
+
 def options(method: str) -> str:
     import dataclasses
 
@@ -132,12 +140,14 @@ def render_block(name: str, records: dict[str, dict]) -> str:
         return frontier_rows(records, arg.split(","))
     if kind == "peers-vs-kvpack":
         return peers_vs_kvpack(records)
+    if kind == "frontier-coverage":
+        return frontier_coverage(records)
     if kind == "options":
         return options(arg)
     if kind == "sources":
         return sources(records)
     raise ValueError(f"unknown generated block {name!r} (known: frontier-summary, frontier-rows:F, "
-                     "peers-vs-kvpack, options:M, sources)")
+                     "peers-vs-kvpack, frontier-coverage, options:M, sources)")
 
 
 def render_text(text: str, records: dict[str, dict]) -> str:

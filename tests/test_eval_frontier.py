@@ -303,3 +303,47 @@ def test_status_counts_each_cells_samples_refusals_runs_to_do_and_peers(monkeypa
     assert report[4].split() == ["kivi@0.1", "0/2", "1/2", "(1", "refused)"]
     assert "to do: 2 runs over 2 of 4 (setting, sample) units" in report[6]
     assert report[-1].split() == ["llamacpp-f16", "query-aware", "1/2"]
+
+
+def test_coverage_lists_the_planned_cells_below_the_target_in_either_setting():
+    """``frontier-coverage``: a cell short in one setting is listed with both settings' counts (a refusal counts
+    towards the target); a planned cell with no rows is listed with 0; complete cells and peers are not."""
+    from kvpack.eval.frontier import coverage_markdown
+
+    def cell(method, budget, setting, n, refused=0):
+        return {"method": method, "budget": budget, "setting": setting, "n": n, "refused": refused}
+
+    cells = [cell("full", None, s, 2) for s in ("query_aware", "query_agnostic")]
+    cells += [cell("kivi", 0.1, "query_aware", 0, 2), cell("kivi", 0.1, "query_agnostic", 1)]
+    cells += [cell("llamacpp-q4_0", None, s, 2) for s in ("query_aware", "query_agnostic")]
+    cells += [cell("svd", 0.28, s, 2) for s in ("query_aware", "query_agnostic")]  # a cell outside the plan
+    cells += [cell("llamacpp-q8_0", None, "query_aware", 1)]
+    plan = {"target": 2, "settings": ["query-aware", "query-agnostic"], "cells": ["full", "kivi@0.1", "svd@0.1"],
+            "peers": ["llamacpp-q4_0", "llamacpp-q8_0", "kvpress-snapkv@0.1"]}
+    text = coverage_markdown({"tiny": {"planned": plan, "cells": cells}}).splitlines()
+    assert text[0] == "tiny: 2 of 6 planned cells hold all 2 samples in both settings; 4 hold fewer."
+    assert text[2] == ("| model | kind | method | samples (query-aware / query-agnostic) where fewer than the target, "
+                       "by budget |")
+    assert text[4:] == ["| tiny | kvpack | `kivi` | 0.1: 0 (+2 refused) / 1 |",
+                        "| tiny | kvpack | `svd` | 0.1: 0 / 0 |",
+                        "| tiny | peer | `llamacpp-q8_0` | 1 / 0 |",
+                        "| tiny | peer | `kvpress-snapkv` | 0.1: 0 / 0 |"]
+    assert coverage_markdown({"old": {"cells": cells}}) == "old: no plan recorded in its results file."
+
+
+def test_planned_cells_name_every_kvpack_spec_and_peer_configuration(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import frontier
+
+    plan = {"budgets": [0.28, 0.15], "samples_per_task_and_length": 3, "tasks": list(frontier.TASKS),
+            "lengths": [4096, 8192], "settings": ["query-aware", "query-agnostic"]}
+    planned = frontier.planned_cells(plan)
+    assert planned["target"] == 48 and planned["settings"] == plan["settings"]
+    assert planned["cells"] == [s.label for s in frontier.frontier_specs([0.28, 0.15], "c", "p")]
+    assert {"full", "h2o@0.15", "svd@0.28", "pca_quant-salient@0.28", "puzzle-int4-paper", "kvtc-16x",
+            "kvtc_resident-32x", "kvtc_resident-8x-keys-per-layer"} <= set(planned["cells"])
+    assert len(planned["cells"]) == 1 + 2 * (len(frontier.BUDGETED) + 3) + 1 + 3 + 3 + 3 + 2
+    assert planned["peers"][:3] == ["llamacpp-f16", "llamacpp-q8_0", "llamacpp-q4_0"]
+    assert len(planned["peers"]) == 3 + 4 * 2 and "kvpress-kvzip@0.15" in planned["peers"]

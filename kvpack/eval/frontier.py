@@ -458,3 +458,39 @@ def method_table_markdown(records: dict[str, dict], families: Iterable[str]) -> 
                          f"{'–' if c['top1'] is None else format(c['top1'], '.3f')} | "
                          f"{_fmt_ci(c['score'], c['score_ci'])} | {differs} | {speed} | {c['n']} |")
     return "\n".join(lines) if len(lines) > 2 else "(no frontier cells of this method yet)"
+
+
+def coverage_markdown(records: dict[str, dict]) -> str:
+    """How far each model's frontier is from its plan: the planned cells (a results file's ``planned``:
+    ``cells`` — kvpack's method specs as labels, ``peers`` — the peers' configurations, ``settings`` and the
+    ``target`` samples a cell) that hold fewer samples than the target in either setting, one line per method
+    with each short budget's samples in each setting (answered, and refused: a refusal is a result, so it counts
+    towards the target). A planned cell with no rows at all is listed with 0."""
+    lines = []
+    for model, data in records.items():
+        plan = data.get("planned")
+        if not plan:
+            lines.append(f"{model}: no plan recorded in its results file.")
+            continue
+        target, settings = plan["target"], [setting_name(s) for s in plan["settings"]]
+        have = {(_label(c), c["setting"]): (c["n"], c["refused"]) for c in data["cells"]}
+        short: dict[tuple[str, str], list[str]] = {}  # (kind, method) -> its short budgets' text, in plan order
+        total = 0
+        for kind, labels in (("kvpack", plan["cells"]), ("peer", plan["peers"])):
+            for label in labels:
+                counts = [have.get((label, s), (0, 0)) for s in settings]
+                total += 1
+                if all(n + refused >= target for n, refused in counts):
+                    continue
+                name, _, budget = label.partition("@")
+                text = " / ".join(f"{n}" + (f" (+{refused} refused)" if refused else "") for n, refused in counts)
+                short.setdefault((kind, name), []).append(f"{budget}: {text}" if budget else text)
+        n_short = sum(len(v) for v in short.values())
+        lines.append(f"{model}: {total - n_short} of {total} planned cells hold all {target} samples in both "
+                     f"settings; {n_short} hold fewer.")
+        if short:
+            lines += ["", f"| model | kind | method | samples ({' / '.join(s.replace('_', '-') for s in settings)})"
+                      " where fewer than the target, by budget |", "|---|---|---|---|"]
+            lines += [f"| {model} | {kind} | `{name}` | {'; '.join(parts)} |" for (kind, name), parts in short.items()]
+        lines.append("")
+    return "\n".join(lines).rstrip() if lines else "(no frontier results yet)"
