@@ -2,7 +2,7 @@
 
 kvpress 0.5.5 pins transformers < 5.3 while kvpack needs >= 5.20, so kvpress runs in its own virtual
 environment (``bash scripts/install_kvpress.sh``) as a worker process started with that environment's
-Python (``--venv``). The worker loads the same SmolLM2 weights kvpack uses (kvpack's converted model
+Python (``--venv``). The worker loads the same weights kvpack uses (``--model``: kvpack's converted model
 directory, bf16, SDPA) and gets the exact token ids of kvpack's eval (``make_sample``); the answers
 are scored here by kvpack's scorer. Settings as kvpack's eval: *query-aware* prefills context +
 question but the last token under the press, *query-agnostic* prefills the context alone under the

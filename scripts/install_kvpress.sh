@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # NVIDIA kvpress in its own virtual environment, for benchmarks/peer_kvpress.py. kvpress 0.5.5 pins
 # transformers < 5.3 and kvpack needs >= 5.20, so the two never share an environment; the worker loads
-# kvpack's converted SmolLM2 directory (made by kvpack in its own environment) and needs no network.
+# kvpack's converted model directory (SmolLM2 or Qwen2.5, made by kvpack in its own environment) and needs no network.
 # Usage: bash scripts/install_kvpress.sh [VENV_DIR (default .kvpress-venv)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
