@@ -475,17 +475,15 @@ def coverage_markdown(records: dict[str, dict]) -> str:
         target, settings = plan["target"], [setting_name(s) for s in plan["settings"]]
         have = {(_label(c), c["setting"]): (c["n"], c["refused"]) for c in data["cells"]}
         short: dict[tuple[str, str], list[str]] = {}  # (kind, method) -> its short budgets' text, in plan order
-        total = 0
         for kind, labels in (("kvpack", plan["cells"]), ("peer", plan["peers"])):
             for label in labels:
                 counts = [have.get((label, s), (0, 0)) for s in settings]
-                total += 1
                 if all(n + refused >= target for n, refused in counts):
                     continue
                 name, _, budget = label.partition("@")
                 text = " / ".join(f"{n}" + (f" (+{refused} refused)" if refused else "") for n, refused in counts)
                 short.setdefault((kind, name), []).append(f"{budget}: {text}" if budget else text)
-        n_short = sum(len(v) for v in short.values())
+        n_short, total = sum(len(v) for v in short.values()), len(plan["cells"]) + len(plan["peers"])
         lines.append(f"{model}: {total - n_short} of {total} planned cells hold all {target} samples in both "
                      f"settings; {n_short} hold fewer.")
         if short:
