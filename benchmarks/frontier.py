@@ -48,6 +48,8 @@ from pathlib import Path
 
 import torch
 
+from kvpack.presets import KVTC_RATIOS, KVTC_RESIDENT_KEYS_PER_LAYER_RATIOS, KVTC_RESIDENT_RATIOS
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PLOTS = ROOT / "docs" / "img"  # the plots are renders of the results, shown by the docs
@@ -60,16 +62,10 @@ BUDGETS = (0.5, 0.28, 0.15, 0.1, 0.0625)
 LENGTHS = {"smollm2": (4096, 7936), "qwen2.5-0.5b": (4096, 8192)}
 SAMPLES_PER_TASK_AND_LENGTH = 3  # 8 tasks x 2 lengths x 3 = 48 samples a cell
 BUDGETED = ("puzzle", "puzzle_plus", "anchor", "anchor_plus", "kivi", "pca_quant", "snapkv", "streaming", "h2o", "svd")
-KVTC_RATIOS = (4, 8, 16)
-# kvtc_resident: kvtc's codes held resident (4x sits above the 0.15 budget; 32x lands near 0.0625). A ratio the
-# frontier's kvtc calibration lacks comes from a twin calibration of the same basis, ``<calibration>-<ratio>``
-# (kvpack calibrate's defaults at ratios 16 and that one), so kvtc's own rows keep their calibration.
-KVTC_RESIDENT_RATIOS = (8, 16, 32)
-# and with a key basis per layer (values cross-layer: a calibration made with --key-layer-group 1, the twin
-# ``<calibration>-k1``), whose layers rebuild their keys from their own components
-KVTC_RESIDENT_KEYS_PER_LAYER_RATIOS = (8, 16)
-PCA_QUANT_PREVIOUS = {"balance": "head", "key_metric": "variance"}
-SALIENT = 0.02  # pca_quant-salient's share of exact tokens
+# kvtc's and kvtc_resident's ratios and pca_quant-salient's share are the presets' (kvpack.presets: one table for the
+# CLI, Python, the docs and this runner). A ratio the frontier's kvtc calibration lacks comes from a twin calibration
+# of the same basis, ``<calibration>-<ratio>`` (kvpack calibrate's defaults at ratios 16 and that one), so kvtc's own
+# rows keep their calibration; a key basis per layer (values cross-layer) from the twin ``<calibration>-k<g>``.
 
 
 def resident_calibration(calibration: str, ratio: int, key_layer_group: int | None = None) -> tuple[str, dict | None]:
@@ -91,35 +87,44 @@ def resident_calibrations(calibration: str) -> dict[str, dict | None]:
     return dict(made)
 
 
+def frontier_calibration(preset, calibration: str | None, layer_profile: str | None) -> str | None:
+    """The frontier's own calibration directory for a preset whose calibration is ``auto`` (its rows name it, so
+    they stay comparable across machines): the committed layer profile for pca_quant, the frontier's kvtc
+    calibration or a twin of it for kvtc / kvtc_resident; None when this run has none (no ``--kvtc``)."""
+    from kvpack.presets import auto_calibration_settings
+
+    if preset.method == "pca_quant":
+        return layer_profile
+    if calibration is None:
+        return None
+    if preset.method == "kvtc":
+        return calibration
+    settings = auto_calibration_settings(preset.config["calibration"])
+    return resident_calibration(calibration, int(preset.config["ratio"]), settings.get("key_layer_group"))[0]
+
+
 def frontier_specs(budgets: list[float], calibration: str | None, layer_profile: str | None = None):
-    """The frontier's method specs (see the module doc)."""
+    """The frontier's method specs: FullKV, every method of :data:`BUDGETED` at every budget, then every preset of
+    :data:`kvpack.presets.PRESETS` not retired (a budgeted one at every budget), with the frontier's own
+    calibrations (:func:`frontier_calibration`; a preset whose calibration this run lacks is left out)."""
     from kvpack.eval.runner import MethodSpec
+    from kvpack.presets import PRESETS
 
     specs = [MethodSpec("full")]
     specs += [MethodSpec(m, b) for b in budgets for m in BUDGETED]
-    if layer_profile:  # pca_quant with its budget spread over the layers by the model's layer profile
-        specs += [MethodSpec("pca_quant", b, {"calibration": layer_profile}, name="pca_quant-layers") for b in budgets]
-        # and with the tokens the prompt's last queries read kept exact (2% of the coded tokens)
-        specs += [MethodSpec("pca_quant", b, {"calibration": layer_profile, "salient": SALIENT},
-                             name="pca_quant-salient") for b in budgets]
-    # pca_quant's previous default beside the current one: every (head, side) priced on the share of its own
-    # variance (the rows of its first default, which also priced widths by a Gaussian model of the min/max
-    # error, stay in the rows as pca_quant-gaussian; no longer in the plan)
-    specs += [MethodSpec("pca_quant", b, PCA_QUANT_PREVIOUS, name="pca_quant-head") for b in budgets]
-    specs.append(MethodSpec("puzzle", None, {"page_size": 32, "rank_k": 16, "rank_v": 14, "int4": True},
-                            name="puzzle-int4-paper"))
-    specs += [MethodSpec("hf_quantized", None, {"backend": "quanto", "nbits": 4}, name="hf_quantized-quanto4"),
-              MethodSpec("hf_quantized", None, {"backend": "quanto", "nbits": 2}, name="hf_quantized-quanto2"),
-              MethodSpec("hf_quantized", None, {"backend": "hqq", "nbits": 4}, name="hf_quantized-hqq4")]
-    if calibration:
-        specs += [MethodSpec("kvtc", None, {"ratio": float(r), "calibration": calibration}, name=f"kvtc-{r}x")
-                  for r in KVTC_RATIOS]
-        specs += [MethodSpec("kvtc_resident", None,
-                             {"ratio": float(r), "calibration": resident_calibration(calibration, r)[0]},
-                             name=f"kvtc_resident-{r}x") for r in KVTC_RESIDENT_RATIOS]
-        specs += [MethodSpec("kvtc_resident", None,
-                             {"ratio": float(r), "calibration": resident_calibration(calibration, r, 1)[0]},
-                             name=f"kvtc_resident-{r}x-keys-per-layer") for r in KVTC_RESIDENT_KEYS_PER_LAYER_RATIOS]
+    for p in PRESETS:
+        if p.retired:
+            continue
+        config = p.config_dict()
+        if p.needs_calibration:
+            directory = frontier_calibration(p, calibration, layer_profile)
+            if directory is None:
+                continue
+            config["calibration"] = directory
+        if p.budgeted:
+            specs += [MethodSpec(p.method, b, dict(config), name=p.name) for b in budgets]
+        else:
+            specs.append(MethodSpec(p.method, None, config, name=p.name))
     return specs
 
 
@@ -352,7 +357,7 @@ def main() -> int:
         for relative in dict.fromkeys(s.config["calibration"] for s in run_specs if s.method == "kvtc_resident"):
             if twins[relative] is not None:  # the twins of the rows to run (made once, like kvtc's own)
                 ensure_calibration(model, tokenizer, relative, **twins[relative])
-    if any(s.name == "pca_quant-layers" for s in run_specs):
+    if any(s.config.get("calibration") == layer_profile for s in run_specs):
         ensure_layer_profile(model, tokenizer, layer_profile)
     run_eval(model, tokenizer, plan, out, row_fields=machine_fields(args.dtype), rows_by_method=True)
     if args.out:

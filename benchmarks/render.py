@@ -1,5 +1,9 @@
 """Render every generated block of the README and docs/ from the committed results and the method registry.
 
+Also written: ``kvpack/data/frontier_choices.json``, the frontier's ranking that ``method="auto"`` reads
+(:func:`kvpack.eval.frontier.frontier_choices`; its models recognised by the fingerprints in their committed
+layer profiles).
+
 A generated block is the text between ``<!-- render: NAME -->`` and ``<!-- /render -->`` in README.md or
 a page of docs/; nothing between the markers is typed by hand. Blocks:
 
@@ -12,6 +16,10 @@ a page of docs/; nothing between the markers is typed by hand. Blocks:
   (:func:`kvpack.eval.frontier.peers_vs_kvpack_markdown`);
 * ``frontier-coverage`` — per model, the planned cells that hold fewer samples than the plan's target
   (:func:`kvpack.eval.frontier.coverage_markdown`);
+* ``frontier-guidance`` — which method when: per model, setting and budget, the method to use, its KL and score,
+  the runner-up and the best peer (:func:`kvpack.eval.frontier.guidance_markdown`), from the same ranking the
+  default method reads;
+* ``presets`` — the preset table (:mod:`kvpack.presets`): each name, its method, its fixed fields;
 * ``options:METHOD`` — the method's config fields: default, allowed values, what each does;
 * ``sources`` — each results file with the commands, kvpack commits, package versions and CPUs of its rows.
 
@@ -30,6 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+CHOICES = ROOT / "kvpack" / "data" / "frontier_choices.json"  # the packaged ranking method="auto" reads
 BLOCK = re.compile(r"(<!-- render: (?P<name>[^ ]+) -->\n)(?P<body>.*?)(<!-- /render -->)", re.DOTALL)
 
 
@@ -49,6 +58,49 @@ def frontier_records() -> dict[str, dict]:
 
 def _machines(records: dict[str, dict]) -> str:
     return "; ".join(sorted({m for d in records.values() for m in d["machines"]}))
+
+
+def fingerprints() -> dict[str, str | None]:
+    """Each frontier model's fingerprint hash, from its committed layer profile (made on that model)."""
+    out = {}
+    for model_dir in sorted((RESULTS / "frontier").iterdir()):
+        profile = model_dir / "pca_quant-layer-profile" / "layer_profile.json"
+        out[model_dir.name] = json.loads(profile.read_text())["fingerprint"]["hash"] if profile.is_file() else None
+    return out
+
+
+def choices_text(records: dict[str, dict]) -> str:
+    """The packaged ranking's file content (:func:`kvpack.eval.frontier.frontier_choices`)."""
+    from kvpack.eval.frontier import frontier_choices
+
+    return json.dumps(frontier_choices(records, fingerprints()), indent=1) + "\n"
+
+
+def frontier_guidance(records: dict[str, dict]) -> str:
+    from kvpack.eval.frontier import frontier_choices, guidance_markdown
+
+    if not records:
+        return "(no frontier results yet)\n"
+    return (guidance_markdown(frontier_choices(records, fingerprints())) +
+            "\n\nPer model, setting and budget: the resident method with the lowest mean KL to FullKV (among the "
+            "methods with the most samples there), the runner-up, and the peer with the lowest KL at no more bytes. "
+            "*Query-agnostic* is a cache reused for questions it was not built for (prefix caching, multi-turn, "
+            "RAG): what `method=\"auto\"` (and no method at all) picks from, for these models by their fingerprint "
+            "and for any other by the rule on the [evaluation page](docs/eval.md#the-default-method). *Query-aware* "
+            "is the question inside the compressed prompt. Storing or moving caches between turns: `kvtc` (the "
+            "*storage* column of the frontier table).\n")
+
+
+def presets_table() -> str:
+    from kvpack.presets import PRESETS
+
+    lines = ["| preset | method | fixed fields | takes a budget | what it is |", "|---|---|---|---|---|"]
+    for p in PRESETS:
+        fields = ", ".join(f"`{k}={v}`" for k, v in p.config.items())
+        lines.append(f"| `{p.name}` | `{p.method}` | {fields} | {'yes' if p.budgeted else 'no'} | {p.summary}"
+                     f"{' (retired: no longer in the frontier plan)' if p.retired else ''} |")
+    return "\n".join(lines) + ("\n\n`calibration=auto`: the model's own calibration, made on first use and kept in "
+                               "kvpack's cache directory (shipped for the measured models' layer profiles).\n")
 
 
 def frontier_summary(records: dict[str, dict]) -> str:
@@ -142,12 +194,16 @@ def render_block(name: str, records: dict[str, dict]) -> str:
         return peers_vs_kvpack(records)
     if kind == "frontier-coverage":
         return frontier_coverage(records)
+    if kind == "frontier-guidance":
+        return frontier_guidance(records)
+    if kind == "presets":
+        return presets_table()
     if kind == "options":
         return options(arg)
     if kind == "sources":
         return sources(records)
     raise ValueError(f"unknown generated block {name!r} (known: frontier-summary, frontier-rows:F, "
-                     "peers-vs-kvpack, frontier-coverage, options:M, sources)")
+                     "peers-vs-kvpack, frontier-coverage, frontier-guidance, presets, options:M, sources)")
 
 
 def render_text(text: str, records: dict[str, dict]) -> str:
@@ -158,6 +214,8 @@ def stale_blocks() -> list[str]:
     """``path: block`` for every generated block whose text is not what the committed results render."""
     records = frontier_records()
     stale = []
+    if not CHOICES.is_file() or CHOICES.read_text() != choices_text(records):
+        stale.append(f"{CHOICES.relative_to(ROOT)}: the frontier's ranking")
     for path in pages():
         text = path.read_text()
         for m in BLOCK.finditer(text):
@@ -170,6 +228,9 @@ def render_all() -> list[Path]:
     """Rewrite every generated block in place; returns the files that changed."""
     records = frontier_records()
     changed = []
+    if records and (not CHOICES.is_file() or CHOICES.read_text() != choices_text(records)):
+        CHOICES.write_text(choices_text(records))
+        changed.append(CHOICES)
     for path in pages():
         text = path.read_text()
         new = render_text(text, records)

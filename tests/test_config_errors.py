@@ -93,8 +93,15 @@ def test_cli_reports_errors_cleanly(capsys):
     assert "budget must be in (0, 1]" in capsys.readouterr().err
     assert main(["generate", "--model", "nowhere", "--prompt", "hi"]) == 2
     assert "unknown model 'nowhere'" in capsys.readouterr().err
-    assert main(["generate", "--set", "page_size=0", "--prompt", "hi"]) == 2
+    assert main(["generate", "--method", "puzzle", "--set", "page_size=0", "--prompt", "hi"]) == 2
     assert "page_size must be >= 1" in capsys.readouterr().err
+    # the default method (auto) picks the method: a field of some method is refused, naming the way out
+    assert main(["generate", "--set", "page_size=64", "--prompt", "hi"]) == 2
+    assert "--method auto picks the method, so it takes only --budget" in capsys.readouterr().err
+    assert main(["generate", "--budget", "1.5", "--prompt", "hi"]) == 2
+    assert "--budget must be in (0, 1], got 1.5" in capsys.readouterr().err
+    assert main(["generate", "--method", "kvtc_resident-8x", "--budget", "0.2", "--prompt", "hi"]) == 2
+    assert "kvtc_resident-8x takes no budget: its bytes follow from ratio=8.0" in capsys.readouterr().err
 
 
 def test_cli_turns_anticipated_errors_into_one_line_and_bugs_into_one_line_without_debug(capsys, monkeypatch):

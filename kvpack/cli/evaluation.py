@@ -8,7 +8,8 @@ from pathlib import Path
 from ..eval.report import summary_markdown, write_report
 from ..eval.runner import EvalPlan, method_specs, rows_in_plan, run_eval
 from ..eval.tasks import NIAH_TASKS, RULER_TASKS
-from ..methods import available_methods, method_config_class
+from ..methods import available_methods, available_presets, method_config_class
+from ..methods.recommend import AUTO, recommend
 from .common import add_command, add_model_args, load
 
 # The main job's defaults, the quick look (the full frontier is benchmarks/frontier.py): the two tasks the
@@ -32,11 +33,23 @@ def _task_list(text: str) -> list[str]:
     return out
 
 
+def default_picks(model, budgets: list[float]) -> str:
+    """What kvpack's default (``method="auto"``, no method named) picks for this model at each budget, and why."""
+    lines = []
+    for b in budgets:
+        try:
+            rec = recommend(model, b)
+            lines.append(f"  at {b:g}: {rec.method} — {rec.reason}")
+        except ValueError as exc:
+            lines.append(f"  at {b:g}: none ({exc})")
+    return "kvpack's default cache for this model (method auto, or no method named):\n" + "\n".join(lines)
+
+
 def _eval_overrides(items: list[str], calibration: str | None) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for item in items:
         name, dot, rest = item.partition(".")
-        if not dot or name not in available_methods():
+        if not dot or name not in available_methods() + available_presets():
             raise ValueError(f"--set expects METHOD.KEY=VALUE with a known method, got {item!r}")
         out.setdefault(name, {}).update(method_config_class(name).parse_overrides([rest]))
     if calibration is not None:
@@ -49,14 +62,18 @@ def cmd_eval(args) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
     settings = ["query-aware", "query-agnostic"] if args.setting == "both" else [args.setting]
-    plan = EvalPlan(tasks=_task_list(args.tasks), lengths=[int(n) for n in args.lengths.split(",")],
-                    samples=args.samples,
-                    specs=method_specs(methods, budgets, _eval_overrides(args.set, args.calibration)),
-                    settings=settings, seed=args.seed, fidelity=not args.no_fidelity)
+    overrides = _eval_overrides(args.set, args.calibration)
+    method_specs([m for m in methods if m != AUTO], budgets, overrides)  # refuse a bad name before loading
     model, tokenizer = load(args)
+    picks = default_picks(model, budgets)
+    print(picks)
+    plan = EvalPlan(tasks=_task_list(args.tasks), lengths=[int(n) for n in args.lengths.split(",")],
+                    samples=args.samples, specs=method_specs(methods, budgets, overrides, model=model),
+                    settings=settings, seed=args.seed, fidelity=not args.no_fidelity)
     rows = rows_in_plan(run_eval(model, tokenizer, plan, args.out, progress=not args.quiet), plan)
     summary = write_report(rows, args.out)
     print(summary_markdown(summary))
+    print(picks)
     print(f"results: {Path(args.out) / 'results.jsonl'}; summary: {Path(args.out) / 'summary.md'}; "
           f"plots: {Path(args.out) / 'score_vs_ratio.png'}, heatmap_<setting>.png")
     print(FRONTIER_HINT)

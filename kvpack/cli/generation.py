@@ -8,23 +8,43 @@ import sys
 
 from ..generate import generate
 from ..hf.models import load_model
-from ..methods import available_methods, get_method, method_config_class
+from ..methods import available_methods, available_presets, get_method, method_config_class
+from ..methods.recommend import AUTO, DEFAULT_BUDGET, resolve_auto
+from ..presets import PRESETS
 from ..prompts import needle_prompt
 from .common import add_command, add_model_args, add_prompt_args, load, method_config, read_prompt
 
 
 def cmd_generate(args) -> int:
-    # Validate before loading the model.
-    method = get_method(args.method, **method_config(args.method, args.budget, args.set, args.calibration))
-    method.check_ready()
+    auto = args.method == AUTO
+    if auto:
+        if args.set or args.calibration:
+            raise ValueError("--method auto picks the method, so it takes only --budget; name a method (kvpack "
+                             "methods) to use --set or --calibration")
+        if args.budget is not None and not 0 < args.budget <= 1:
+            raise ValueError(f"--budget must be in (0, 1], got {args.budget:g}")
+    else:  # validate before loading the model
+        method = get_method(args.method, **method_config(args.method, args.budget, args.set, args.calibration))
+        method.check_ready()
     prompt = read_prompt(args)
     if not prompt:
         raise ValueError("empty prompt: nothing to generate from")
     model, tokenizer = load(args)
+    recommendation = None
+    if auto:
+        name, config, recommendation = resolve_auto(model, AUTO, {} if args.budget is None else {"budget": args.budget})
+        if not args.quiet:
+            print(f"[kvpack] method auto: {name}"
+                  f"{'' if recommendation.budget is None else f' at {recommendation.budget:g}'} — "
+                  f"{recommendation.reason}", file=sys.stderr, flush=True)
+        method = get_method(name, **config)
     result = generate(model, tokenizer, prompt, method, chat=args.chat,
                       max_new_tokens=args.max_new_tokens, progress=not args.quiet)
     if args.json:
-        print(json.dumps(result.to_dict()))
+        out = result.to_dict()
+        if recommendation is not None:
+            out["recommendation"] = recommendation.to_dict()
+        print(json.dumps(out))
     else:
         print(result.text)
         print(f"\n[{result.method}] KV bytes {result.kv_bytes:,} vs dense bf16 {result.dense_kv_bytes:,} "
@@ -58,24 +78,34 @@ def cmd_demo(args) -> int:
 
 
 def cmd_methods(args) -> int:
-    """Every method with its family and config fields (defaults, allowed values)."""
+    """Every method with its family and config fields (defaults, allowed values), then every preset."""
+    print(f"{AUTO}: the frontier's best resident method at --budget (default {DEFAULT_BUDGET:g}) for the model, "
+          "for caches reused across questions; the default of kvpack generate and kvpack.attach")
     for name in available_methods():
         method = get_method(name)
         print(f"{name} ({method.family})")
         for line in method_config_class(name).help_lines():
             print(f"    {line}")
+    print("\npresets (a method with fields fixed; any other field may still be set):")
+    for p in PRESETS:
+        fields = ", ".join(f"{k}={v}" for k, v in p.config.items())
+        budget = "takes --budget" if p.budgeted else "fixed bytes"
+        print(f"{p.name} = {p.method} {fields} ({budget}{'; retired' if p.retired else ''}): {p.summary}")
     return 0
 
 
 def add_parsers(sub) -> None:
     g = add_command(sub, "generate", "generate with a compressed KV cache and report its measured bytes",
-                    "kvpack generate --method puzzle_plus --budget 0.3 --prompt-file long.txt --json",
+                    "kvpack generate --budget 0.28 --prompt-file long.txt --json",
+                    "kvpack generate --method pca_quant-layers --budget 0.15 --prompt-file long.txt",
                     'kvpack generate --method anchor --set recompress_every=256 --prompt "..." --chat')
     add_model_args(g)
-    g.add_argument("--method", default="puzzle", metavar="METHOD",
-                   help=f"one of {', '.join(available_methods())} (default puzzle); `kvpack methods` lists "
-                   "each one's fields and defaults")
-    g.add_argument("--budget", type=float, default=None, help="target fraction of the dense bf16 KV bytes")
+    g.add_argument("--method", default=AUTO, metavar="METHOD",
+                   help=f"{AUTO} (default: the frontier's best resident method at --budget for this model), a method "
+                   f"({', '.join(available_methods())}) or a preset ({', '.join(available_presets())}); "
+                   "`kvpack methods` lists each one's fields and defaults")
+    g.add_argument("--budget", type=float, default=None,
+                   help=f"target fraction of the dense bf16 KV bytes (--method {AUTO}: default {DEFAULT_BUDGET:g})")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config field of the method (see `kvpack methods`)")
     g.add_argument("--calibration", default=None, help="calibration directory (kvtc)")

@@ -37,6 +37,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..methods.recommend import BYTES_TOLERANCE, CHOICES_FORMAT
 from .report import score_interval
 from .stats import bootstrap_interval, mcnemar_exact
 
@@ -45,9 +46,9 @@ REFERENCE = "full"
 PEER_FAMILIES = ("hf_quantized", "llamacpp", "kvpress")
 # Storage codecs: the cache is a blob between turns and is decoded before attention reads it.
 STORAGE_FAMILIES = ("kvtc",)
-# A peer counts as "at equal or fewer bytes" up to this relative excess over the bytes a cell holds or was
-# asked to hold (budgets are targets; measured ratios of two methods at one target differ in the third decimal).
-BYTES_TOLERANCE = 0.02
+# A peer counts as "at equal or fewer bytes" up to BYTES_TOLERANCE, a relative excess over the bytes a cell holds
+# or was asked to hold (budgets are targets; measured ratios of two methods at one target differ in the third
+# decimal); the default method's choice of a measured budget uses the same tolerance (kvpack.methods.recommend).
 SIGNIFICANCE = 0.05
 
 
@@ -320,14 +321,11 @@ def is_storage(cell: dict) -> bool:
     return cell["family"] in STORAGE_FAMILIES
 
 
-def best_per_budget(cells: list[dict], setting: str, budget: float) -> tuple[dict | None, dict | None, dict | None]:
-    """``(best resident kvpack cell, best storage cell, best peer cell)`` at a budget: the resident kvpack
-    method (not FullKV, not a peer) at that target — or, for one set by its own parameters rather than a
-    target (``kvtc_resident``'s ratio, PuzzleKV's INT4 paper setting), holding at most the target's bytes —
-    with the lowest mean KL (then the higher score), among the cells with as many samples as the most
-    complete one (a method whose rows are still coming in does not rank on fewer samples); the storage codec
-    and the peer with the lowest KL within :func:`bytes_limit` of that cell's measured bytes and the budget,
-    each by the same rule (:func:`_most_complete`)."""
+def ranked_per_budget(cells: list[dict], setting: str, budget: float) -> list[dict]:
+    """The resident kvpack cells (not FullKV, not a peer, not a storage codec) at a budget, best first: those at
+    that target — or, for a method set by its own parameters rather than a target (``kvtc_resident``'s ratio,
+    PuzzleKV's INT4 paper setting), holding at most the target's bytes — among the cells with as many samples as
+    the most complete one (:func:`_most_complete`), by the lower mean KL, then the higher score (:func:`_kl_first`)."""
 
     def at_target(c: dict) -> bool:
         if c["budget"] is None:
@@ -336,9 +334,21 @@ def best_per_budget(cells: list[dict], setting: str, budget: float) -> tuple[dic
 
     own = [c for c in cells if c["setting"] == setting and at_target(c) and not c["peer"]
            and c["family"] != REFERENCE and not is_storage(c) and c["n"]]
-    if not own:
+    return sorted(_most_complete(own), key=_kl_first)
+
+
+def best_per_budget(cells: list[dict], setting: str, budget: float) -> tuple[dict | None, dict | None, dict | None]:
+    """``(best resident kvpack cell, best storage cell, best peer cell)`` at a budget: the resident kvpack
+    method (not FullKV, not a peer) at that target — or, for one set by its own parameters rather than a
+    target (``kvtc_resident``'s ratio, PuzzleKV's INT4 paper setting), holding at most the target's bytes —
+    with the lowest mean KL (then the higher score), among the cells with as many samples as the most
+    complete one (a method whose rows are still coming in does not rank on fewer samples); the storage codec
+    and the peer with the lowest KL within :func:`bytes_limit` of that cell's measured bytes and the budget,
+    each by the same rule (:func:`_most_complete`)."""
+    ranked = ranked_per_budget(cells, setting, budget)
+    if not ranked:
         return None, None, None
-    best = min(_most_complete(own), key=_kl_first)
+    best = ranked[0]
     limit = bytes_limit(best["bytes_ratio"], budget)
 
     def fitting(pred):
@@ -492,3 +502,55 @@ def coverage_markdown(records: dict[str, dict]) -> str:
             lines += [f"| {model} | {kind} | `{name}` | {'; '.join(parts)} |" for (kind, name), parts in short.items()]
         lines.append("")
     return "\n".join(lines).rstrip() if lines else "(no frontier results yet)"
+
+
+def _choice(c: dict | None) -> dict | None:
+    """What a choice records of a cell: its name (a method or preset), budget target, KL, score, bytes, samples."""
+    if c is None:
+        return None
+    return {"method": c["method"], "budget": c["budget"], "kl": c["kl"], "kl_ci": c["kl_ci"], "score": c["score"],
+            "score_ci": c["score_ci"], "bytes_ratio": c["bytes_ratio"], "n": c["n"]}
+
+
+def frontier_choices(records: dict[str, dict], fingerprints: dict[str, str | None]) -> dict:
+    """The frontier's ranking as the data kvpack's default reads (``kvpack/data/frontier_choices.json``): per
+    model (with its fingerprint hash, to recognise it), setting and budget, the resident kvpack cells best first
+    (:func:`ranked_per_budget`), the best storage codec and the best peer at no more bytes, FullKV's score."""
+    models = {}
+    for model, data in records.items():
+        settings = {}
+        for setting in ("query_aware", "query_agnostic"):
+            full = next((c for c in data["cells"] if c["setting"] == setting and c["family"] == REFERENCE), None)
+            budgets = []
+            for budget in data["budgets"]:
+                ranked = ranked_per_budget(data["cells"], setting, budget)
+                if not ranked:
+                    continue
+                _, storage, peer = best_per_budget(data["cells"], setting, budget)
+                budgets.append({"budget": budget, "ranked": [_choice(c) for c in ranked],
+                                "storage": _choice(storage), "peer": _choice(peer),
+                                "full_score": None if full is None else full["score"]})
+            settings[setting] = budgets
+        models[model] = {"fingerprint": fingerprints.get(model), "settings": settings}
+    return {"format": CHOICES_FORMAT, "version": 1, "source": "benchmarks/results/frontier-*.json", "models": models}
+
+
+def guidance_markdown(choices: dict) -> str:
+    """Which method when, from :func:`frontier_choices`: per model, setting and budget, the method to use with its
+    KL and score, the runner-up, and the best peer at no more bytes."""
+    lines = ["| model | setting | budget | use | its KL, score | runner-up: KL, score | best peer at ≤ bytes: KL, "
+             "score |", "|---|---|---|---|---|---|---|"]
+
+    def figures(c: dict) -> str:
+        kl = "–" if c["kl"] is None else f"{c['kl']:.3g}"
+        return f"{kl}, {_fmt_ci(c['score'], c['score_ci'])}"
+
+    for model, data in choices["models"].items():
+        for setting, budgets in data["settings"].items():
+            for b in budgets:
+                best, rest = b["ranked"][0], b["ranked"][1:]
+                runner = f"`{rest[0]['method']}` {figures(rest[0])}" if rest else "–"
+                peer = f"`{b['peer']['method']}` {figures(b['peer'])}" if b["peer"] else "none at ≤ bytes"
+                lines.append(f"| {model} | {setting.replace('_', '-')} | {b['budget']:g} | `{best['method']}` | "
+                             f"{figures(best)} | {runner} | {peer} |")
+    return "\n".join(lines)

@@ -42,7 +42,9 @@ from ..divergence import kl_per_position
 from ..hf.cache import cache_kwargs
 from ..hf.generation import StepClock, context_limit, greedy_generate
 from ..hf.prefill import ExactPrefill, exact_prefill
-from ..methods import PreparedCache, get_method, method_takes_budget
+from ..methods import PreparedCache, get_method, method_takes_budget, preset_config
+from ..methods.recommend import AUTO, recommend
+from ..presets import preset
 from .scoring import score
 from .tasks import TASKS, make_sample
 
@@ -82,17 +84,32 @@ class MethodSpec:
         return cfg
 
 
-def method_specs(methods: list[str], budgets: list[float],
-                 overrides: dict[str, dict] | None = None) -> list[MethodSpec]:
-    """Methods without a byte budget (FullKV) once; every other method at every budget."""
+def method_specs(methods: list[str], budgets: list[float], overrides: dict[str, dict] | None = None,
+                 model=None) -> list[MethodSpec]:
+    """Methods without a byte budget (FullKV, the fixed-ratio presets) once; every other method at every budget.
+    A preset (:mod:`kvpack.presets`) is its method with the preset's fields, named by the preset; ``auto`` is the
+    recommended method at each budget for ``model`` (:func:`kvpack.methods.recommend.recommend`), named as that
+    method or preset is, so its rows are that method's rows."""
     overrides = overrides or {}
-    specs = []
+    specs: list[MethodSpec] = []
     for m in methods:
-        if not method_takes_budget(m):
-            specs.append(MethodSpec(m, None, overrides.get(m, {})))
+        if m == AUTO:
+            if model is None:
+                raise ValueError("method 'auto' needs the model to choose for")
+            for b in budgets:
+                rec = recommend(model, b)
+                specs += method_specs([rec.method], [b], overrides)
+            continue
+        p = preset(m)
+        if p is not None:
+            method, fixed, name = p.method, preset_config(p, overrides.get(m, {})), p.name
         else:
-            specs.extend(MethodSpec(m, b, overrides.get(m, {})) for b in budgets)
-    return specs
+            method, fixed, name = m, overrides.get(m, {}), None
+        if not method_takes_budget(m):
+            specs.append(MethodSpec(method, None, fixed, name=name))
+        else:
+            specs.extend(MethodSpec(method, b, fixed, name=name) for b in budgets)
+    return list({(s.key, s.name): s for s in specs}.values())  # auto's pick may also be named
 
 
 @dataclass
@@ -366,6 +383,8 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
         ValueError: a length whose prompts do not fit the model's context (:func:`check_plan_fits`).
     """
     check_plan_fits(model, tokenizer, plan)
+    for spec in plan.specs:  # a preset's calibration="auto": the model's own, made now (once) rather than in a row
+        get_method(spec.method, **spec.method_config()).for_model(model, tokenizer, progress)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = load_results(out_dir)

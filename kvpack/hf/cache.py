@@ -253,6 +253,8 @@ class KVPackCache(Cache):
             raise ValueError("this model has no full-attention layer with a standard cache for kvpack to compress")
         self._layouts = [layer.layout for layer in layers if isinstance(layer, KVPackLayer)]
         self._groups: list = []
+        self.method_label = method.name  # a preset's name where kvpack.attach made it from one
+        self.recommendation = None  # what method="auto" chose and why (kvpack.methods.recommend), where it did
         super().__init__(layers=layers)
 
     def _row_groups(self, layer_idx: int, batch: int) -> list:

@@ -24,6 +24,8 @@ import torch
 from ..config import MethodConfig
 from ..hf.generation import GenerationResult
 from ..hf.prefill import ExactPrefill
+from ..presets import is_auto_calibration
+from .calibrations import resolve_calibration
 
 
 @dataclass
@@ -77,9 +79,31 @@ class Method(ABC):
     name: str
     config: MethodConfig
     family: str  # "resident" or "storage" (descriptive: callers never branch on it)
+    preset: str | None = None  # the preset it was made from (kvpack.presets), if any
+
+    @property
+    def label(self) -> str:
+        """What results call it: the preset's name, else the method's."""
+        return self.preset or self.name
 
     def check_ready(self) -> None:  # noqa: B027 - a hook: most methods need nothing ready
         """Refuse now what would fail after loading a model (e.g. a missing calibration)."""
+
+    def for_model(self, model, tokenizer=None, progress: bool = True) -> Method:
+        """This method for ``model``: where its config's ``calibration`` is ``"auto"``, the same method with the
+        model's own calibration (shipped, cached, or made now with a progress bar:
+        :mod:`kvpack.methods.calibrations`); otherwise itself. ``tokenizer`` tokenizes the calibration corpus
+        when one must be made (default: the one saved beside the model)."""
+        if not is_auto_calibration(getattr(self.config, "calibration", None)):
+            return self
+        resolved = resolve_calibration(self.name, self.config.to_dict(), model, tokenizer, progress)
+        method = self.with_config(type(self.config).from_dict(resolved))
+        method.preset = self.preset
+        return method
+
+    @abstractmethod
+    def with_config(self, config: MethodConfig) -> Method:
+        """The same method with another config of its class."""
 
     @abstractmethod
     def generate(self, model, tokenizer, token_ids: list[int], max_new_tokens: int, min_new_tokens: int = 0,

@@ -24,6 +24,9 @@ class ResidentMethod(Method):
         self.name = codec.name
         self.config = codec.config
 
+    def with_config(self, config) -> ResidentMethod:
+        return ResidentMethod(StoreFactory(self.codec.store_cls, config))
+
     def resolved_config(self, cache: KVPackCache) -> dict:
         """The config plus what the stores decided from the input (e.g. PuzzleKV's ranks)."""
         config = self.config.to_dict()
@@ -35,18 +38,24 @@ class ResidentMethod(Method):
 
     @torch.no_grad()
     def generate(self, model, tokenizer, token_ids, max_new_tokens, min_new_tokens=0, progress=False):
+        bound = self.for_model(model, tokenizer, progress)  # an "auto" calibration: the model's own
+        if bound is not self:
+            return bound.generate(model, tokenizer, token_ids, max_new_tokens, min_new_tokens, progress)
         streamer = ProgressStreamer(len(token_ids), max_new_tokens, progress)
         start = time.perf_counter()
         with attach(model, self.codec) as cache:
             new = greedy_generate(model, tokenizer, cache, token_ids, max_new_tokens, min_new_tokens, streamer)
         total = time.perf_counter() - start
         return GenerationResult(
-            text=tokenizer.decode(new, skip_special_tokens=True), method=self.name,
+            text=tokenizer.decode(new, skip_special_tokens=True), method=self.label,
             config=self.resolved_config(cache), prompt_tokens=len(token_ids), new_tokens=len(new),
             kv_bytes=cache.kv_bytes(), dense_kv_bytes=cache.dense_kv_bytes(),
             prefill_s=streamer.prefill_s if streamer.prefill_s is not None else total, total_s=total, token_ids=new)
 
     def from_prefill(self, model, prefill: ExactPrefill) -> PreparedCache:
+        bound = self.for_model(model)
+        if bound is not self:
+            return bound.from_prefill(model, prefill)
         start = time.perf_counter()
         cache = resident_cache_from(model, self.codec, prefill)
         return PreparedCache(cache, cache.kv_bytes(), cache.dense_kv_bytes(), time.perf_counter() - start,

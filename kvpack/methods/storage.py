@@ -12,6 +12,7 @@ from ..hf.dense import prefill, to_dynamic_cache
 from ..hf.generation import GenerationResult, check_context
 from ..hf.prefill import ExactPrefill, dense_cache_from
 from ..ops.accounting import DENSE_REFERENCE_BYTES_PER_ELEMENT
+from ..presets import is_auto_calibration
 from ..storage import StorageCodec
 from .protocol import Method, PreparedCache
 
@@ -32,8 +33,12 @@ class StorageMethod(Method):
         self.name = codec.name
         self.config = codec.config
 
+    def with_config(self, config) -> StorageMethod:
+        return StorageMethod(type(self.codec)(config))
+
     def check_ready(self, compressing: bool = True) -> None:
-        self.codec.check_ready(compressing)
+        if not is_auto_calibration(getattr(self.config, "calibration", None)):  # else: made for the model later
+            self.codec.check_ready(compressing)
 
     def check_model(self, model) -> None:
         self.codec.check_model(model)
@@ -46,6 +51,9 @@ class StorageMethod(Method):
         """Prefill ``token_ids`` exactly (the model's own cache) and compress that cache to bytes."""
         if not token_ids:
             raise ValueError("empty prompt: nothing to compress")
+        bound = self.for_model(model)
+        if bound is not self:
+            return bound.compress(model, token_ids)
         self.check_ready()
         self.check_model(model)  # before the prefill, not after
         return self.codec.compress(model, prefill(model, token_ids), token_ids)
@@ -53,19 +61,21 @@ class StorageMethod(Method):
     def decompress(self, model, blob: bytes):
         """``(DenseKV, token ids)`` back from :meth:`compress`'s bytes (refused when corrupted or made
         for another model or calibration)."""
-        return self.codec.decompress(model, blob)
+        return self.for_model(model).codec.decompress(model, blob)
 
     def resume(self, model, tokenizer, blob: bytes, new_token_ids: list[int], max_new_tokens: int,
                min_new_tokens: int = 0, prefix_tokens: int | None = None) -> GenerationResult:
         """Greedy generation after the cache in ``blob`` plus ``new_token_ids`` (see
         ``StorageCodec.resume``)."""
-        return self.codec.resume(model, tokenizer, blob, new_token_ids, max_new_tokens, min_new_tokens, prefix_tokens)
+        codec = self.for_model(model, tokenizer).codec
+        return codec.resume(model, tokenizer, blob, new_token_ids, max_new_tokens, min_new_tokens, prefix_tokens)
 
     def resume_from_store(self, store, model, tokenizer, token_ids: list[int], max_new_tokens: int,
                           min_new_tokens: int = 0) -> GenerationResult | None:
         """Generation after ``token_ids`` from the longest prefix ``store`` holds (None: none)."""
         check_context(model, len(token_ids), max_new_tokens)
-        return self.codec.resume_from_store(store, model, tokenizer, token_ids, max_new_tokens, min_new_tokens)
+        codec = self.for_model(model, tokenizer).codec
+        return codec.resume_from_store(store, model, tokenizer, token_ids, max_new_tokens, min_new_tokens)
 
     def roundtrip(self, model, cache, token_ids: list[int]) -> tuple[object, int]:
         """``(restored DynamicCache, blob bytes)`` of a filled one-sequence cache of ``token_ids``."""
@@ -77,6 +87,9 @@ class StorageMethod(Method):
     def generate(self, model, tokenizer, token_ids, max_new_tokens, min_new_tokens=0, progress=False):
         """:meth:`compress` all but the last prompt token, then :meth:`resume` after them (the last
         token is prefilled over the restored cache); prefill_s and total_s include the compression."""
+        bound = self.for_model(model, tokenizer, progress)  # an "auto" calibration: the model's own
+        if bound is not self:
+            return bound.generate(model, tokenizer, token_ids, max_new_tokens, min_new_tokens, progress)
         if len(token_ids) < 2:
             raise ValueError(f"{self.name} needs a prompt of at least 2 tokens (a prefix to compress and one to "
                              "continue)")
@@ -87,10 +100,13 @@ class StorageMethod(Method):
         compress_s = time.perf_counter() - start
         result = self.resume(model, tokenizer, blob, token_ids[-1:], max_new_tokens, min_new_tokens)
         config = {**result.config, "compress_s": compress_s, "decompress_s": result.restore_s}
-        return dataclasses.replace(result, config=config, prefill_s=compress_s + result.prefill_s,
+        return dataclasses.replace(result, method=self.label, config=config, prefill_s=compress_s + result.prefill_s,
                                    total_s=time.perf_counter() - start)
 
     def from_prefill(self, model, prefill: ExactPrefill) -> PreparedCache:
+        bound = self.for_model(model)
+        if bound is not self:
+            return bound.from_prefill(model, prefill)
         start = time.perf_counter()
         dense = dense_cache_from(model, prefill)
         ref = dense_reference_bytes(dense)

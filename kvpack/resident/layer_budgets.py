@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from ..presets import unresolved_auto_calibration
+
 PROFILE_FILE = "layer_profile.json"
 PROFILE_VERSION = 1
 STEP = 0.0025  # the allocation's budget step (a fortieth of a tenth of the bytes)
@@ -80,6 +82,7 @@ class LayerProfile:
     @classmethod
     def load(cls, directory: str | Path) -> LayerProfile:
         """Raises ValueError naming the problem: no profile there, not JSON, wrong fields or values."""
+        unresolved_auto_calibration(directory)
         path = Path(directory) / PROFILE_FILE
         if not path.is_file():
             raise ValueError(f"no layer profile at {path}: make one with `kvpack calibrate --method pca_quant "

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ...config import MethodConfig, choice, integer, number, option, text
+from ...presets import unresolved_auto_calibration
 from ...registry import register_method
 from ...store.format import BACKENDS, Blob
 from ..base import DenseKV, StorageCodec
@@ -82,6 +83,7 @@ def _load_calibration(path: str, mtime: float) -> Calibration:
 
 def load_calibration(path: str | os.PathLike) -> Calibration:
     """A calibration directory, loaded once per process (reloaded when its files change)."""
+    unresolved_auto_calibration(path)
     meta = os.path.join(path, META_FILE)
     if not os.path.isfile(meta):
         raise FileNotFoundError(f"{meta} is missing: not a kvtc calibration directory "
