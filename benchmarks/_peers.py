@@ -7,6 +7,14 @@ import json
 import statistics
 from pathlib import Path
 
+# The settings as kvpack's runner spells them (kvpack.eval.runner.SETTINGS; the peers' workers run outside kvpack's
+# environment, so they cannot import it: tests/test_presets.py checks the two agree).
+SETTINGS = ("query-aware", "query-agnostic")
+# The peers' configurations, here so that the frontier's plan (benchmarks/frontier.py) and each peer's script read
+# one spelling without importing each other: kvpress's presses, llama.cpp's K/V types.
+PRESSES = ("snapkv", "streaming_llm", "expected_attention", "kvzip")  # KVzip, the slowest (2-3 prefills), last
+GGML_TYPES = {"f16": (1, 2, 1), "q8_0": (8, 34, 32), "q4_0": (2, 18, 32)}  # name: (ggml type id, bytes, values)
+
 
 def cpu_name() -> str:
     """The CPU's model name (``/proc/cpuinfo``; else what ``platform`` says). Standard library only: the peer
@@ -143,7 +151,7 @@ def frontier_peer_rows(rows: list[dict], family: str, both_settings: bool, field
     resumed run's rows come from several machines."""
     out = []
     for r in rows:
-        settings = ("query-aware", "query-agnostic") if both_settings else (r["setting"],)
+        settings = SETTINGS if both_settings else (r["setting"],)
         name = r["label"].replace("llama.cpp ", "llamacpp-").replace("kvpress ", "kvpress-").replace(" (masks)", "")
         for setting in settings:
             row = {k: v for k, v in r.items() if k not in ("decode_ms", "label", "method", "setting")}

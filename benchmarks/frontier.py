@@ -185,7 +185,7 @@ def layer_profile_dir(model: str) -> Path:
 
 def ensure_layer_profile(model, tokenizer, relative: str) -> None:
     from kvpack.methods.layer_profile import profile_layers
-    from kvpack.resident.layer_budgets import PROFILE_FILE
+    from kvpack.resident.pca_quant.layer_budgets import PROFILE_FILE
 
     target = ROOT / relative
     if not (target / PROFILE_FILE).is_file():
@@ -227,8 +227,7 @@ def planned_cells(plan: dict) -> dict:
     kvpack's method specs as labels (the kvtc rows included: both models' frontiers run with ``--kvtc``), the
     peers' configurations (llama.cpp's K/V types; kvpress's presses at each budget), the settings and the samples
     a cell — against which the docs list the cells not yet complete (``frontier-coverage``)."""
-    from peer_kvpress import PRESSES
-    from peer_llamacpp import GGML_TYPES
+    from _peers import GGML_TYPES, PRESSES
 
     specs = frontier_specs(plan["budgets"], calibration="kvtc", layer_profile="profile")  # only the labels matter
     return {"target": plan["samples_per_task_and_length"] * len(plan["tasks"]) * len(plan["lengths"]),

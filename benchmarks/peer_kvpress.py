@@ -50,8 +50,8 @@ import sys
 import time
 from pathlib import Path
 
-PRESSES = ("snapkv", "streaming_llm", "expected_attention", "kvzip")  # KVzip, the slowest (2-3 prefills), last
-SETTINGS = ("query-aware", "query-agnostic")
+from _peers import PRESSES, SETTINGS
+
 KEPT_DEFAULT = "0.25,0.5"
 
 

@@ -32,10 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-from _peers import build_samples, cpu_name, finished_rows, run_worker, table, write_outputs
+from _peers import GGML_TYPES, build_samples, cpu_name, finished_rows, run_worker, table, write_outputs
 
 # ggml's block sizes: (bytes per block, values per block) — the nominal bits per value.
-GGML_TYPES = {"f16": (1, 2, 1), "q8_0": (8, 34, 32), "q4_0": (2, 18, 32)}  # name: (ggml type id, bytes, values)
 
 
 # -- the worker (runs in the llama.cpp environment: llama_cpp and the standard library only) ----------

@@ -86,7 +86,7 @@ def frontier_guidance(records: dict[str, dict]) -> str:
             "methods with the most samples there), the runner-up, and the peer with the lowest KL at no more bytes. "
             "*Query-agnostic* is a cache reused for questions it was not built for (prefix caching, multi-turn, "
             "RAG): what `method=\"auto\"` (and no method at all) picks from, for these models by their fingerprint "
-            "and for any other by the rule on the [evaluation page](docs/eval.md#the-default-method). *Query-aware* "
+            "and for any other by the rule in *The default method* on the evaluation page. *Query-aware* "
             "is the question inside the compressed prompt. Storing or moving caches between turns: `kvtc` (the "
             "*storage* column of the frontier table).\n")
 

@@ -1,20 +1,26 @@
-"""The method registry: one decorator, ``@register_method("name")``, on a method's class in its own module.
+"""The method registry: names to method classes, both families in one table.
 
 Both families register here — resident methods (a :class:`kvpack.resident.base.LayerStore` subclass
 with a ``Config``) and storage methods (a :class:`kvpack.storage.base.StorageCodec` subclass) — so a
-name means one method whatever the family. A family's package finds its methods by importing every
-module in it (:func:`discover`): adding a method is adding one file, no list to extend.
+name means one method whatever the family. kvpack's own methods are registered explicitly, in one list
+(:mod:`kvpack.methods.catalog`, read when ``kvpack`` is imported); a user's method registers with
+:func:`register_method` on its class.
 
 This module sits at the bottom of kvpack's layers: it imports nothing of kvpack.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
 METHODS: dict[str, type] = {}
-_DISCOVERED: set[str] = set()
+
+
+def register(name: str, cls: type) -> type:
+    """Register ``cls`` under ``name`` (sets ``cls.name``); ``ValueError`` when the name is another class's."""
+    if name in METHODS and METHODS[name] is not cls:
+        raise ValueError(f"method {name!r} is already registered (by {METHODS[name].__qualname__})")
+    cls.name = name
+    METHODS[name] = cls
+    return cls
 
 
 def register_method(name: str):
@@ -33,23 +39,9 @@ def register_method(name: str):
     """
 
     def deco(cls: type) -> type:
-        if name in METHODS and METHODS[name] is not cls:
-            raise ValueError(f"method {name!r} is already registered (by {METHODS[name].__qualname__})")
-        cls.name = name
-        METHODS[name] = cls
-        return cls
+        return register(name, cls)
 
     return deco
-
-
-def discover(package: str) -> None:
-    """Import every module of ``package`` (once per process), so that each registers its methods."""
-    if package in _DISCOVERED:
-        return
-    pkg = importlib.import_module(package)
-    for info in pkgutil.walk_packages(pkg.__path__, prefix=package + "."):
-        importlib.import_module(info.name)
-    _DISCOVERED.add(package)
 
 
 def registered(base: type) -> dict[str, type]:

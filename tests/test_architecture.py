@@ -125,3 +125,21 @@ def test_no_import_cycle_anywhere_in_the_package():
     imported each other that way)."""
     cycle = find_cycle(_import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_import_cycle_among_the_benchmark_scripts():
+    """The benchmarks import each other by module name (their folder is the script's path); the frontier's plan
+    and the peers' scripts once imported each other."""
+    scripts = {p.stem: ast.parse(p.read_text(), filename=str(p)) for p in sorted((ROOT / "benchmarks").glob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, tree in scripts.items():
+        targets = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Import):
+                targets.update(a.name.split(".")[0] for a in node.names)
+        graph[name] = {t for t in targets if t in scripts and t != name}
+    assert any(graph.values())  # the scripts do import each other (the walk sees them)
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)

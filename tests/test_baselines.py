@@ -8,8 +8,8 @@ from kvpack.attention.quantized import dequantize_minmax
 from kvpack.attention.scores import accumulated_attention, observation_scores
 from kvpack.hf.cache import cache_kwargs
 from kvpack.ops.bitpack import pack_bits, unpack_bits
+from kvpack.ops.minmax import quantize_minmax
 from kvpack.resident import LayerLayout, get_resident_method
-from kvpack.resident.quant import quantize_minmax
 
 from .helpers import correlated_kv, tiny_llama
 

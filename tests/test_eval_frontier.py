@@ -23,7 +23,7 @@ def _rows(label, method, budget, ratio, scores, kls, setting="query-agnostic", d
     return rows
 
 
-def _cell(cells, method, budget=None, setting="query_agnostic"):
+def _cell(cells, method, budget=None, setting="query-agnostic"):
     return next(c for c in cells if c["method"] == method and c["budget"] == budget and c["setting"] == setting)
 
 
@@ -46,7 +46,7 @@ def test_cells_pool_every_task_and_length_and_count_refusals(rows):
     assert mine["n"] == 12 and mine["score"] == pytest.approx(8 / 12) and mine["lengths"] == [4096, 8192]
     assert mine["score_ci"][0] < 8 / 12 < mine["score_ci"][1]  # Wilson on 0/1 scores
     assert mine["kl"] == pytest.approx(0.1) and mine["top1"] == pytest.approx(0.9)
-    assert mine["model"] == "tiny" and mine["setting"] == "query_agnostic" and not mine["peer"]
+    assert mine["model"] == "tiny" and mine["setting"] == "query-agnostic" and not mine["peer"]
     kivi = _cell(cells, "kivi", 0.1)
     assert kivi["n"] == 7 and kivi["refused"] == 5 and kivi["errors"] == ["ValueError: refused"]
 
@@ -76,7 +76,7 @@ def test_a_peer_run_cut_short_does_not_rank_as_the_best_peer(rows):
     few = frontier_cells(rows + press[:3], "tiny")
     assert _cell(few, "kvpress-snapkv", 0.28)["n"] == 3
     assert _cell(few, "anchor_plus", 0.28)["best_peer"] == "hf_quantized-quanto4"
-    assert best_per_budget(few, "query_agnostic", 0.28)[2]["method"] == "hf_quantized-quanto4"
+    assert best_per_budget(few, "query-agnostic", 0.28)[2]["method"] == "hf_quantized-quanto4"
     # the only peer at <= bytes is cut short: it is shown, with its sample count
     alone = frontier_cells([r for r in rows if r["method"] != "hf_quantized"] + press[:3], "tiny")
     record = {"tiny": {"cells": alone, "budgets": [0.28]}}
@@ -84,7 +84,7 @@ def test_a_peer_run_cut_short_does_not_rank_as_the_best_peer(rows):
     assert "`kvpress-snapkv` 0, 1.00" in line and ", 0.200, 3 samples |" in line and line.endswith("| 12 |")
     full = frontier_cells(rows + press, "tiny")
     assert _cell(full, "anchor_plus", 0.28)["best_peer"] == "kvpress-snapkv"
-    assert best_per_budget(full, "query_agnostic", 0.28)[2]["method"] == "kvpress-snapkv"
+    assert best_per_budget(full, "query-agnostic", 0.28)[2]["method"] == "kvpress-snapkv"
 
 
 def test_decode_ratio_is_against_the_same_run_else_fullkv_on_the_same_cpu():
@@ -113,7 +113,7 @@ def test_plots_and_the_docs_tables(rows, tmp_path):
     kvtc = _rows("kvtc-8x", "kvtc", None, 0.12, [1.0] * 12, [0.01] * 12)
     cells = frontier_cells(rows + louder + kvtc, "tiny")
     written = plot_frontier(cells, tmp_path / "frontier-tiny")
-    assert [p.name for p in written] == ["frontier-tiny-query_agnostic.png"]
+    assert [p.name for p in written] == ["frontier-tiny-query-agnostic.png"]
     assert written[0].stat().st_size > 10_000
     from kvpack.eval.frontier import curve_label
 
@@ -176,27 +176,27 @@ def test_peer_rows_from_their_scripts_join_the_frontier_as_peers(monkeypatch, ro
     # anchor_plus at 0.279: llama.cpp q4_0 (0.2813, inside the tolerance, scores 1.0) ties quanto4 on score;
     # the tie goes to the lower KL, and llama.cpp has none, so quanto4 stays the best peer.
     assert _cell(cells, "anchor_plus", 0.28)["best_peer"] == "hf_quantized-quanto4"
-    aware = _cell(cells, "llamacpp-q4_0", setting="query_aware")  # the same run counted in the other setting
+    aware = _cell(cells, "llamacpp-q4_0", setting="query-aware")  # the same run counted in the other setting
     assert aware["n"] == 12 and aware["vs_full"] is None  # the synthetic rows have no query-aware FullKV
 
 
 def test_a_method_whose_rows_are_still_coming_does_not_headline_the_summary():
     from kvpack.eval.frontier import best_per_budget
 
-    base = {"setting": "query_agnostic", "budget": 0.28, "peer": False, "family": "pca_quant", "bytes_ratio": 0.27,
+    base = {"setting": "query-agnostic", "budget": 0.28, "peer": False, "family": "pca_quant", "bytes_ratio": 0.27,
             "score": 0.2, "score_ci": (0.1, 0.3)}
     complete = {**base, "method": "pca_quant", "n": 48, "kl": 0.006}
     partial = {**base, "method": "pca_quant-measured", "n": 12, "kl": 0.004}  # lower KL, on a quarter of the samples
-    best, _, _ = best_per_budget([complete, partial], "query_agnostic", 0.28)
+    best, _, _ = best_per_budget([complete, partial], "query-agnostic", 0.28)
     assert best["method"] == "pca_quant"
-    best, _, _ = best_per_budget([complete, {**partial, "n": 48}], "query_agnostic", 0.28)
+    best, _, _ = best_per_budget([complete, {**partial, "n": 48}], "query-agnostic", 0.28)
     assert best["method"] == "pca_quant-measured"  # once it has caught up, it ranks
 
 
 def test_a_method_set_by_its_own_ratio_ranks_at_every_target_it_fits_under():
     from kvpack.eval.frontier import best_per_budget
 
-    base = {"setting": "query_agnostic", "peer": False, "score": 0.2, "score_ci": (0.1, 0.3), "n": 48}
+    base = {"setting": "query-agnostic", "peer": False, "score": 0.2, "score_ci": (0.1, 0.3), "n": 48}
     budgeted = {**base, "method": "pca_quant", "family": "pca_quant", "budget": 0.1, "bytes_ratio": 0.094, "kl": 0.2}
     ratio = {**base, "method": "kvtc_resident-16x", "family": "kvtc_resident", "budget": None, "bytes_ratio": 0.089,
              "kl": 0.02}
@@ -204,9 +204,9 @@ def test_a_method_set_by_its_own_ratio_ranks_at_every_target_it_fits_under():
     quanto = {**base, "method": "hf_quantized-quanto2", "family": "hf_quantized", "budget": None, "peer": True,
               "bytes_ratio": 0.08, "kl": 2.0}
     cells = [budgeted, ratio, full, quanto]
-    assert best_per_budget(cells, "query_agnostic", 0.1)[0]["method"] == "kvtc_resident-16x"  # 0.089 <= 0.1
-    assert best_per_budget(cells, "query_agnostic", 0.0625)[0] is None  # 0.089 > 0.0625; FullKV and peers never
-    best, _, peer = best_per_budget([budgeted, {**ratio, "n": 12}, quanto], "query_agnostic", 0.1)
+    assert best_per_budget(cells, "query-agnostic", 0.1)[0]["method"] == "kvtc_resident-16x"  # 0.089 <= 0.1
+    assert best_per_budget(cells, "query-agnostic", 0.0625)[0] is None  # 0.089 > 0.0625; FullKV and peers never
+    best, _, peer = best_per_budget([budgeted, {**ratio, "n": 12}, quanto], "query-agnostic", 0.1)
     assert best["method"] == "pca_quant" and peer["method"] == "hf_quantized-quanto2"  # still filling: not ranked
 
 
@@ -244,7 +244,7 @@ def test_a_cell_meets_the_peers_at_its_budget_in_both_settings():
     cells = frontier_cells(full + quanto + weak + under + ratio, "tiny")
     assert _cell(cells, "pca_quant-layers", 0.28)["best_peer"] == "hf_quantized-quanto4"
     assert _cell(cells, "kvtc_resident-8x")["best_peer"] == "hf_quantized-quanto2"  # 0.28125 > 0.2756 * 1.02
-    best, _, peer = best_per_budget(cells, "query_agnostic", 0.28)
+    best, _, peer = best_per_budget(cells, "query-agnostic", 0.28)
     assert best["method"] == "pca_quant-layers" and peer["method"] == "hf_quantized-quanto4"
 
 
@@ -313,11 +313,11 @@ def test_coverage_lists_the_planned_cells_below_the_target_in_either_setting():
     def cell(method, budget, setting, n, refused=0):
         return {"method": method, "budget": budget, "setting": setting, "n": n, "refused": refused}
 
-    cells = [cell("full", None, s, 2) for s in ("query_aware", "query_agnostic")]
-    cells += [cell("kivi", 0.1, "query_aware", 0, 2), cell("kivi", 0.1, "query_agnostic", 1)]
-    cells += [cell("llamacpp-q4_0", None, s, 2) for s in ("query_aware", "query_agnostic")]
-    cells += [cell("svd", 0.28, s, 2) for s in ("query_aware", "query_agnostic")]  # a cell outside the plan
-    cells += [cell("llamacpp-q8_0", None, "query_aware", 1)]
+    cells = [cell("full", None, s, 2) for s in ("query-aware", "query-agnostic")]
+    cells += [cell("kivi", 0.1, "query-aware", 0, 2), cell("kivi", 0.1, "query-agnostic", 1)]
+    cells += [cell("llamacpp-q4_0", None, s, 2) for s in ("query-aware", "query-agnostic")]
+    cells += [cell("svd", 0.28, s, 2) for s in ("query-aware", "query-agnostic")]  # a cell outside the plan
+    cells += [cell("llamacpp-q8_0", None, "query-aware", 1)]
     plan = {"target": 2, "settings": ["query-aware", "query-agnostic"], "cells": ["full", "kivi@0.1", "svd@0.1"],
             "peers": ["llamacpp-q4_0", "llamacpp-q8_0", "kvpress-snapkv@0.1"]}
     text = coverage_markdown({"tiny": {"planned": plan, "cells": cells}}).splitlines()

@@ -14,7 +14,7 @@ import torch
 from kvpack.hf.fingerprint import model_fingerprint
 from kvpack.methods import get_method
 from kvpack.methods.layer_profile import profile_layers
-from kvpack.resident.layer_budgets import PROFILE_FILE, LayerBudgets, LayerProfile
+from kvpack.resident.pca_quant.layer_budgets import PROFILE_FILE, LayerBudgets, LayerProfile
 
 from .helpers import tiny_llama, token_ids
 

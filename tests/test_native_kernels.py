@@ -26,8 +26,8 @@ from kvpack.attention.triton import anchor_op, puzzle_ragged_op  # noqa: F401  (
 from kvpack.attention.triton.puzzle_op import puzzle_partial
 from kvpack.ops.rope import LlamaRotary, RotaryTable
 from kvpack.resident.base import LayerLayout
+from kvpack.resident.kivi import KIVIConfig, KIVIStore
 from kvpack.resident.puzzle import PuzzleConfig, PuzzleStore
-from kvpack.resident.quant import KIVIConfig, KIVIStore
 from kvpack.resident.svd import SVDConfig, SVDStore
 
 if cpu.native_disabled():

@@ -10,15 +10,17 @@ import torch
 
 from kvpack.attention.softmax_merge import finalize, merge_partials
 from kvpack.ops.accounting import dense_bf16_bytes
+from kvpack.ops.minmax import quantize_minmax
 from kvpack.ops.rope import rope_at
 from kvpack.resident.pca_quant import (
     MEASURED_BLOCKS,
     PCAQuantConfig,
     PCAQuantStore,
+    measured_blocks,
+    measured_distortion,
     minmax_distortion,
     water_fill_order,
 )
-from kvpack.resident.quant import quantize_minmax
 
 from .helpers import anchor_layout, correlated_kv
 
@@ -182,7 +184,8 @@ def test_measured_distortion_charges_heavy_tails_and_keeps_the_budget():
     spiky[::64] = 8.0  # but a range of 8 that the min/max code spends its levels on
     c = torch.stack([gauss, spiky], dim=-1).expand(2, 1, 1024, 2).contiguous()
     store = PCAQuantStore(anchor_layout(H=1, d=2, rope=False), PCAQuantConfig(block=64, distortion="measured"))
-    table = store._measured_distortion(store._measured_blocks(c))  # [H, 2, d, widths]
+    cfg = store.config
+    table = measured_distortion(measured_blocks(c, cfg.block), cfg.block, cfg.max_bits)  # [H, 2, d, widths]
     assert table.shape == (1, 2, 2, 9) and torch.all(table[..., 0] == 1)
     assert abs(float(table[0, 0, 0, 4]) - minmax_distortion(4, 64)) < 0.01  # Gaussian: as the model says
     assert float(table[0, 0, 1, 4]) > 1.5 * float(table[0, 0, 0, 4])  # the spiky one keeps more error a bit
@@ -199,7 +202,8 @@ def test_measured_distortion_is_the_error_of_the_min_max_codes(n_blocks):
     c = torch.randn(2, 2, 64 * n_blocks + 8, 8, generator=g) * torch.linspace(2.0, 0.05, 8)  # whole blocks + a rest
     c[0, 1, 17, 3] = 9.0  # an outlier
     store = PCAQuantStore(anchor_layout(H=2, d=8, rope=False), PCAQuantConfig(block=64, distortion="measured"))
-    table = store._measured_distortion(store._measured_blocks(c))  # [H, 2, d, widths]
+    cfg = store.config
+    table = measured_distortion(measured_blocks(c, cfg.block), cfg.block, cfg.max_bits)  # [H, 2, d, widths]
     blocks = c[:, :, :64 * n_blocks].reshape(2, 2, n_blocks, 64, 8)
     if n_blocks > MEASURED_BLOCKS:
         blocks = blocks[:, :, torch.linspace(0, n_blocks - 1, MEASURED_BLOCKS).round().long()]

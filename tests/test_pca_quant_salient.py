@@ -11,10 +11,10 @@ import torch
 
 from kvpack.attention.softmax_merge import dense_partial, finalize, merge_partials
 from kvpack.ops.accounting import dense_bf16_bytes
+from kvpack.ops.minmax import quantize_minmax
 from kvpack.ops.rope import rope_at
 from kvpack.resident.pca_quant import PCAQuantConfig, PCAQuantStore
-from kvpack.resident.quant import quantize_minmax
-from kvpack.resident.salient import ghost_codes, ghost_coefficients
+from kvpack.resident.pca_quant.salient import ghost_codes, ghost_coefficients
 
 from .helpers import anchor_layout, correlated_kv
 

@@ -384,8 +384,8 @@ def test_history_and_chunk_fuses_only_short_chunks(monkeypatch):
     """Chunks of at most FUSED_CHUNK_MAX queries take the one-launch kernel, longer ones the PyTorch
     path; both give the same attention."""
     import kvpack.attention.triton.chunk_attend as chunk_attend
+    from kvpack.attention.history_and_chunk import FUSED_CHUNK_MAX, history_and_chunk
     from kvpack.attention.softmax_merge import group_queries
-    from kvpack.attention.triton import FUSED_CHUNK_MAX, history_and_chunk
 
     calls = []
     fused = chunk_attend.fused_history_and_chunk

@@ -4,8 +4,8 @@ states merged, the store's dense tail and the chunk's own tokens (causal) folded
 One schema, two backends: the native CPU kernel (``cpu/csrc/chunk.cpp``) and the Triton kernel, which
 ``triton/chunk_attend.py`` registers for CUDA when it is imported (it imports this module, never the
 reverse; under ``TRITON_INTERPRET=1`` it calls its launcher directly on CPU tensors). This module never
-imports Triton. :func:`native_history_and_chunk` is the CPU stores' path
-(``softmax_merge.attend_history_and_chunk`` is the reference).
+imports Triton. :func:`native_history_and_chunk` is the CPU stores' path; ``history_and_chunk.py`` picks a
+store's path (``softmax_merge.attend_history_and_chunk`` is the reference).
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu
 from .softmax_merge import PartialAttention, dense_partial
 
 TOKENS_PER_SPLIT = 512  # dense tokens per (head, split) job of the native kernel
@@ -31,11 +30,12 @@ def _(q, k, v, scaling, tokens_per_split):
     return q.new_empty(H, M), q.new_empty(H, M), q.new_empty(H, M, D)
 
 
-def dense_state(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, backend: str = "auto",
+def dense_state(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, backend: str = "torch",
                 ) -> PartialAttention:
     """State of grouped queries ``qg [H, M, d]`` over dense ``k, v [H, T, d]``: the native kernel where
-    ``backend`` picks it for these tensors (``cpu.use_native``), the PyTorch path otherwise."""
-    if qg.dtype != torch.float64 and cpu.use_native(backend, qg.device):
+    ``backend`` (a resolved path, :func:`kvpack.attention.backend.resolve_backend`) is ``"native"``, the PyTorch
+    path otherwise (and for fp64 queries: the reference)."""
+    if qg.dtype != torch.float64 and backend == "native":
         return PartialAttention(*dense_attention(qg.float().contiguous(), k, v, float(scaling), TOKENS_PER_SPLIT))
     return dense_partial(qg, k, v, scaling)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..eval.report import summary_markdown, write_report
-from ..eval.runner import EvalPlan, method_specs, rows_in_plan, run_eval
+from ..eval.runner import SETTINGS, EvalPlan, method_specs, rows_in_plan, run_eval
 from ..eval.tasks import NIAH_TASKS, RULER_TASKS
 from ..methods import available_methods, available_presets, method_config_class
 from ..methods.recommend import AUTO, recommend
@@ -20,7 +20,7 @@ from .common import add_command, add_model_args, load
 # variants of both papers' methods, the KIVI and SnapKV baselines and the QuantizedCache peer; the
 # faithful PuzzleKV and AnchorKV, StreamingLLM and kvtc are on the frontier (and a --methods away).
 DEFAULT_EVAL_TASKS = "niah_single_1,niah_single_2"
-DEFAULT_EVAL_METHODS = "full,pca_quant,puzzle_plus,anchor_plus,kivi,snapkv,hf_quantized"
+DEFAULT_EVAL_METHODS = "full,auto,pca_quant,anchor_plus,kivi,snapkv,hf_quantized"
 DEFAULT_EVAL_BUDGETS = "0.28,0.15"
 FRONTIER_HINT = ("the full frontier (8 tasks at 4K and 8K, 48 samples a cell, five budgets, every method and peer, "
                  "two models): docs/eval.md, benchmarks/results/frontier-*.json, python benchmarks/frontier.py")
@@ -61,7 +61,7 @@ def cmd_eval(args) -> int:
     """RULER-style evaluation of methods x budgets; writes results, summaries and plots to --out."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
-    settings = ["query-aware", "query-agnostic"] if args.setting == "both" else [args.setting]
+    settings = list(SETTINGS) if args.setting == "both" else [args.setting]
     overrides = _eval_overrides(args.set, args.calibration)
     method_specs([m for m in methods if m != AUTO], budgets, overrides)  # refuse a bad name before loading
     model, tokenizer = load(args)
@@ -93,7 +93,7 @@ def add_parsers(sub) -> None:
                    help="comma-separated tasks, or 'ruler' (all 12) / 'niah' (the 8 NIAH tasks)")
     e.add_argument("--lengths", default="2048", help="comma-separated prompt lengths in tokens")
     e.add_argument("--samples", type=int, default=8, help="samples per task and length (needle depth swept)")
-    e.add_argument("--setting", default="both", choices=("query-aware", "query-agnostic", "both"))
+    e.add_argument("--setting", default="both", choices=(*SETTINGS, "both"))
     e.add_argument("--set", action="append", default=[], metavar="METHOD.KEY=VALUE",
                    help="a config field of one method, e.g. puzzle.page_size=64")
     e.add_argument("--calibration", default=None, help="kvtc calibration directory (for --methods kvtc)")

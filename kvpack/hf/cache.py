@@ -29,7 +29,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 from ..ops.accounting import DENSE_REFERENCE_BYTES_PER_ELEMENT
 from ..ops.rope import shared_rotary_tables
 from ..resident import LayerLayout, LayerStore, StoreFactory, get_resident_method
-from . import quantized  # noqa: F401 - registers hf_quantized (transformers' QuantizedCache layers)
 from .attention import active_cache
 from .fingerprint import attention_shape, full_attention_layers, model_fingerprint
 from .rotary import find_rotary

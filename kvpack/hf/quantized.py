@@ -26,7 +26,6 @@ from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
 
 from ..attention.dense import dense_state, sdpa_chunk
 from ..config import STORAGE_DTYPE_NAMES, MethodConfig, choice, integer, number, option
-from ..registry import register_method
 from ..resident.base import LayerLayout, LayerStore
 
 BACKENDS = {"quanto": ("optimum.quanto", "optimum-quanto", (2, 4)), "hqq": ("hqq", "hqq", (1, 2, 3, 4, 8))}
@@ -103,7 +102,6 @@ def _clone(x):
     return copy.deepcopy(x)
 
 
-@register_method("hf_quantized")
 class HFQuantizedStore(LayerStore):
     """One transformers quantized cache layer of one sequence (see the module doc)."""
 

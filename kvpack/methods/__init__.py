@@ -13,14 +13,12 @@ from ..presets import PRESETS, Preset, preset
 from ..registry import resolve, unknown_method
 from ..resident import StoreFactory, resident_methods
 from ..storage import storage_methods
+from .catalog import register_kvpack_methods
 from .protocol import GenerationResult, Method, PreparedCache
 from .resident import ResidentMethod
 from .storage import StorageMethod
 
-# A resident method may be built on a storage codec (``kvtc_resident`` holds kvtc's codes) and so live in
-# kvpack.storage, above the resident layer that lists resident methods: discover the storage family now,
-# on ``import kvpack``, so that every resident lookup (``get_resident_method``, ``attach``) sees it.
-storage_methods()
+register_kvpack_methods()  # the one list of kvpack's methods (catalog.py), on `import kvpack`
 
 
 def method_classes() -> dict[str, type]:

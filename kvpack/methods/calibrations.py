@@ -32,7 +32,7 @@ from ..hf.fingerprint import model_fingerprint
 from ..hf.models import load_tokenizer
 from ..paths import cache_dir
 from ..presets import auto_calibration_settings, is_auto_calibration
-from ..resident.layer_budgets import PROFILE_FILE
+from ..resident.pca_quant.layer_budgets import PROFILE_FILE
 from ..storage.kvtc.calibration import DEFAULT_RATIOS as KVTC_DEFAULT_RATIOS
 from ..storage.kvtc.calibration import TENSORS_FILE, CalibrationSettings, calibrate
 from .layer_profile import profile_layers

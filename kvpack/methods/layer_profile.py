@@ -1,4 +1,4 @@
-"""Measure a :class:`~kvpack.resident.layer_budgets.LayerProfile`: how much coding each layer alone costs
+"""Measure a :class:`~kvpack.resident.pca_quant.layer_budgets.LayerProfile`: how much coding each layer alone costs
 the model, at a grid of budgets (``kvpack calibrate --method pca_quant``).
 
 Per calibration chunk (``chunk_tokens`` of the calibration corpus, the same standard-library text kvtc
@@ -24,7 +24,7 @@ from ..hf.fingerprint import full_attention_layers, model_fingerprint
 from ..hf.prefill import exact_prefill, resident_cache_from
 from ..resident import LayerLayout, LayerStore, StoreFactory, get_resident_method
 from ..resident.full import FullConfig, FullStore
-from ..resident.layer_budgets import LayerProfile
+from ..resident.pca_quant.layer_budgets import LayerProfile
 from ..storage.kvtc.corpus import corpus_token_ids
 
 PROFILE_BUDGETS = (0.05, 0.075, 0.1, 0.15, 0.2, 0.28, 0.4, 0.6)

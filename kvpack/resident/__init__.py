@@ -1,19 +1,18 @@
 """Resident methods: each keeps one layer's KV of one sequence compressed in a store attention reads.
 
-One module per method (``anchor/`` is a package), each registering its store class with
-``@register_method("name")``; :func:`get_resident_method` finds them all (no list of modules to extend).
+One module per method (``anchor/``, ``puzzle_plus/`` and ``pca_quant/`` are packages), named for it; kvpack's
+own are registered in :mod:`kvpack.methods.catalog`'s list. :func:`get_resident_method` looks them up.
 """
 
 from __future__ import annotations
 
 from ..config import MethodConfig
-from ..registry import discover, registered, resolve
+from ..registry import registered, resolve
 from .base import LayerLayout, LayerStore, StoreFactory
 
 
 def resident_methods() -> dict[str, type[LayerStore]]:
     """Every registered resident method's store class, by name."""
-    discover(__name__)
     return registered(LayerStore)
 
 

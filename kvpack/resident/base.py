@@ -23,8 +23,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..attention.backend import resolve_backend
+from ..attention.history_and_chunk import history_and_chunk
 from ..attention.softmax_merge import PartialAttention, group_queries, prefill_attention
-from ..attention.triton import history_and_chunk
 from ..config import MethodConfig
 from ..ops.accounting import dense_bf16_bytes
 from ..ops.finite import all_finite
@@ -79,7 +80,7 @@ class LayerStore(ABC):
     """One sequence's keys/values of one layer, held in a resident method's form.
 
     A resident method is one ``LayerStore`` subclass with a ``Config`` (a :class:`MethodConfig`),
-    registered with ``@register_method("name")`` in its own module of this package.
+    registered in :mod:`kvpack.methods.catalog` (a user's own with ``@register_method("name")``).
 
     The cache calls, for each chunk of new tokens (the prefill, each decode step, a later chunk):
     ``out = store.attend(q, k, v, scaling)`` — exact attention of the chunk's queries over the stored
@@ -96,7 +97,7 @@ class LayerStore(ABC):
     transformers computes it).
     """
 
-    name: ClassVar[str] = ""  # set by @register_method
+    name: ClassVar[str] = ""  # set when registered (kvpack.registry.register)
     Config: ClassVar[type[MethodConfig]] = MethodConfig
     budgeted: ClassVar[bool] = True  # False: the method has no byte budget (FullKV)
 
@@ -110,6 +111,7 @@ class LayerStore(ABC):
         self.scaling: float | None = None  # the layer's logit scale, known from the first attend
         self._checked: tuple | None = None  # the chunk attend checked, until append takes it
         self._staged: tuple | None = None  # the chunk an attend that stores (FullKV, hf_quantized) stored
+        self._backend: tuple[str, str, str] | None = None  # (choice, device type, resolved path): backend()
 
     # -- the template -----------------------------------------------------------------------
 
@@ -131,16 +133,24 @@ class LayerStore(ABC):
         lay = self.layout
         qg = group_queries(q, lay.kv_heads)
         out, m, l = history_and_chunk(self.stored_partials(qg, scaling), qg, k, v, scaling, lay.q_heads,
-                                      self.attention_backend, tail=self.chunk_tail())
+                                      self.backend(qg.device), tail=self.chunk_tail())
         self.after_attend(m, l)
         return out.to(q.dtype)
 
     @property
     def attention_backend(self) -> str:
-        """The config's ``attention_backend`` (``auto`` / ``triton`` / ``native`` / ``torch``; see
-        ``kvpack.attention.triton.use_triton`` and ``kvpack.attention.cpu.use_native``); ``torch`` for
-        a config without one."""
+        """What the config allows: its ``attention_backend`` (``auto`` / ``triton`` / ``native`` / ``torch``);
+        ``torch`` for a config without one."""
         return getattr(self.config, "attention_backend", "torch")
+
+    def backend(self, device: torch.device) -> str:
+        """The path this store's attention takes on ``device`` — ``"triton"``, ``"native"`` or ``"torch"`` —
+        decided once (:func:`kvpack.attention.backend.resolve_backend`) and kept; decided again only if the
+        config's choice or the device changes (a test swapping the config)."""
+        key = (self.attention_backend, device.type)
+        if self._backend is None or self._backend[:2] != key:
+            self._backend = (*key, resolve_backend(self.attention_backend, device))
+        return self._backend[2]
 
     def chunk_tail(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Dense stored tokens ``(k, v) [kv_heads, T, d]`` that the chunk step reads in place instead

@@ -14,7 +14,6 @@ import torch
 
 from ..attention.dense import dense_state, sdpa_chunk
 from ..config import STORAGE_DTYPE_NAMES, MethodConfig, choice, number, option
-from ..registry import register_method
 from .base import LayerLayout, LayerStore
 
 
@@ -29,7 +28,6 @@ class FullConfig(MethodConfig):
 GROW_TOKENS = 128  # the dense buffer grows by whole multiples of this many tokens
 
 
-@register_method("full")
 class FullStore(LayerStore):
     """FullKV, the identity: dense keys/values ``[kv_heads, tokens, d]``.
 
@@ -80,8 +78,12 @@ class FullStore(LayerStore):
         self.k_buf[:, self.seq_len:end] = k
         self.v_buf[:, self.seq_len:end] = v
 
+    @property
+    def attention_backend(self) -> str:
+        return "auto"  # its stored partial states (attend itself is SDPA): the native kernel where built
+
     def stored_partials(self, qg, scaling):
-        return [dense_state(qg, self.k, self.v, scaling, "auto")]
+        return [dense_state(qg, self.k, self.v, scaling, self.backend(qg.device))]
 
     def attend(self, q, k, v, scaling):
         """The template's exception: SDPA over the buffer, as transformers computes it (the fastest

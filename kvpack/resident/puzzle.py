@@ -24,16 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.cpu import DOT_PRECISIONS, use_native
+from ..attention.cpu import DOT_PRECISIONS
 from ..attention.pages import PageSet, PuzzlePages, puzzle_pages_partials
-from ..attention.triton import KERNEL_CHOICES, use_triton
+from ..attention.triton import KERNEL_CHOICES
 from ..attention.triton.puzzle_op import puzzle_partial
 from ..config import MethodConfig, boolean, choice, integer, option
 from ..ops.accounting import dense_bf16_bytes
 from ..ops.int4 import quantize_int4
 from ..ops.lowrank import gram_eigh_factors
 from ..ops.rope import rope_at, unrope_pages
-from ..registry import register_method
 from .base import LayerLayout
 from .segmented import SegmentedStore
 
@@ -177,7 +176,6 @@ def fold_threshold(n_pages: int) -> int:
     return max(8, math.isqrt(n_pages))
 
 
-@register_method("puzzle")
 class PuzzleStore(SegmentedStore):
     """PuzzleKV, one sequence, one layer: dense sink + factorized pages + dense window (see module doc).
 
@@ -315,15 +313,11 @@ class PuzzleStore(SegmentedStore):
 
     # -- attention --------------------------------------------------------------------------
 
-    @property
-    def attention_backend(self) -> str:
-        return self.config.attention_backend
-
     def stored_partials(self, qg, scaling):
-        backend = self.config.attention_backend
-        if use_triton(backend, qg.device):
+        backend = self.backend(qg.device)
+        if backend == "triton":
             return [puzzle_partial(self.pages_view(), qg, scaling)]
-        if use_native(backend, qg.device):
+        if backend == "native":
             return [puzzle_partial(self.pages_view(), qg, scaling, native=True,
                                    dot_precision=self.config.dot_precision)]
         return super().stored_partials(qg, scaling)

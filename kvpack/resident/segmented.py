@@ -101,10 +101,10 @@ class SegmentedStore(LayerStore):
         PyTorch path; codecs with a fused kernel override it)."""
         states = []
         if self.sink_k.shape[1]:
-            states.append(dense_state(qg, self.sink_k, self.sink_v, scaling, self.attention_backend))
+            states.append(dense_state(qg, self.sink_k, self.sink_v, scaling, self.backend(qg.device)))
         states.extend(self.history_partials(qg, scaling))
         if self.tail_k.shape[1]:
-            states.append(dense_state(qg, self.tail_k, self.tail_v, scaling, self.attention_backend))
+            states.append(dense_state(qg, self.tail_k, self.tail_v, scaling, self.backend(qg.device)))
         return states
 
     def append(self, k, v, q=None, out=None) -> None:

@@ -17,13 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.cpu import NATIVE_CHOICES, use_native
+from ..attention.cpu import NATIVE_CHOICES
 from ..attention.dense import dense_state
 from ..attention.pages import factorized_pages_partial
 from ..attention.softmax_merge import PartialAttention
 from ..config import MethodConfig, choice, integer, number, option
 from ..ops.accounting import dense_bf16_bytes
-from ..registry import register_method
 from .base import LayerLayout
 from .segmented import SegmentedStore
 
@@ -50,7 +49,6 @@ def svd_rank_for_budget(seq_len: int, compressed: int, head_dim: int, budget: fl
     return max(0, min(rank, compressed, head_dim))
 
 
-@register_method("svd")
 class SVDStore(SegmentedStore):
     """Dense sink + global factors ``uk [H, N, r]``, ``bk [H, r, d]``, ``uv``, ``bv`` + dense tail."""
 
@@ -103,7 +101,7 @@ class SVDStore(SegmentedStore):
         if not self.factors:
             return []
         f = self.factors
-        if qg.dtype != torch.float64 and use_native(self.config.attention_backend, qg.device):
+        if qg.dtype != torch.float64 and self.backend(qg.device) == "native":
             q_rank = torch.einsum("hmd,hrd->hmr", qg.float(), f["bk"].float()).contiguous()  # q B_Kᵀ [H, M, r]
             st = dense_state(q_rank, f["uk"], f["uv"], scaling, "native")
             return [PartialAttention(st.m, st.l, torch.einsum("hmr,hrd->hmd", st.o, f["bv"].float()))]

@@ -1,19 +1,18 @@
 """Storage methods: each turns one sequence's filled cache into bytes (to keep or move) and back.
 
-One module (or subpackage) per method, each registering its :class:`StorageCodec` subclass with
-``@register_method("name")``; :func:`storage_methods` finds them all (``kvpack.methods.get_method``
-builds one). kvtc is the one today.
+One module (or subpackage) per method, its :class:`StorageCodec` subclass registered in
+:mod:`kvpack.methods.catalog`'s list; :func:`storage_methods` looks them up (``kvpack.methods.get_method``
+builds one). kvtc is the one today (``kvtc_resident``, a resident method built on its codes, lives beside it).
 """
 
 from __future__ import annotations
 
-from ..registry import discover, registered
+from ..registry import registered
 from .base import DenseKV, DenseLayer, StorageCodec
 
 
 def storage_methods() -> dict[str, type[StorageCodec]]:
     """Every registered storage method's class, by name."""
-    discover(__name__)
     return registered(StorageCodec)
 
 

@@ -62,10 +62,10 @@ class StorageCodec(ABC):
     """A storage method with a validated config.
 
     Subclasses set ``Config`` and implement :meth:`compress` and :meth:`decompress`; register them with
-    ``@register_method("name")``.
+    in :mod:`kvpack.methods.catalog` (a user's own with ``@register_method("name")``).
     """
 
-    name: ClassVar[str] = ""  # set by @register_method
+    name: ClassVar[str] = ""  # set when registered (kvpack.registry.register)
     Config: ClassVar[type[MethodConfig]] = MethodConfig
     budgeted: ClassVar[bool] = True  # a budget (fraction of the dense bytes) sets the target size
 

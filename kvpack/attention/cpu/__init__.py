@@ -2,10 +2,10 @@
 
 Each kernel is bound to its op's schema in C++ (``TORCH_LIBRARY_IMPL(kvpack, CPU, ...)`` in
 ``csrc/bindings.cpp``): loading the library (:func:`native`) registers them, and from then on the
-dispatcher calls the C++ function for CPU tensors with no Python in between. The store decides the path
-from its config's ``attention_backend`` and the tensors' device (:func:`use_native`, a pure function of
-the two): it calls an op on CPU tensors only when the kernels are loaded, and otherwise runs the Triton
-launcher itself (under the interpreter) or the PyTorch reference.
+dispatcher calls the C++ function for CPU tensors with no Python in between. A store decides its path once,
+from its config's ``attention_backend`` and the tensors' device (``kvpack.attention.backend``, which asks
+:func:`use_native`, a pure function of the two): it calls an op on CPU tensors only when the kernels are
+loaded, and otherwise runs the Triton launcher itself (under the interpreter) or the PyTorch reference.
 
 The C++ sources in ``csrc/`` are compiled on first use (:mod:`kvpack.native_build`: g++ and ninja, no
 network, one build per source hash, torch version and CPU capability, into kvpack's cache directory).

@@ -15,11 +15,6 @@ import os
 
 import torch
 
-from .. import cpu
-from ..chunk_op import native_history_and_chunk
-from ..dense import dense_state
-from ..softmax_merge import attend_history_and_chunk
-
 KERNEL_CHOICES = ("auto", "triton", "native", "torch")
 
 
@@ -52,29 +47,3 @@ def use_triton(choice: str, device: torch.device) -> bool:
                              "(the Triton interpreter)")
         return True
     return runnable and device.type == "cuda"
-
-
-FUSED_CHUNK_MAX = 16  # queries per chunk that the one-launch chunk attention takes (decode, draft verification)
-
-
-def history_and_chunk(history: list, qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
-                      q_heads: int, backend: str, tail: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The chunk's attention over the stored states, the stored dense ``tail`` (keys, values
-    ``[kv_heads, T, d]``, or None) and itself: ``(out [q_heads, Q, d] fp32, m, l)`` (``m, l
-    [kv_heads, group · Q]``: the merged state's). One Triton launch
-    (``chunk_attend.fused_history_and_chunk``) where ``backend`` runs Triton for these tensors and the
-    chunk has at most ``FUSED_CHUNK_MAX`` queries; ``softmax_merge.attend_history_and_chunk``
-    otherwise (longer chunks, such as a prompt after a compressed history, keep the PyTorch path's
-    one block of logits; the kernel would loop over them in 16-row tiles — not measured against it).
-    On CPU tensors the same op's native kernel where ``backend`` picks it (``cpu.use_native``)."""
-    if k.shape[1] <= FUSED_CHUNK_MAX and use_triton(backend, qg.device):
-        from .chunk_attend import fused_history_and_chunk
-
-        return fused_history_and_chunk(history, qg, k, v, scaling, q_heads, tail)
-    if k.shape[1] <= FUSED_CHUNK_MAX and qg.dtype != torch.float64 and cpu.use_native(backend, qg.device):
-        return native_history_and_chunk(history, qg, k, v, scaling, q_heads, tail)
-    if tail is not None and tail[0].shape[1]:
-        history = [*history, dense_state(qg, *tail, scaling, backend)]
-    out, merged = attend_history_and_chunk(history, qg, k, v, scaling, q_heads)
-    return out, merged.m, merged.l

@@ -57,16 +57,13 @@ from ...attention.anchor import (
     anchor_tile_partials,
     reconstruct_tile,
 )
-from ...attention.cpu import use_native
 from ...attention.scores import observation_probabilities, observation_votes
 from ...attention.softmax_merge import ungroup_output
-from ...attention.triton import use_triton
 from ...attention.triton.anchor_op import anchor_partials
 from ...ops.accounting import dense_bf16_bytes
 from ...ops.bitpack import pack_bits
 from ...ops.residual_codec import BITS, FINE_BITS, make_residual_codec
 from ...ops.rope import apply_rope, invert_rope
-from ...registry import register_method
 from ..base import LayerLayout, LayerStore
 from .budget import (
     anchors_above_saturation,
@@ -99,7 +96,6 @@ def _slot_prefix(chosen: torch.Tensor) -> torch.Tensor:
     return (counts.cumsum(0) - counts).reshape(H, -1).to(torch.int32)
 
 
-@register_method("anchor")
 class AnchorStore(LayerStore):
     """One sequence, one layer: anchors, compressed segments (the prompt, then any re-compressed
     stretch of generated tokens) and the dense tail of generated tokens.
@@ -354,10 +350,10 @@ class AnchorStore(LayerStore):
         """One partial state per compressed segment (native or Triton kernel, or PyTorch tiles, per
         ``attention_backend``); the dense tail is :meth:`chunk_tail`'s."""
         segments = self.segment_views()
-        backend = self.config.attention_backend
-        if use_triton(backend, qg.device):
+        backend = self.backend(qg.device)
+        if backend == "triton":
             return anchor_partials(segments, qg, scaling)
-        if segments and use_native(backend, qg.device):
+        if segments and backend == "native":
             return anchor_partials(segments, qg, scaling, native=True)
         return anchor_tile_partials(segments, qg, scaling)
 
@@ -388,7 +384,6 @@ class AnchorStore(LayerStore):
 
 
 
-@register_method("anchor_plus")
 class AnchorPlusStore(AnchorStore):
     """``anchor`` with neighbourhood-pooled residual ranking and uint8 anchor indices (not the paper's
     defaults); see :class:`AnchorPlusConfig`."""

@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from ...attention.cpu import use_native
 from ...attention.ragged_pages import RaggedPuzzlePages, ragged_pages_partials
 from ...attention.softmax_merge import group_queries
-from ...attention.triton import use_triton
 from ...attention.triton.puzzle_ragged_op import ragged_puzzle_partial
 from ...ops.accounting import dense_bf16_bytes
 from ...ops.lowrank import gram_eigh_factors
 from ...ops.rope import rope_at, unrope_pages
-from ...registry import register_method
 from ..base import LayerLayout
 from ..segmented import SegmentedStore, stagger_lag
 from . import ragged
@@ -39,7 +36,6 @@ from .budget import WholeCacheBudget
 from .config import PuzzlePlusConfig
 
 
-@register_method("puzzle_plus")
 class PuzzlePlusStore(SegmentedStore):
     """``puzzle_plus``, one sequence, one layer (see module doc).
 
@@ -252,15 +248,11 @@ class PuzzlePlusStore(SegmentedStore):
                                  cfg.page_size, self.layout.head_dim, self.layout.kv_heads,
                                  self.layout.rope if self.pre_rope else None)
 
-    @property
-    def attention_backend(self) -> str:
-        return self.config.attention_backend
-
     def stored_partials(self, qg, scaling):
-        backend = self.config.attention_backend
-        if self.n_pages and use_triton(backend, qg.device):
+        backend = self.backend(qg.device)
+        if self.n_pages and backend == "triton":
             return [ragged_puzzle_partial(self.pages_view(), qg, scaling)]
-        if self.n_pages and use_native(backend, qg.device):
+        if self.n_pages and backend == "native":
             return [ragged_puzzle_partial(self.pages_view(), qg, scaling, native=True,
                                           dot_precision=self.config.dot_precision)]
         return super().stored_partials(qg, scaling)

@@ -17,7 +17,6 @@ import torch
 
 from ...config import MethodConfig, choice, integer, number, option, text
 from ...presets import unresolved_auto_calibration
-from ...registry import register_method
 from ...store.format import BACKENDS, Blob
 from ..base import DenseKV, StorageCodec
 from .calibration import META_FILE, Calibration
@@ -91,7 +90,6 @@ def load_calibration(path: str | os.PathLike) -> Calibration:
     return _load_calibration(os.path.abspath(path), os.path.getmtime(meta))
 
 
-@register_method("kvtc")
 class KvtcCodec(StorageCodec):
     """kvtc: cross-layer PCA, DP bit allocation, DEFLATE. See :class:`KvtcConfig`."""
 

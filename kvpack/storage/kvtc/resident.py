@@ -54,7 +54,6 @@ import torch
 from ...attention.dense import dense_state
 from ...attention.softmax_merge import PartialAttention, state_from_logits
 from ...config import MethodConfig, choice, integer, number, option, text
-from ...registry import register_method
 from ...resident.base import LayerLayout
 from ...resident.segmented import SegmentedStore
 from .calibration import Calibration, ratio_key
@@ -316,7 +315,6 @@ class ResidentCodes:
         return state_from_logits(logits, lambda p: self.contract_values(layer_idx, p))
 
 
-@register_method("kvtc_resident")
 class KvtcResidentStore(SegmentedStore):
     """[dense sinks] [kvtc codes, shared by every layer: :class:`ResidentCodes`] [dense tail] of one layer."""
 
@@ -377,7 +375,7 @@ class KvtcResidentStore(SegmentedStore):
         if qg.device.type != "cpu":  # the codes, the calibration and kvtc's native passes are the CPU's
             raise ValueError(f"kvtc_resident runs on the CPU; layer {self.layout.layer_idx}'s queries are on "
                              f"{qg.device}")
-        state = group.attend(self.layout.layer_idx, qg, scaling, self.attention_backend)
+        state = group.attend(self.layout.layer_idx, qg, scaling, self.backend(qg.device))
         if self.layout.layer_idx == group.last_layer:
             group.release()
         return [state]

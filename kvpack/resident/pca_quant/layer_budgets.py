@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ..presets import unresolved_auto_calibration
+from ...presets import unresolved_auto_calibration
 
 PROFILE_FILE = "layer_profile.json"
 PROFILE_VERSION = 1

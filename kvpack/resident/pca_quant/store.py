@@ -1,69 +1,29 @@
-"""``pca_quant``: each KV head's keys and values quantized in their own principal-component basis, with a bit
-width per component water-filled under the exact byte budget (beyond the papers).
-
-The idea is kvtc's transform coding (a decorrelating rotation, then bits where the variance is), made
-resident: the cache stays in this form while the model attends over it. Per layer:
-
-* **Basis.** When the first block is compressed (at the end of the prefill), each (KV head, side) fits a
-  basis to the tokens it holds: the mean ``μ [d]`` and the eigenvectors of the centred covariance,
-  ordered by variance ``λ_j``. Keys are taken pre-RoPE (``key_rope``: rotated back with the model's own
-  rotary table), so RoPE does not spread their energy over the components. Only the coded components'
-  basis columns are kept, in fp16 (``[d, coded]``: the rounding is far below any code's step).
-* **Bits.** A component coded at ``w`` bits by a block's min/max quantizer keeps a distortion
-  ``λ_j D_j(w)``: its own min/max error at that width over the prompt's blocks (``distortion="measured"``)
-  or a Gaussian model of it (``"gaussian"``, :func:`minmax_distortion`; ``D(1)`` is no better than
-  dropping it, so a component is first bought at 2 bits). A key component's error is priced by the
-  logit error it makes under the prompt's own queries (``key_metric="queries"``: ``λ_j u_jᵀ M u_j``, ``M``
-  the second moment of the queries rotated to the keys' positions), a value component's by its variance.
-  Widths are bought across every (head, side, component) of the layer in decreasing gain per bit,
-  ``c_j / E (D(w) - D(w'))`` with ``c_j`` the component's price and ``E`` its side's total
-  (``balance="side"``: the heads of a side compete on one scale, keys and values on their shares); a
-  component's first purchase also pays its block scale and zero point and its basis column. Bits are
-  bought until the bytes reach ``budget × dense bf16`` at the worst point of the coming block cycle (reverse
-  water-filling, greedily). Components left at 0 bits are dropped (their mean remains).
-* **Blocks.** Tokens stay dense in a sink (the first ``sinks``) and a tail (the most recent, at least
-  ``residual`` plus this layer's stagger lag); whenever the tail holds ``block`` more, the oldest
-  ``block`` are coded: coefficients per component over the block's tokens, asymmetric min/max with an
-  fp16 scale and zero point (per channel, as KIVI quantizes keys; in this basis values are per channel
-  too), codes bit-packed per width in :class:`~kvpack.attention.pca_blocks.PCABlocks`' layout. Tokens
-  generated later are coded in the prompt's basis at the prompt's widths. With ``stagger`` the layers'
-  lags differ, so their blocks are coded at different decode steps.
-* **Attention**: ``kvpack::pca_quant_attention`` over the blocks (native CPU kernel: keys rebuilt from the
-  codes, values accumulated in the basis; reference: blocks decoded a tile at a time), its state merged
-  with the sink's, the tail's and the chunk's; the dense history never exists as a whole.
-
-Bytes (``nbytes()``: the tensors held): the sink and tail in ``storage_dtype``; per (head, side) the mean
-``4 d``, the widths ``d`` and ``2 d`` per coded component (its basis column); per block and (head, side)
-``block · Σ_j w_j / 8`` bytes of codes and ``4`` bytes per coded component (scale and zero point); with
-``salient``, per KV head ``n`` exact tokens (key and value in ``storage_dtype``, an int32 position) beside the
-blocks, which hold ghosts in their place (:mod:`~kvpack.resident.salient`).
-"""
+"""``pca_quant``'s store: the coded blocks of one layer, how it fits, codes and attends over them (the method:
+:mod:`kvpack.resident.pca_quant`)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from ..attention.cpu import use_native
-from ..attention.pca_blocks import (
+from ...attention.pca_blocks import (
     PCABlocks,
     component_columns,
     pca_blocks_partial,
     pca_blocks_partials,
     width_groups,
 )
-from ..attention.triton import KERNEL_CHOICES, use_triton
-from ..attention.triton.pca_quant_op import pca_quant_triton_partial
-from ..config import MethodConfig, boolean, choice, integer, number, option, text
-from ..ops.accounting import dense_bf16_bytes
-from ..ops.bitpack import pack_bitstream_fast
-from ..ops.rope import apply_rope, invert_rope, unrope_at
-from ..registry import register_method
-from .base import LayerLayout
+from ...attention.triton.pca_quant_op import pca_quant_triton_partial
+from ...ops.accounting import dense_bf16_bytes
+from ...ops.bitpack import pack_bitstream_fast
+from ...ops.minmax import quantize_minmax
+from ...ops.rope import apply_rope, invert_rope, unrope_at
+from ..base import LayerLayout
+from ..segmented import SegmentedStore, stagger_lag
+from .allocation import PARAM_BYTES, measured_blocks, measured_distortion, water_fill_order
+from .config import PCAQuantConfig
 from .layer_budgets import STEP, LayerBudgets, LayerProfile
-from .quant import fp16_scale, fp16_zero_point, quantize_minmax
 from .salient import (
     corrected_partials,
     ghost_codes,
@@ -72,145 +32,8 @@ from .salient import (
     salient_bytes,
     select_salient,
 )
-from .segmented import SegmentedStore, stagger_lag
-
-PARAM_BYTES = 4  # fp16 scale and zero point of one coded component in one block
-# the measured distortion's blocks at most (evenly spaced over the prompt's): the error of a width is a mean
-# over blocks, and 32 blocks (2,048 coefficients a component at blocks of 64) settle it; all 127 of an 8K
-# prompt took 36 of a layer's 85 ms of compression
-MEASURED_BLOCKS = 32
 
 
-@dataclass(frozen=True)
-class PCAQuantConfig(MethodConfig):
-    """Attributes:
-        budget: target fraction of the dense bf16 bytes (default 0.28).
-        sinks: leading tokens kept dense (attention sinks).
-        residual: recent tokens kept dense at least (the tail holds up to ``residual + block - 1``).
-        block: tokens coded together (one scale and zero point per component per block); a multiple of 8.
-        max_bits: the widest code of a component.
-        key_rope: ``auto`` (pre-RoPE keys where the layer has RoPE), ``pre`` or ``post``.
-        distortion: what a width's purchase is worth to the water-filling: ``measured`` (each component's
-            own min/max error at each width over the prompt's blocks: heavy-tailed components, whose ranges
-            waste levels, buy fewer bits) or ``gaussian`` (:func:`minmax_distortion`, the same for every
-            component).
-        key_metric: what an error in a key component costs the water-filling: ``queries`` (the squared logit
-            error it makes, averaged over the prompt's own (query, key) pairs; see
-            :meth:`PCAQuantStore._add_query_moment`) or ``variance`` (its variance, as for values). Without
-            queries (a store fed keys and values only) keys are priced by variance.
-        balance: ``side`` (every head of a side competes on its share of the side's total error: a head
-            whose keys vary 5x more gets more bits) or ``head`` (each (head, side) on its share of its own
-            error; the first default: heads of very different scales got equal shares).
-        stagger: each layer keeps ``lag`` more recent tokens dense (``lag`` in ``[0, block)``, spread over
-            the layers by the golden ratio), so the layers code their blocks at different decode steps:
-            one step codes a block in one or two layers rather than in all of them (a decode step that
-            coded every layer's block took 2x the median).
-        calibration: a directory holding a :class:`~kvpack.resident.layer_budgets.LayerProfile` of the model
-            (``kvpack calibrate --method pca_quant``): each layer gets the budget
-            :meth:`~kvpack.resident.layer_budgets.LayerProfile.allocate` gives it (their mean is at most
-            ``budget``), instead of every layer ``budget``. A profile of another model is refused.
-        salient: the share of the prompt's coded tokens (per KV head) kept exact beside the codes: those the
-            prompt's last ``window`` queries attend to most (:mod:`~kvpack.resident.salient`; when the question
-            ends the prompt, the tokens it reads). Their bytes come out of the budget. 0: none (the default).
-            Tokens coded after the prompt's blocks (generated ones) are never salient.
-        window: the observation window: the prompt's last queries (of the chunks up to the first coding)
-            whose attention ranks the salient tokens.
-        salient_pooling: odd max-pool window of that ranking over positions (a needle spans several tokens).
-        tile_blocks: blocks decoded per attention tile (the PyTorch path).
-        attention_backend: ``auto`` (Triton for CUDA tensors where Triton is installed, the native CPU
-            kernel for CPU tensors where it is built, else PyTorch), ``triton`` (on CPU tensors only under
-            ``TRITON_INTERPRET=1``), ``native`` or ``torch`` (the reference path).
-    """
-
-    budget: float | None = option(0.28, number(0.0, 1.0, low_open=True), "target fraction of the dense bf16 KV bytes")
-    sinks: int = option(4, integer(minimum=0), "leading tokens kept dense")
-    residual: int = option(0, integer(minimum=0), "recent tokens kept dense at least")
-    block: int = option(64, integer(minimum=8), "tokens coded together (a multiple of 8)")
-    max_bits: int = option(8, integer(minimum=2, maximum=8), "widest code of a component")
-    key_rope: str = option("auto", choice("auto", "pre", "post"), "basis of keys before or after RoPE")
-    distortion: str = option("measured", choice("measured", "gaussian"),
-                             "the water-filling's error per width: measured on the prompt or a Gaussian model")
-    key_metric: str = option("queries", choice("queries", "variance"),
-                             "a key component's error priced by the logit error it makes under the prompt's "
-                             "queries, or by its variance")
-    balance: str = option("side", choice("side", "head"),
-                          "a purchase's gain as a share of its side's error (every head of the layer) or of its head's")
-    stagger: bool = option(True, boolean(), "spread the layers' block boundaries over the decode steps")
-    calibration: str | None = option(None, text(optional=True),
-                                     "a layer profile directory (kvpack calibrate --method pca_quant): the budget "
-                                     "spread over the layers where it lowers the KL most; none: every layer alike")
-    salient: float = option(0.0, number(0.0, 0.5),
-                            "share of the prompt's coded tokens kept exact, those its last queries attend to most")
-    window: int = option(32, integer(minimum=1), "the prompt's last queries whose attention ranks salient tokens")
-    salient_pooling: int = option(7, integer(minimum=1, odd=True), "max-pool window of the salient ranking")
-    tile_blocks: int = option(64, integer(minimum=1), "blocks decoded per attention tile (the PyTorch path)")
-    attention_backend: str = option("auto", choice(*KERNEL_CHOICES), "attention path for stored tokens")
-
-    def check(self) -> None:
-        if self.block % 8:
-            raise self.error(f"block must be a multiple of 8 (whole bytes of codes at any width), got {self.block}")
-
-
-def minmax_distortion(width: int, block: int) -> float:
-    """Mean squared error of a unit-variance Gaussian coefficient coded at ``width`` bits by the block's
-    min/max quantizer, relative to dropping it (1.0 = no better than its mean).
-
-    The range of ``block`` Gaussian samples is about ``2 sqrt(2 ln block)`` (5.8 at 64, 6.2 at 128); a
-    uniform step over it errs by ``step² / 12``. At one bit that is worse than dropping the component
-    (the two levels sit at the extremes), which is why a component's first purchase is two bits.
-    """
-    if width == 0:
-        return 1.0
-    step = 2.0 * math.sqrt(2.0 * math.log(block)) / (2 ** width - 1)
-    return min(1.0, step * step / 12.0)
-
-
-def water_fill_order(variances: torch.Tensor, max_bits: int, block: int, first_cost: float,
-                     distortion: torch.Tensor | None = None, per_side: bool = False) -> torch.Tensor:
-    """The order in which bits are bought: ``[K, 4]`` int64 rows ``(head, side, component, new width)``, best
-    gain per bit first.
-
-    Args:
-        variances: ``[H, 2, d]`` what each component's error costs (keys then values): its variance, or
-            for keys a price in logit error (``key_metric="queries"``).
-        max_bits: the widest code (at least 2).
-        block: tokens per block (the quantizer's range, :func:`minmax_distortion`).
-        first_cost: the extra cost, in bits per token, of coding a component at all (its block scale and
-            zero point, its basis column), added to its first purchase.
-        distortion: the relative error left at each width, ``[max_bits + 1]`` for every component (default:
-            :func:`minmax_distortion`) or ``[H, 2, d, max_bits + 1]`` per component.
-        per_side: the gain of a purchase is the share of its side's total (every head's) it removes, so the
-            heads of a side compete on one scale and the two sides on their shares; else the share of its
-            (head, side)'s total, so every (head, side) competes on the share of its own energy.
-
-    A component is bought at 2 bits first, then one bit at a time; the gain of a purchase is the share of
-    the total it removes (``per_side``; :func:`minmax_distortion`). Components of zero variance are never
-    coded.
-
-    This is greedy water-filling (a heap that offers a component's next purchase once its previous one is
-    bought), computed as one sort: each purchase keyed by its gain per bit, lowered to the smallest key of
-    the component's earlier purchases (where a first purchase, which also pays ``first_cost``, gains less
-    per bit than the next one, the heap buys the next one right after it, as the lowered key does); ties
-    fall in (head, side, component, width) order, as the heap's tuples do.
-    """
-    total = variances.double().sum(dim=(0, 2) if per_side else -1, keepdim=True)
-    share = variances.double() / total.clamp_min(1e-30)
-    if distortion is None:
-        distortion = torch.tensor([minmax_distortion(w, block) for w in range(max_bits + 1)], dtype=torch.float64)
-    dist = distortion.double().expand(*share.shape, max_bits + 1)  # [H, 2, d, widths 0..max_bits]
-    new = torch.arange(2, max_bits + 1)  # the purchases of one component: 0 -> 2, 2 -> 3, ..., -> max_bits
-    prev = torch.cat([new.new_zeros(1), new[:-1]])
-    cost = (new - prev).double() + first_cost * (prev == 0).double()
-    gain = share[..., None] * ((dist[..., prev] - dist[..., new]) / cost)  # [H, 2, d, purchases]
-    key = torch.cummin(gain, dim=-1).values
-    H, S, d = share.shape
-    index = torch.stack(torch.meshgrid(torch.arange(H), torch.arange(S), torch.arange(d), new, indexing="ij"), dim=-1)
-    coded = (share > 0)[..., None].expand_as(key)
-    key, index = key[coded], index[coded]  # [K], [K, 4] in (head, side, component, width) order
-    return index[torch.sort(key, descending=True, stable=True).indices]
-
-
-@register_method("pca_quant")
 class PCAQuantStore(SegmentedStore):
     """[dense sink] [coded blocks] [dense tail]; the coded blocks as :class:`~kvpack.attention.pca_blocks.PCABlocks`
     lays them out: ``codes [blocks, R]`` uint8, ``scale``/``zero [blocks, C]`` fp16, ``basis [C, d]`` fp16,
@@ -411,56 +234,6 @@ class PCAQuantStore(SegmentedStore):
     def _pre_rope(self, k: torch.Tensor, first: int) -> torch.Tensor:
         return unrope_at(self.layout.rope, k, first) if self.pre_rope else k
 
-    def _measured_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """The tokens of ``x [2, H, n, d]`` the measured distortion reads: its whole blocks, at most
-        :data:`MEASURED_BLOCKS` of them, evenly spaced (the table is a mean over blocks; a few dozen settle it):
-        ``[2, H, blocks · block, d]``. Chosen before the projection onto the basis, which then projects 32
-        blocks, not an 8K prompt's 127."""
-        G = self.config.block
-        nb = x.shape[2] // G
-        if nb <= MEASURED_BLOCKS:
-            return x[:, :, :nb * G]
-        pick = torch.linspace(0, nb - 1, MEASURED_BLOCKS).round().long().to(x.device)
-        blocks = x[:, :, :nb * G].reshape(*x.shape[:2], nb, G, x.shape[-1])[:, :, pick]
-        return blocks.reshape(*x.shape[:2], MEASURED_BLOCKS * G, x.shape[-1])
-
-    def _measured_distortion(self, c: torch.Tensor) -> torch.Tensor | None:
-        """``[H, 2, d, max_bits + 1]``: the squared error of each component's min/max code at each width over
-        the given whole blocks (:meth:`_measured_blocks` of the fitted tokens), relative to
-        its variance over them (width 0: 1) — what the water-filling
-        buys against with ``distortion="measured"``; None with no whole block. Width 1, which the
-        water-filling never buys (a component's first purchase is 2 bits), is left at 1.
-
-        The codes are :func:`~kvpack.resident.quant.quantize_minmax`'s (its fp16 zero point and scale,
-        :func:`~kvpack.resident.quant.fp16_zero_point` / :func:`~kvpack.resident.quant.fp16_scale`), computed
-        without it: the zero point and the offsets from it are the same at every width, so only the scale,
-        the rounding and the error are recomputed per width, in one buffer (2.7x faster; the error differs
-        from dequantizing the codes in the last bits of fp32).
-
-        Args:
-            c: ``[2, H, blocks · block, d]`` coefficients (centred) of whole blocks.
-        """
-        G, top = self.config.block, self.config.max_bits
-        nb = c.shape[2] // G
-        if not nb:
-            return None
-        blocks = c.reshape(c.shape[0], c.shape[1], nb, G, -1).float()  # [2, H, blocks, G, d]
-        var = blocks.var(dim=(2, 3), correction=0).clamp_min(1e-30)
-        lo, hi = torch.aminmax(blocks, dim=3, keepdim=True)
-        zero = fp16_zero_point(lo)
-        offset = blocks - zero.float()
-        span = hi - zero.float()
-        out = torch.ones(*var.shape, top + 1)
-        err = torch.empty_like(blocks)
-        for w in range(2, top + 1):
-            levels = (1 << w) - 1
-            scale = fp16_scale(span / levels).float()
-            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-            torch.div(offset, safe, out=err).round_().clamp_(0, levels)
-            err.mul_(scale).sub_(offset)  # the code's value minus the coefficient
-            out[..., w] = (err.square_().mean(dim=(2, 3)) / var).clamp(max=1.0)
-        return out.permute(1, 0, 2, 3)
-
     def _fit(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Bases, means and widths from the tail's tokens ``k`` (pre-RoPE where configured), ``v``
         ``[H, n, d]`` fp32."""
@@ -472,7 +245,8 @@ class PCAQuantStore(SegmentedStore):
         cov = (xc.transpose(-1, -2) @ xc / x.shape[2]).double()
         lam, vec = torch.linalg.eigh(cov)  # ascending
         lam, vec = lam.flip(-1).clamp_min(0), vec.flip(-1)
-        measured = (self._measured_distortion(self._measured_blocks(xc).float() @ vec.float())
+        measured = (measured_distortion(measured_blocks(xc, self.config.block).float() @ vec.float(),
+                                        self.config.block, self.config.max_bits)
                     if self.config.distortion == "measured" else None)
         # what each component's error costs: its variance, for keys under key_metric="queries" times the
         # squared logit change a unit error along it makes, u_jᵀ M u_j (M: the query moment)
@@ -570,7 +344,7 @@ class PCAQuantStore(SegmentedStore):
 
     def _ghosts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The coded blocks' reconstruction of the salient tokens: keys (post-RoPE) and values ``[H, n, d]`` fp32
-        (see :func:`~kvpack.resident.salient.ghost_tokens`)."""
+        (see :func:`~kvpack.resident.pca_quant.salient.ghost_tokens`)."""
         H = self.layout.kv_heads
         pos = self.salient_pos.long()
         blocks = (pos - self.history_start) // self.config.block  # [H, n]
@@ -601,10 +375,6 @@ class PCAQuantStore(SegmentedStore):
 
     # -- attention --------------------------------------------------------------------------------
 
-    @property
-    def attention_backend(self) -> str:
-        return self.config.attention_backend
-
     def history_dense(self):
         if not self.n_blocks:
             return self.empty_history()
@@ -613,10 +383,10 @@ class PCAQuantStore(SegmentedStore):
     def history_partials(self, qg, scaling):
         if not self.n_blocks:
             return []
-        backend = self.config.attention_backend
-        if use_triton(backend, qg.device):
+        backend = self.backend(qg.device)
+        if backend == "triton":
             coded = [pca_quant_triton_partial(self.blocks_view(), qg, scaling)]
-        elif qg.dtype != torch.float64 and use_native(backend, qg.device):  # fp64: the reference
+        elif qg.dtype != torch.float64 and backend == "native":  # fp64: the reference
             coded = [pca_blocks_partial(self.blocks_view(), qg, scaling)]
         else:
             coded = pca_blocks_partials(self.blocks_view(), qg, scaling)

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.cpu import NATIVE_CHOICES, use_native
+from ..attention.cpu import NATIVE_CHOICES
 from ..attention.quantized import QuantizedBlocks, kivi_partial, quantized_blocks_partials
 from ..config import MethodConfig, choice, integer, option
 from ..ops.accounting import dense_bf16_bytes
 from ..ops.bitpack import pack_bits
-from ..registry import register_method
+from ..ops.minmax import quantize_minmax
 from .base import LayerLayout
 from .segmented import SegmentedStore
 
@@ -49,44 +49,6 @@ class KIVIConfig(MethodConfig):
                                   "full-precision recent tokens (none: from budget, else 128)")
     tile_blocks: int = option(64, integer(minimum=1), "quantized blocks dequantized per attention tile")
     attention_backend: str = option("auto", choice(*NATIVE_CHOICES), "attention path for stored tokens")
-
-
-def fp16_zero_point(lo: torch.Tensor) -> torch.Tensor:
-    """``lo`` (fp32) rounded to fp16, downwards: every value ``>= lo`` is ``>=`` the zero point."""
-    zero = lo.half()
-    return torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, -float("inf"))), zero)
-
-
-def fp16_scale(step: torch.Tensor) -> torch.Tensor:
-    """``step`` (fp32) rounded to fp16, upwards: the top level stays at or above the range's top."""
-    scale = step.half()
-    return torch.where(scale.float() < step, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
-
-
-def quantize_minmax(x: torch.Tensor, dim: int,
-                    bits: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric quantization with fp16 scale/zero reduced over ``dim`` (kept as size 1).
-
-    The fp16 zero point is rounded down and the fp16 scale up, so every value lies in
-    ``[zero, zero + (2**bits - 1) * scale]`` and the error is at most ``scale / 2``. ``bits`` is one width,
-    or a tensor of widths that broadcasts against ``x`` (e.g. one per column of the last axis).
-
-    Returns:
-        ``(codes uint8, scale fp16, zero fp16)``.
-    """
-    levels = (1 << bits) - 1
-    if isinstance(levels, torch.Tensor):
-        levels = levels.to(device=x.device, dtype=torch.float32)
-    xf = x.float()
-    lo, hi = torch.aminmax(xf, dim=dim, keepdim=True)  # one pass (amin then amax was two strided ones)
-    zero = fp16_zero_point(lo)
-    step = (hi - zero.float()) / levels
-    scale = fp16_scale(step)
-    safe = torch.where(scale > 0, scale.float(), torch.ones_like(step))
-    codes = torch.round((xf - zero.float()) / safe).clamp_min(0)
-    codes = torch.minimum(codes, levels) if isinstance(levels, torch.Tensor) else codes.clamp_max(levels)
-    codes = codes.to(torch.uint8)
-    return codes, scale, zero
 
 
 def kivi_bytes_per_head(seq_len: int, bits: int, group: int, residual: int, head_dim: int, elem_bytes: int) -> int:
@@ -140,7 +102,6 @@ def _params_for_budget(seq_len: int, cfg: KIVIConfig, head_dim: int, elem_bytes:
     )
 
 
-@register_method("kivi")
 class KIVIStore(SegmentedStore):
     """Quantized blocks (``kq [H, B, G, packed d]``, ``ks/kz [H, B, 1, d]``, ``vq [H, B, G, d/Gv, packed Gv]``,
     ``vs/vz [H, B, G, d/Gv, 1]``) followed by the full-precision residual (the tail)."""
@@ -207,12 +168,8 @@ class KIVIStore(SegmentedStore):
         """Keys and values of blocks ``[lo, hi)`` as ``[H, (hi - lo) * group, d]`` fp32."""
         return self.blocks_view().dequantized(lo, hi)
 
-    @property
-    def attention_backend(self) -> str:
-        return self.config.attention_backend
-
     def stored_partials(self, qg, scaling):
-        if self.params is not None and use_native(self.config.attention_backend, qg.device):
+        if self.params is not None and self.backend(qg.device) == "native":
             return [kivi_partial(self.blocks_view(), qg, scaling, (self.tail_k, self.tail_v))]
         return super().stored_partials(qg, scaling)
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.scores import observation_probabilities
-from ..attention.softmax_merge import PartialAttention, dense_partial
-from .anchor.selection import pool_neighbourhood
+from ...attention.scores import observation_probabilities
+from ...attention.softmax_merge import PartialAttention, dense_partial
+from ..anchor.selection import pool_neighbourhood
 
 POSITION_BYTES = 4  # int32 position of a salient token, per KV head
 
