@@ -283,3 +283,24 @@ def test_attach_with_no_method_uses_the_frontiers_choice_for_smollm2_and_says_so
     assert f"[kvpack] method auto: {rec.method} at 0.28" in capsys.readouterr().err
     assert cache.kv_bytes() <= 0.28 * cache.dense_kv_bytes()
     assert rec.method in available_presets() + available_methods()
+
+
+@pytest.mark.model
+def test_generate_with_no_method_runs_the_default_and_returns_its_reason(smollm2, tmp_path, capsys):
+    from kvpack.cli import main
+    from kvpack.prompts import needle_prompt
+
+    prompt, _ = needle_prompt(smollm2[1], n_tokens=1024, depth=0.3, seed=5)
+    (tmp_path / "p.txt").write_text(prompt)
+    assert main(["generate", "--budget", "0.28", "--prompt-file", str(tmp_path / "p.txt"), "--json",
+                 "--max-new-tokens", "3", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rec = recommend(smollm2[0], 0.28)
+    assert out["recommendation"]["method"] == out["method"] == rec.method
+    assert out["recommendation"]["model"] == "smollm2"
+    assert out["kv_bytes"] <= 0.28 * out["dense_kv_bytes"] and out["config"]["calibration"] != AUTO_CALIBRATION
+    # a method named: no recommendation, the method's own label
+    assert main(["generate", "--method", "pca_quant-layers", "--budget", "0.28", "--prompt-file",
+                 str(tmp_path / "p.txt"), "--json", "--max-new-tokens", "2", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "pca_quant-layers" and "recommendation" not in out

@@ -21,7 +21,7 @@ DESCRIPTION = """kvpack: compressed KV caches for transformer language models, m
 
   eval        kvpack's main job: methods compared at matched bytes on RULER-style tasks
   generate    one measured generation with any method (methods: every method's fields)
-  demo        one needle, FullKV vs PuzzleKV, in about a minute
+  demo        one needle: FullKV, kvpack's default and the faithful PuzzleKV, in about a minute
   calibrate, compress, decompress, continue
               kvtc's storage flow: calibrate once per model, compress a prompt's cache to a blob
               or the prefix store, restore it and continue generating

@@ -1,5 +1,5 @@
 """``kvpack generate`` (one measured generation with any method), ``kvpack methods`` (every method's
-fields) and ``kvpack demo`` (one needle, FullKV vs PuzzleKV, in about a minute)."""
+fields) and ``kvpack demo`` (one needle: FullKV, kvpack's default and the faithful PuzzleKV, in about a minute)."""
 
 from __future__ import annotations
 
@@ -54,25 +54,25 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """Needle-in-filler generation with FullKV and PuzzleKV, printed side by side with measured bytes."""
+    """Needle-in-filler generation with FullKV, kvpack's default at 0.28 of the bytes and the faithful PuzzleKV,
+    printed side by side with measured bytes."""
     model, tokenizer = load_model(args.model)
     prompt, answer = needle_prompt(tokenizer, n_tokens=args.tokens, depth=0.4, seed=7)
     print(f"needle-in-filler prompt: {args.tokens} tokens, hidden number {answer}\n")
+    default, default_config, rec = resolve_auto(model, AUTO, {"budget": DEFAULT_BUDGET})
+    print(f"kvpack's default at {DEFAULT_BUDGET:g} of the bytes: {default} — {rec.reason}\n")
     rows = []
-    # The paper's default (P = 32, ranks derived for d) and the 64-token-page option that holds the
-    # needle on this d = 64 model (``benchmarks/bench_needle.py`` measures the two side by side).
-    for name, config in (("full", {}), ("puzzle", {}), ("puzzle", {"page_size": 64, "budget": 0.6})):
+    # FullKV; the default; the PuzzleKV paper's own setting (P = 32, ranks derived for d)
+    for name, config in (("full", {}), (default, default_config), ("puzzle", {})):
         r = generate(model, tokenizer, prompt, get_method(name, **config), max_new_tokens=args.max_new_tokens,
                      progress=True)
         rows.append(r)
         found = "yes" if answer in r.text else "no"
-        label = name + (" " + json.dumps(config) if config else "")
-        print(f"{label}: {r.text.strip()!r}  (needle retrieved: {found})")
-    print("\nmethod   config                                    KV bytes   dense bf16   ratio  prefill s  total s")
+        print(f"{r.method}: {r.text.strip()!r}  (needle retrieved: {found})")
+    print("\nmethod               KV bytes   dense bf16   ratio  prefill s  total s")
     for r in rows:
-        cfg = {k: v for k, v in r.config.items() if k in ("page_size", "rank_k", "rank_v")}
-        print(f"{r.method:<8} {json.dumps(cfg):<40} {r.kv_bytes:>11,} {r.dense_kv_bytes:>12,}  {r.ratio:>6.3f}"
-              f"  {r.prefill_s:>9.1f}  {r.total_s:>7.1f}")
+        print(f"{r.method:<18} {r.kv_bytes:>11,} {r.dense_kv_bytes:>12,}  {r.ratio:>6.3f}  {r.prefill_s:>9.1f}"
+              f"  {r.total_s:>7.1f}")
     print("\n(full keeps the model's fp32 cache, hence a ratio of 2 against the bf16 reference.)")
     return 0
 
@@ -120,7 +120,7 @@ def add_parsers(sub) -> None:
                     "kvpack methods")
     m.set_defaults(func=cmd_methods)
 
-    d = add_command(sub, "demo", "one needle with FullKV and PuzzleKV on the default model (about a minute)",
+    d = add_command(sub, "demo", "one needle with FullKV, kvpack's default and the faithful PuzzleKV (about a minute)",
                     "HF_HUB_OFFLINE=1 kvpack demo")
     d.add_argument("--model", default="smollm2")
     d.add_argument("--tokens", type=int, default=2048)
