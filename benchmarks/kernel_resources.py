@@ -24,8 +24,8 @@ import sys
 import torch
 from gpu_check import CONFIGS, build_store
 
+from kvpack.attention.history_and_chunk import FUSED_CHUNK_MAX
 from kvpack.attention.softmax_merge import PartialAttention, group_queries
-from kvpack.attention.triton import FUSED_CHUNK_MAX
 from kvpack.attention.triton.anchor_op import anchor_partials
 from kvpack.attention.triton.chunk_attend import fused_history_and_chunk
 from kvpack.attention.triton.cross_compile import compile_only

@@ -164,16 +164,18 @@ def guidance_markdown(choices: dict) -> str:
     lines = ["| model | setting | budget | use | its KL, score | runner-up: KL, score | best peer at ≤ bytes: KL, "
              "score |", "|---|---|---|---|---|---|---|"]
 
-    def figures(c: dict) -> str:
+    def figures(c: dict, samples: int | None = None) -> str:
+        """KL, score (interval); the sample count too where fewer than ``samples`` (a peer cut short)."""
         kl = "–" if c["kl"] is None else f"{c['kl']:.3g}"
-        return f"{kl}, {_fmt_ci(c['score'], c['score_ci'])}"
+        fewer = f", {c['n']} samples" if samples is not None and c["n"] < samples else ""
+        return f"{kl}, {_fmt_ci(c['score'], c['score_ci'])}{fewer}"
 
     for model, data in choices["models"].items():
         for setting, budgets in data["settings"].items():
             for b in budgets:
                 best, rest = b["ranked"][0], b["ranked"][1:]
                 runner = f"`{rest[0]['method']}` {figures(rest[0])}" if rest else "–"
-                peer = f"`{b['peer']['method']}` {figures(b['peer'])}" if b["peer"] else "none at ≤ bytes"
+                peer = f"`{b['peer']['method']}` {figures(b['peer'], best['n'])}" if b["peer"] else "none at ≤ bytes"
                 lines.append(f"| {model} | {setting} | {b['budget']:g} | `{best['method']}` | "
                              f"{figures(best)} | {runner} | {peer} |")
     return "\n".join(lines)
