@@ -239,6 +239,9 @@ class KVPackCache(Cache):
         self.codec = method
         shape = attention_shape(model)
         text = model.config.get_text_config(decoder=True)
+        if getattr(text, "attn_logit_softcapping", None) is not None:  # Gemma 2: tanh-capped logits
+            raise NotImplementedError(f"{type(model).__name__} caps its attention logits (attn_logit_softcapping="
+                                      f"{text.attn_logit_softcapping}); kvpack's attention does not (softcap)")
         layer_types = getattr(text, "layer_types", None)
         layers = DynamicCache(config=model.config).layers
         # One RoPE table per layer type, shared by its layers (not one per layer).
@@ -249,7 +252,10 @@ class KVPackCache(Cache):
                                  head_dim=shape["head_dim"], model_dtype=model.dtype, rope=tables[i])
             layers[i] = KVPackLayer(method, layout, self._row_groups)
         if not any(isinstance(layer, KVPackLayer) for layer in layers):
-            raise ValueError("this model has no full-attention layer with a standard cache for kvpack to compress")
+            kinds = sorted({type(layer).__name__ for layer in layers})
+            raise ValueError(f"this model has no full-attention layer with a standard cache for kvpack to compress "
+                             f"(its cache layers: {', '.join(kinds)}; a sliding window on every layer is kept as the "
+                             "model keeps it)")
         self._layouts = [layer.layout for layer in layers if isinstance(layer, KVPackLayer)]
         self._groups: list = []
         self.method_label = method.name  # a preset's name where kvpack.attach made it from one

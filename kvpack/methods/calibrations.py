@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,7 +153,8 @@ def ensure_calibration(need: CalibrationNeed, model, tokenizer=None, progress: b
     _writable(target.parent)
     what = "layer profile" if need.kind == "layer_profile" else "kvtc calibration"
     if progress:
-        print(f"[kvpack] making this model's {what} once, into {target} (later runs read it)", flush=True)
+        print(f"[kvpack] making this model's {what} once, into {target} (later runs read it)", file=sys.stderr,
+              flush=True)
     artifact = _make(need, model, tokenizer, progress)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
     try:
@@ -173,6 +175,9 @@ def resolve_calibration(method: str, config: dict, model, tokenizer=None, progre
     value = config.get("calibration")
     if not is_auto_calibration(value):
         return config
-    need = calibration_need(method, value, config.get("ratio"))
+    ratio = config.get("ratio")
+    if ratio is None and config.get("budget"):  # kvtc given a budget compresses at 1 / budget (its target_ratio)
+        ratio = round(1.0 / config["budget"], 6)
+    need = calibration_need(method, value, ratio)
     return {**config, "calibration": str(ensure_calibration(need, model, tokenizer, progress))}
 
