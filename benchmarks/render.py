@@ -20,6 +20,8 @@ a page of docs/; nothing between the markers is typed by hand. Blocks:
   the runner-up and the best peer (:func:`kvpack.eval.frontier.guidance_markdown`), from the same ranking the
   default method reads;
 * ``presets`` — the preset table (:mod:`kvpack.presets`): each name, its method, its fixed fields;
+* ``supported-models`` — the decoder families of the architecture matrix (:mod:`kvpack.hf.families`): what each
+  exercises, whether kvpack serves it, which methods refuse which feature;
 * ``options:METHOD`` — the method's config fields: default, allowed values, what each does;
 * ``sources`` — each results file with the commands, kvpack commits, package versions and CPUs of its rows.
 
@@ -101,6 +103,26 @@ def presets_table() -> str:
                      f"{' (retired: no longer in the frontier plan)' if p.retired else ''} |")
     return "\n".join(lines) + ("\n\n`calibration=auto`: the model's own calibration, made on first use and kept in "
                                "kvpack's cache directory (shipped for the measured models' layer profiles).\n")
+
+
+def supported_models() -> str:
+    from kvpack.hf.families import FAMILIES
+
+    lines = ["| family | `model_type` | what its attention does | kvpack's cache | refusals by method | budget |",
+             "|---|---|---|---|---|---|"]
+    for f in FAMILIES:
+        served = f"refused: {f.refused}" if f.refused else "served (FullKV equal to transformers' generation)"
+        refusals = "; ".join(f"`{m}`: {why}" for m, why in f.method_refusals.items()) or "–"
+        budget = ("–" if f.refused else "full-attention layers only: sliding-window layers kept dense, outside it"
+                  if f.sliding_outside_budget else "the whole cache")
+        lines.append(f"| {f.name} | `{f.model_type}` | {f.features} | {served} | {refusals} | {budget} |")
+    return "\n".join(lines) + ("\n\nFrom `kvpack/hf/families.py`, the table `tests/test_architectures.py` holds kvpack "
+                               "to "
+                               "on a tiny random-weight model of each family (built from transformers' own config "
+                               "class): FullKV's generation token for token, `pca_quant` and `kivi` within their "
+                               "budget after the prefill and every decode step, each refusal by its message. "
+                               "`load_model` refuses a family not listed, naming it (`allow_untested=True`, "
+                               "`--allow-untested`: load it anyway).\n")
 
 
 def frontier_summary(records: dict[str, dict]) -> str:
@@ -198,12 +220,15 @@ def render_block(name: str, records: dict[str, dict]) -> str:
         return frontier_guidance(records)
     if kind == "presets":
         return presets_table()
+    if kind == "supported-models":
+        return supported_models()
     if kind == "options":
         return options(arg)
     if kind == "sources":
         return sources(records)
     raise ValueError(f"unknown generated block {name!r} (known: frontier-summary, frontier-rows:F, "
-                     "peers-vs-kvpack, frontier-coverage, frontier-guidance, presets, options:M, sources)")
+                     "peers-vs-kvpack, frontier-coverage, frontier-guidance, presets, supported-models, options:M, "
+                     "sources)")
 
 
 def render_text(text: str, records: dict[str, dict]) -> str:

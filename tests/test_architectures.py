@@ -11,11 +11,14 @@ attention per family are the matrix's next columns.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from kvpack.hf.attach import attach
 from kvpack.hf.cache import cache_kwargs
+from kvpack.hf.families import BY_MODEL_TYPE, FAMILIES, family_of
 
 VOCAB, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 128, 4, 4, 2, 16
 COMMON = dict(vocab_size=VOCAB, num_hidden_layers=LAYERS, num_attention_heads=HEADS, hidden_size=HEADS * HEAD_DIM,
@@ -39,44 +42,44 @@ def _build(cls_name: str, model_name: str, gqa: bool = True, **extra):
     return make
 
 
-# family: (what it exercises, factory); REFUSED: the families kvpack refuses by name, with the feature named
-REFUSED = {
-    "gemma2": "softcap",  # logit softcapping: kvpack's attention does not apply it
-    "mistral": "no full-attention layer",  # every layer slides: nothing for kvpack to compress (not yet)
-}
-FAMILIES = {
-    "llama3": ("llama3 RoPE scaling", _build(
+# model_type: a tiny model of the family (what each exercises: kvpack.hf.families, the table these tests hold
+# kvpack to and the docs render)
+FACTORIES = {
+    "llama": _build(
         "LlamaConfig", "LlamaForCausalLM", head_dim=HEAD_DIM,
         rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
-    "mistral": ("a sliding window on every layer", _build(
-        "MistralConfig", "MistralForCausalLM", head_dim=HEAD_DIM, sliding_window=24)),
-    "qwen2": ("q/k/v biases", _build("Qwen2Config", "Qwen2ForCausalLM", head_dim=HEAD_DIM)),
-    "qwen3": ("q/k norm", _build("Qwen3Config", "Qwen3ForCausalLM", head_dim=HEAD_DIM)),
-    "gemma2": ("attention softcap, alternating sliding layers", _build(
-        "Gemma2Config", "Gemma2ForCausalLM", head_dim=HEAD_DIM, sliding_window=24, attn_logit_softcapping=20.0,
-        final_logit_softcapping=30.0)),
-    "gemma3": ("sliding and global layers with two RoPE bases, q/k norm", _build(
-        "Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=HEAD_DIM, sliding_window=24,
-        layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2))),
-    "phi3": ("fused qkv projection", _build("Phi3Config", "Phi3ForCausalLM", pad_token_id=0)),
-    "olmo2": ("q/k norm after the projection", _build("Olmo2Config", "Olmo2ForCausalLM")),
-    "gpt_neox": ("partial rotary (a quarter of the head)", _build(
-        "GPTNeoXConfig", "GPTNeoXForCausalLM", gqa=False, rotary_pct=0.25, use_parallel_residual=True)),
-    "stablelm": ("partial rotary, q/k/v biases", _build(
-        "StableLmConfig", "StableLmForCausalLM", partial_rotary_factor=0.25, use_qkv_bias=True)),
-    "granite": ("attention multiplier, residual and logit scaling", _build(
-        "GraniteConfig", "GraniteForCausalLM", attention_multiplier=0.3, residual_multiplier=0.5,
-        logits_scaling=2.0, embedding_multiplier=3.0)),
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "mistral": _build("MistralConfig", "MistralForCausalLM", head_dim=HEAD_DIM, sliding_window=24),
+    "qwen2": _build("Qwen2Config", "Qwen2ForCausalLM", head_dim=HEAD_DIM),
+    "qwen3": _build("Qwen3Config", "Qwen3ForCausalLM", head_dim=HEAD_DIM),
+    "gemma2": _build("Gemma2Config", "Gemma2ForCausalLM", head_dim=HEAD_DIM, sliding_window=24,
+                     attn_logit_softcapping=20.0, final_logit_softcapping=30.0),
+    "gemma3_text": _build("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=HEAD_DIM, sliding_window=24,
+                          layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2)),
+    "phi3": _build("Phi3Config", "Phi3ForCausalLM", pad_token_id=0),
+    "olmo2": _build("Olmo2Config", "Olmo2ForCausalLM"),
+    "gpt_neox": _build("GPTNeoXConfig", "GPTNeoXForCausalLM", gqa=False, rotary_pct=0.25,
+                       use_parallel_residual=True),
+    "stablelm": _build("StableLmConfig", "StableLmForCausalLM", partial_rotary_factor=0.25, use_qkv_bias=True),
+    "granite": _build("GraniteConfig", "GraniteForCausalLM", attention_multiplier=0.3, residual_multiplier=0.5,
+                      logits_scaling=2.0, embedding_multiplier=3.0),
 }
+REFUSED = {f.model_type: f.refused for f in FAMILIES if f.refused}
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_of_the_table_has_a_tiny_model_of_its_type():
+    assert set(FACTORIES) == {f.model_type for f in FAMILIES} and len(FAMILIES) >= 10
+    for model_type, make in FACTORIES.items():
+        model = make()
+        assert family_of(model.config) is BY_MODEL_TYPE[model_type], model_type
+
+
+@pytest.mark.parametrize("family", sorted(FACTORIES))
 def test_full_generates_exactly_like_transformers_on_every_family(family):
-    model = FAMILIES[family][1]()
+    model = FACTORIES[family]()
     ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
     if family in REFUSED:  # refused when the cache is made, naming the feature; nothing runs
-        with pytest.raises((ValueError, NotImplementedError), match=REFUSED[family]):
+        with pytest.raises((ValueError, NotImplementedError), match=re.escape(REFUSED[family])):
             with attach(model, "full"):
                 pass
         return
@@ -88,38 +91,28 @@ def test_full_generates_exactly_like_transformers_on_every_family(family):
     assert torch.equal(out, ref), family
 
 
-def test_the_matrix_covers_ten_families():
-    assert len(FAMILIES) >= 10
-
-
-# (family, method): the feature a method refuses on a family, named in its message
-METHOD_REFUSALS = {
-    ("gpt_neox", "pca_quant"): "full-width rotary",  # pre-RoPE keys: a quarter-width rotary is not undone
-    ("stablelm", "pca_quant"): "full-width rotary",
-}
 COMPRESSING = {"pca_quant": {"budget": 0.6, "block": 16, "residual": 8}, "kivi": {"budget": 0.6}}
-# Families whose sliding-window layers stay the model's own: the budget covers the full-attention layers only, so
-# the whole cache holds more (0.71-0.73 of it at 0.6 here). A known gap, strict: it fails once the budget covers
-# the whole cache, and this list must then shrink.
-WHOLE_CACHE_GAP = {"gemma3"}
 
 
 def _family_params():
-    for family in sorted(set(FAMILIES) - set(REFUSED)):
+    """The served families; those whose sliding-window layers stay outside the budget (the whole cache then holds
+    0.71-0.73 at 0.6 here) as strict xfails: a known gap that fails the test once the budget covers it."""
+    for family in sorted(set(FACTORIES) - set(REFUSED)):
         marks = [pytest.mark.xfail(strict=True, reason="the budget does not yet cover sliding-window layers")] \
-            if family in WHOLE_CACHE_GAP else []
+            if BY_MODEL_TYPE[family].sliding_outside_budget else []
         yield pytest.param(family, marks=marks, id=family)
 
 
 @pytest.mark.parametrize("method", sorted(COMPRESSING))
 @pytest.mark.parametrize("family", list(_family_params()))
 def test_a_compressing_method_holds_its_budget_or_names_the_feature_it_refuses(family, method):
-    model = FAMILIES[family][1]()
+    model = FACTORIES[family]()
+    refusal = BY_MODEL_TYPE[family].method_refusals.get(method)
     budget = COMPRESSING[method]["budget"]
     ids = torch.randint(0, VOCAB, (1, 200), generator=torch.Generator().manual_seed(4))
     with torch.no_grad(), attach(model, method, **COMPRESSING[method]) as cache:
-        if (family, method) in METHOD_REFUSALS:
-            with pytest.raises(ValueError, match=METHOD_REFUSALS[(family, method)]):
+        if refusal is not None:
+            with pytest.raises(ValueError, match=re.escape(refusal)):
                 model(ids, use_cache=True, **cache_kwargs(model, cache))
             return
         out = model(ids, use_cache=True, **cache_kwargs(model, cache))
@@ -130,3 +123,18 @@ def test_a_compressing_method_holds_its_budget_or_names_the_feature_it_refuses(f
             nxt = out.logits[:, -1:].argmax(-1)
             ratios.append(cache.kv_bytes() / cache.dense_kv_bytes())
     assert max(ratios) <= budget, (family, method, ratios)
+
+
+def test_load_model_names_a_family_it_has_not_been_tested_on(tmp_path):
+    from transformers import GPT2Config
+
+    from kvpack.hf.families import check_tested
+    from kvpack.hf.models import load_model
+
+    # a config alone: the family is refused before any weight is read
+    GPT2Config(n_layer=2, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' \(GPT2LMHeadModel\) has not been tested with kvpack; "
+                                         r"tested: .*llama.*allow_untested=True"):
+        load_model(str(tmp_path))
+    for make in FACTORIES.values():  # every family of the table passes the check
+        check_tested(make().config, "tiny")

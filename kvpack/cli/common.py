@@ -40,7 +40,8 @@ def method_config(method: str, budget: float | None, sets: list[str], calibratio
 def load(args):
     """``(model, tokenizer)`` from the model arguments (:func:`add_model_args`): ``smollm2``, a model
     directory or a .gguf file, in ``--dtype``, with ``--half-products``."""
-    return load_model(args.model, dtype=getattr(torch, args.dtype), half_products=args.half_products)
+    return load_model(args.model, dtype=getattr(torch, args.dtype), half_products=args.half_products,
+                      allow_untested=getattr(args, "allow_untested", False))
 
 
 def read_prompt(args) -> str:
@@ -52,6 +53,8 @@ def add_model_args(p, dtype_default: str = "float32") -> None:
                    help="smollm2 (default), qwen2.5-0.5b (after scripts/install_models.sh), a model directory or "
                    "a .gguf file")
     p.add_argument("--dtype", default=dtype_default, choices=DTYPES, help=f"model dtype (default {dtype_default})")
+    p.add_argument("--allow-untested", action="store_true",
+                   help="load a model of a family kvpack has not been tested on (kvpack.hf.families) anyway")
     p.add_argument("--half-products", default="auto", choices=HALF_PRODUCTS,
                    help="a bf16/fp16 model's linear layers on the CPU: auto (default) multiplies long inputs in fp32 "
                         "and rounds back where the CPU has no bf16/fp16 arithmetic, float32 does so on any CPU, "

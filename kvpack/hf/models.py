@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..paths import cache_dir
 from ..progress import status
+from .families import check_tested
 from .half_linear import use_fp32_products, wants_fp32_products
 
 DEFAULT_MODEL = "smollm2"
@@ -215,7 +216,7 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL):
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str | None = None,
-               half_products: str = "auto"):
+               half_products: str = "auto", allow_untested: bool = False):
     """Load a causal language model and its tokenizer with no network access.
 
     Args:
@@ -229,12 +230,15 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
             (:mod:`kvpack.hf.half_linear`: a 2K SmolLM2 prefill in bf16 47 -> 11.7 s on a Zen 1 EPYC; the
             same rounding contract);
             ``float32``: so on any CPU; ``native``: torch's own kernels always.
+        allow_untested: load a model whose family kvpack's architecture matrix does not cover
+            (:mod:`kvpack.hf.families`) instead of refusing it.
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
 
     Raises:
-        ValueError: an unknown ``half_products``.
+        ValueError: an unknown ``half_products``; a model of an untested family (named), unless
+            ``allow_untested``.
 
     Example:
         >>> import kvpack
@@ -244,6 +248,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
     """
     wants = wants_fp32_products(dtype, device or "cpu", half_products)
     directory = model_directory(name_or_path)
+    if not allow_untested:  # before the weights: a family kvpack has not been tested on is named, not loaded
+        check_tested(AutoConfig.from_pretrained(directory, local_files_only=True), str(name_or_path))
     with status(f"loading {name_or_path}"):
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
