@@ -19,7 +19,7 @@ import torch
 
 import kvpack
 from kvpack.eval.runner import method_specs
-from kvpack.methods import available_methods, available_presets, get_method, method_config_class
+from kvpack.methods import available_methods, available_presets, get_method, method_config_class, method_takes_budget
 from kvpack.methods import calibrations as cal
 from kvpack.methods.recommend import load_choices, recommend, resolve_auto
 from kvpack.presets import AUTO_CALIBRATION, PRESETS, auto_calibration_settings, is_auto_calibration
@@ -304,3 +304,16 @@ def test_generate_with_no_method_runs_the_default_and_returns_its_reason(smollm2
                  str(tmp_path / "p.txt"), "--json", "--max-new-tokens", "2", "--quiet"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["method"] == "pca_quant-layers" and "recommendation" not in out
+
+
+@pytest.mark.model
+def test_eval_auto_runs_the_defaults_pick_at_each_budget_named_as_it(smollm2):
+    specs = method_specs(["full", "auto", "pca_quant-salient"], [0.28, 0.15], model=smollm2[0])
+    picks = {b: recommend(smollm2[0], b).method for b in (0.28, 0.15)}
+    named = [(s.name or s.method, s.budget) for s in specs]
+    assert ("full", None) in named and (picks[0.28], 0.28) in named
+    assert (picks[0.15], 0.15 if method_takes_budget(picks[0.15]) else None) in named
+    # auto's pick at 0.28 and the same preset named by hand are one spec (the rows are that method's rows)
+    assert len([n for n in named if n == ("pca_quant-salient", 0.28)]) == 1
+    with pytest.raises(ValueError, match="method 'auto' needs the model"):
+        method_specs(["auto"], [0.28])
