@@ -119,8 +119,9 @@ def supported_models() -> str:
     return "\n".join(lines) + ("\n\nFrom `kvpack/hf/families.py`, the table `tests/test_architectures.py` holds kvpack "
                                "to "
                                "on a tiny random-weight model of each family (built from transformers' own config "
-                               "class): FullKV's generation token for token, `pca_quant` and `kivi` within their "
-                               "budget after the prefill and every decode step, each refusal by its message. "
+                               "class): FullKV's generation token for token, every compressing resident method "
+                               "but `kvtc_resident` within its budget after the prefill and every decode step "
+                               "(SnapKV and H2O: after the prefill), each refusal by its message. "
                                "`load_model` refuses a family not listed, naming it (`allow_untested=True`, "
                                "`--allow-untested`: load it anyway).\n")
 

@@ -3,10 +3,10 @@ each with the attention features that break KV-cache code.
 
 The matrix's first columns: FullKV through kvpack's cache and attention generates exactly what transformers
 generates with its own cache on every family kvpack serves, and the families it does not serve are refused when
-the cache is made, naming the feature (Gemma 2's logit softcap; Mistral's window on every layer); a compressing
-method (``pca_quant``, ``kivi``) holds its budget after the prefill and every decode step, or names the feature it
-refuses (partial rotary for pre-RoPE keys). Every resident method on every family, padded batches and fp64
-attention per family are the matrix's next columns.
+the cache is made, naming the feature (Gemma 2's logit softcap; Mistral's window on every layer); every compressing
+resident method holds its budget after the prefill and every decode step (SnapKV and H2O: after the prefill, as
+their papers keep generated tokens dense), or names the feature it refuses (a partial rotary, for the methods that
+keep keys before RoPE). Padded batches and fp64 attention per family are the matrix's next columns.
 """
 
 from __future__ import annotations
@@ -91,25 +91,37 @@ def test_full_generates_exactly_like_transformers_on_every_family(family):
     assert torch.equal(out, ref), family
 
 
-COMPRESSING = {"pca_quant": {"budget": 0.6, "block": 16, "residual": 8}, "kivi": {"budget": 0.6}}
+def _compressing_methods() -> dict[str, dict]:
+    """Every resident method that compresses, with the method matrix's small config (kvtc_resident, which needs a
+    kvtc calibration of each model, is held to the same on the matrix's three models)."""
+    from kvpack.resident import resident_methods
+
+    from .test_method_matrix import CALIBRATED, MATRIX
+
+    return {m: MATRIX[m] for m in sorted(resident_methods()) if m != "full" and m not in CALIBRATED}
 
 
-def _family_params():
-    """The served families; those whose sliding-window layers stay outside the budget (the whole cache then holds
-    0.71-0.73 at 0.6 here) as strict xfails: a known gap that fails the test once the budget covers it."""
+COMPRESSING = _compressing_methods()
+
+
+def _family_method_params():
+    """Every served family with every compressing method; where the family's sliding-window layers stay outside
+    the budget (the whole cache then holds 0.70-0.81 at budgets of 0.5-0.7 here) a budgeted method is a strict
+    xfail: a known gap that fails the test once the budget covers it."""
     for family in sorted(set(FACTORIES) - set(REFUSED)):
-        marks = [pytest.mark.xfail(strict=True, reason="the budget does not yet cover sliding-window layers")] \
-            if BY_MODEL_TYPE[family].sliding_outside_budget else []
-        yield pytest.param(family, marks=marks, id=family)
+        for method, config in COMPRESSING.items():
+            gap = BY_MODEL_TYPE[family].sliding_outside_budget and config.get("budget") is not None
+            marks = [pytest.mark.xfail(strict=True, reason="the budget does not yet cover sliding-window layers")] \
+                if gap else []
+            yield pytest.param(family, method, marks=marks, id=f"{family}-{method}")
 
 
-@pytest.mark.parametrize("method", sorted(COMPRESSING))
-@pytest.mark.parametrize("family", list(_family_params()))
+@pytest.mark.parametrize(("family", "method"), list(_family_method_params()))
 def test_a_compressing_method_holds_its_budget_or_names_the_feature_it_refuses(family, method):
     model = FACTORIES[family]()
     refusal = BY_MODEL_TYPE[family].method_refusals.get(method)
-    budget = COMPRESSING[method]["budget"]
-    ids = torch.randint(0, VOCAB, (1, 200), generator=torch.Generator().manual_seed(4))
+    budget = COMPRESSING[method].get("budget")
+    ids = torch.randint(0, VOCAB, (1, 150), generator=torch.Generator().manual_seed(4))
     with torch.no_grad(), attach(model, method, **COMPRESSING[method]) as cache:
         if refusal is not None:
             with pytest.raises(ValueError, match=re.escape(refusal)):
@@ -118,11 +130,16 @@ def test_a_compressing_method_holds_its_budget_or_names_the_feature_it_refuses(f
         out = model(ids, use_cache=True, **cache_kwargs(model, cache))
         ratios = [cache.kv_bytes() / cache.dense_kv_bytes()]
         nxt = out.logits[:, -1:].argmax(-1)
-        for _ in range(4):
+        for _ in range(3):
             out = model(nxt, use_cache=True, **cache_kwargs(model, cache))
             nxt = out.logits[:, -1:].argmax(-1)
             ratios.append(cache.kv_bytes() / cache.dense_kv_bytes())
-    assert max(ratios) <= budget, (family, method, ratios)
+    # a method whose paper keeps generated tokens dense (SnapKV, H2O) holds its budget over the prompt only
+    covers_decode = cache.kvpack_layers[0].rows[0].budget_covers_decode
+    held = ratios if covers_decode else ratios[:1]
+    if budget is not None:  # hf_quantized's bytes follow its bits: the budget is the method matrix's concern
+        assert max(held) <= budget, (family, method, ratios)
+    assert all(0 < r < 1 for r in ratios), (family, method, ratios)
 
 
 def test_load_model_names_a_family_it_has_not_been_tested_on(tmp_path):

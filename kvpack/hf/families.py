@@ -38,7 +38,9 @@ class Family:
         object.__setattr__(self, "method_refusals", MappingProxyType(dict(self.method_refusals)))
 
 
-PARTIAL_ROTARY = "full-width rotary"  # pre-RoPE keys (pca_quant's default) need RoPE over the whole head
+PARTIAL_ROTARY = "full-width rotary"  # pre-RoPE keys need RoPE over the whole head to undo it
+# the methods that keep keys before RoPE (by default): they refuse a partial rotary by name
+PRE_ROPE_METHODS = ("anchor", "anchor_plus", "pca_quant", "puzzle_plus")
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", "Llama 3 (and SmolLM2)", "llama3 RoPE scaling, GQA"),
@@ -52,8 +54,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("phi3", "Phi-3", "fused qkv projection"),
     Family("olmo2", "OLMo 2", "q/k norm after the projection"),
     Family("gpt_neox", "GPT-NeoX / Pythia", "partial rotary (a quarter of the head), no GQA",
-           method_refusals={"pca_quant": PARTIAL_ROTARY}),
-    Family("stablelm", "StableLM", "partial rotary, q/k/v biases", method_refusals={"pca_quant": PARTIAL_ROTARY}),
+           method_refusals=dict.fromkeys(PRE_ROPE_METHODS, PARTIAL_ROTARY)),
+    Family("stablelm", "StableLM", "partial rotary, q/k/v biases",
+           method_refusals=dict.fromkeys(PRE_ROPE_METHODS, PARTIAL_ROTARY)),
     Family("granite", "Granite", "attention multiplier, residual and logit scaling"),
 )
 
