@@ -121,7 +121,9 @@ def supported_models() -> str:
                                "on a tiny random-weight model of each family (built from transformers' own config "
                                "class): FullKV's generation token for token, every compressing resident method "
                                "but `kvtc_resident` within its budget after the prefill and every decode step "
-                               "(SnapKV and H2O: after the prefill), each refusal by its message. "
+                               "(SnapKV and H2O: after the prefill), a left-padded batch equal to each prompt alone, "
+                               "attention equal in fp64 to attention over the stored form's reconstruction, each "
+                               "refusal by its message. "
                                "`load_model` refuses a family not listed, naming it (`allow_untested=True`, "
                                "`--allow-untested`: load it anyway).\n")
 

@@ -6,7 +6,10 @@ generates with its own cache on every family kvpack serves, and the families it 
 the cache is made, naming the feature (Gemma 2's logit softcap; Mistral's window on every layer); every compressing
 resident method holds its budget after the prefill and every decode step (SnapKV and H2O: after the prefill, as
 their papers keep generated tokens dense), or names the feature it refuses (a partial rotary, for the methods that
-keep keys before RoPE). Padded batches and fp64 attention per family are the matrix's next columns.
+keep keys before RoPE); a left-padded batch decodes what each prompt decodes alone; a chunk attends over each
+compressed layer as fp64 attention over the store's reconstruction. The methods that need a calibration of the
+model (``kvtc_resident``, the presets with ``calibration=auto``) are held to the same on the method matrix's
+three models.
 """
 
 from __future__ import annotations
@@ -140,6 +143,70 @@ def test_a_compressing_method_holds_its_budget_or_names_the_feature_it_refuses(f
     if budget is not None:  # hf_quantized's bytes follow its bits: the budget is the method matrix's concern
         assert max(held) <= budget, (family, method, ratios)
     assert all(0 < r < 1 for r in ratios), (family, method, ratios)
+
+
+def _served_pairs():
+    """Every served family with FullKV and every compressing method; a pair whose method refuses the family's
+    feature is a named skip (the refusal itself is checked above)."""
+    for family in sorted(set(FACTORIES) - set(REFUSED)):
+        for method in ["full", *COMPRESSING]:
+            refusal = BY_MODEL_TYPE[family].method_refusals.get(method)
+            marks = [pytest.mark.skip(reason=f"{method} refuses {family}: {refusal}")] if refusal else []
+            yield pytest.param(family, method, marks=marks, id=f"{family}-{method}")
+
+
+def _config(method: str) -> dict:
+    return {} if method == "full" else COMPRESSING[method]
+
+
+@pytest.mark.parametrize(("family", "method"), list(_served_pairs()))
+@torch.no_grad()
+def test_a_padded_batch_decodes_as_each_prompt_alone_on_every_family(family, method):
+    model = FACTORIES[family]()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g) for n in (150, 123)]
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    singles = []
+    for p in prompts:
+        with attach(model, method, **_config(method)) as cache:
+            out = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), **kwargs,
+                                 **cache_kwargs(model, cache))
+        singles.append(out[0, len(p):])
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    with attach(model, method, **_config(method)) as cache:
+        out = model.generate(ids, attention_mask=mask, **kwargs, **cache_kwargs(model, cache))
+    for i, p in enumerate(prompts):
+        assert torch.equal(out[i, width:], singles[i]), f"{family} {method} row {i}"
+        assert all(layer.rows[i].seq_len == len(p) + 5 for layer in cache.kvpack_layers)  # no padding stored
+
+
+@pytest.mark.parametrize(("family", "method"), list(_served_pairs()))
+@torch.no_grad()
+def test_attention_over_the_store_is_attention_over_its_reconstruction_on_every_family(family, method):
+    """After the prefill, a chunk attends over each compressed layer as fp64 attention over what the store's
+    ``reconstruct()`` returns: the family's own features (biases, norms, RoPE variants, scaling) live in the keys
+    and queries the model hands the store, so the stored form must hold exactly what attention reads."""
+    from kvpack.attention.reference import reference_attention
+
+    model = FACTORIES[family]()
+    ids = torch.randint(0, VOCAB, (1, 150), generator=torch.Generator().manual_seed(6))
+    with attach(model, method, **_config(method)) as cache:
+        model(ids, use_cache=True, **cache_kwargs(model, cache))
+    for layer in cache.kvpack_layers:
+        store = layer.rows[0]
+        k_hat, v_hat = store.reconstruct()
+        H, n, d = k_hat.shape
+        g = torch.Generator().manual_seed(store.layout.layer_idx)
+        q = torch.randn(store.layout.q_heads, 3, d, generator=g)
+        k_new, v_new = torch.randn(H, 3, d, generator=g), torch.randn(H, 3, d, generator=g)
+        out = store.attend(q, k_new, v_new, d ** -0.5)
+        ref = reference_attention(q.double(), torch.cat([k_hat, k_new], 1).double(),
+                                  torch.cat([v_hat, v_new], 1).double(), d ** -0.5, causal_offset=n)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
 
 
 def test_load_model_names_a_family_it_has_not_been_tested_on(tmp_path):
