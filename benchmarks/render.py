@@ -22,6 +22,9 @@ a page of docs/; nothing between the markers is typed by hand. Blocks:
 * ``presets`` — the preset table (:mod:`kvpack.presets`): each name, its method, its fixed fields;
 * ``supported-models`` — the decoder families of the architecture matrix (:mod:`kvpack.hf.families`): what each
   exercises, whether kvpack serves it, which methods refuse which feature;
+* ``decode-long-context`` — the long-context decode rows (``benchmarks/results/decode-long-context.jsonl``,
+  from ``bench_decode_e2e.py --json``): per model, dtype and prompt length, each cache's ms/token against
+  ``DynamicCache``, kvpack's dense kernel and the memory floor;
 * ``options:METHOD`` — the method's config fields: default, allowed values, what each does;
 * ``sources`` — each results file with the commands, kvpack commits, package versions and CPUs of its rows.
 
@@ -128,6 +131,28 @@ def supported_models() -> str:
                                "`--allow-untested`: load it anyway).\n")
 
 
+def decode_long_context() -> str:
+    path = RESULTS / "decode-long-context.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    if not rows:
+        return "(no long-context decode rows yet)\n"
+    lines = ["| model | dtype | prompt tokens | cache | ms/token (median) | slowest ÷ median | ÷ DynamicCache | "
+             "÷ kvpack `full` | × the memory floor | KV ÷ dense bf16 | prefill s | CPU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        full = "–" if r.get("ratio_full") is None else f"{r['ratio_full']:.2f}x"
+        kv = "–" if r.get("kv_ratio") is None else f"{r['kv_ratio']:.3f}"
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['prompt_tokens']} | `{r['row']}` | {r['median_ms']:.1f} | "
+                     f"{r['slowest_vs_median']:.2f} | {r['ratio']:.2f}x | {full} | {r['x_floor']:.2f}x | {kv} | "
+                     f"{r['prefill_s']:.1f} | {r['cpu']} |")
+    bandwidths = sorted({f"{r['cpu']}: {r['read_bandwidth_gbs']} GB/s" for r in rows})
+    commands = sorted({r["command"] for r in rows})
+    return ("\n".join(lines) + f"\n\nRatios within one run (one CPU): each row's median decode step ÷ the same run's "
+            "`DynamicCache` row and `full` row; the floor is (weights + the cache's held bytes) ÷ the streaming-read "
+            f"bandwidth measured in that run ({'; '.join(bandwidths)}). Commands: "
+            + "; ".join(f"`{c}`" for c in commands) + ".\n")
+
+
 def frontier_summary(records: dict[str, dict]) -> str:
     from kvpack.eval.frontier import frontier_table_markdown
 
@@ -225,12 +250,15 @@ def render_block(name: str, records: dict[str, dict]) -> str:
         return presets_table()
     if kind == "supported-models":
         return supported_models()
+    if kind == "decode-long-context":
+        return decode_long_context()
     if kind == "options":
         return options(arg)
     if kind == "sources":
         return sources(records)
     raise ValueError(f"unknown generated block {name!r} (known: frontier-summary, frontier-rows:F, "
-                     "peers-vs-kvpack, frontier-coverage, frontier-guidance, presets, supported-models, options:M, "
+                     "peers-vs-kvpack, frontier-coverage, frontier-guidance, presets, supported-models, "
+                     "decode-long-context, options:M, "
                      "sources)")
 
 
