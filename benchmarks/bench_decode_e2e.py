@@ -241,7 +241,11 @@ def main() -> int:
     bandwidth = read_bandwidth(args.probe_mb)
     print(f"# bench_decode_e2e ({machine()}), {args.model}, {args.new_tokens} new tokens per row; native CPU kernels: "
           f"{'built' if lib is not None else 'unavailable (PyTorch path)'}; streaming read {bandwidth / 1e9:.1f} GB/s")
-    fields = {"command": "python benchmarks/bench_decode_e2e.py " + " ".join(sys.argv[1:]), "model": args.model,
+    argv = sys.argv[1:]
+    if args.json:  # the command as run from the repository root, wherever it ran from
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        argv = [os.path.relpath(os.path.abspath(a), root) if a == args.json else a for a in argv]
+    fields = {"command": "python benchmarks/bench_decode_e2e.py " + " ".join(argv), "model": args.model,
               **{k: v for k, v in machine_fields("").items() if k != "dtype"}, "machine": machine(),
               "read_bandwidth_gbs": round(bandwidth / 1e9, 2)}
     for dtype_name in args.dtypes.split(","):
