@@ -215,3 +215,29 @@ class RedisServer:
             except Exception:  # noqa: BLE001 - a server that ignores SIGTERM is killed
                 os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+def check_padded_batch_decodes_as_each_prompt_alone(model, method: str, config: dict, prompts: list, new: int,
+                                                   label: str = "") -> None:
+    """Greedy ``new`` tokens of each prompt alone, then of all of them left-padded in one batch, with ``method``'s
+    cache: each batch row decodes what its prompt decodes alone, and no store holds padding."""
+    from kvpack.hf.attach import attach
+    from kvpack.hf.cache import cache_kwargs
+
+    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    singles = []
+    for p in prompts:
+        with attach(model, method, **config) as cache:
+            out = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), **kwargs,
+                                 **cache_kwargs(model, cache))
+        singles.append(out[0, len(p):])
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    with attach(model, method, **config) as cache:
+        out = model.generate(ids, attention_mask=mask, **kwargs, **cache_kwargs(model, cache))
+    for i, p in enumerate(prompts):
+        assert torch.equal(out[i, width:], singles[i]), f"{label} {method} row {i}"
+        assert all(layer.rows[i].seq_len == len(p) + new - 1 for layer in cache.kvpack_layers)  # no padding stored

@@ -23,6 +23,8 @@ from kvpack.hf.attach import attach
 from kvpack.hf.cache import cache_kwargs
 from kvpack.hf.families import BY_MODEL_TYPE, FAMILIES, family_of
 
+from .helpers import check_padded_batch_decodes_as_each_prompt_alone
+
 VOCAB, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 128, 4, 4, 2, 16
 COMMON = dict(vocab_size=VOCAB, num_hidden_layers=LAYERS, num_attention_heads=HEADS, hidden_size=HEADS * HEAD_DIM,
               intermediate_size=96, max_position_embeddings=512)
@@ -162,26 +164,9 @@ def _config(method: str) -> dict:
 @pytest.mark.parametrize(("family", "method"), list(_served_pairs()))
 @torch.no_grad()
 def test_a_padded_batch_decodes_as_each_prompt_alone_on_every_family(family, method):
-    model = FACTORIES[family]()
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, VOCAB, (n,), generator=g) for n in (150, 123)]
-    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
-    singles = []
-    for p in prompts:
-        with attach(model, method, **_config(method)) as cache:
-            out = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), **kwargs,
-                                 **cache_kwargs(model, cache))
-        singles.append(out[0, len(p):])
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
-    with attach(model, method, **_config(method)) as cache:
-        out = model.generate(ids, attention_mask=mask, **kwargs, **cache_kwargs(model, cache))
-    for i, p in enumerate(prompts):
-        assert torch.equal(out[i, width:], singles[i]), f"{family} {method} row {i}"
-        assert all(layer.rows[i].seq_len == len(p) + 5 for layer in cache.kvpack_layers)  # no padding stored
+    check_padded_batch_decodes_as_each_prompt_alone(FACTORIES[family](), method, _config(method), prompts, 6, family)
 
 
 @pytest.mark.parametrize(("family", "method"), list(_served_pairs()))

@@ -34,7 +34,14 @@ from kvpack.hf.prefill import exact_prefill
 from kvpack.methods import available_methods, get_method, method_config_class, method_takes_budget
 from kvpack.resident import get_resident_method, resident_methods
 
-from .helpers import TINY_KVTC_SETTINGS, tiny_gemma3, tiny_kvtc_chunks, tiny_llama, tiny_qwen2
+from .helpers import (
+    TINY_KVTC_SETTINGS,
+    check_padded_batch_decodes_as_each_prompt_alone,
+    tiny_gemma3,
+    tiny_kvtc_chunks,
+    tiny_llama,
+    tiny_qwen2,
+)
 
 # method: a small config on the tiny models (head_dim 16, prompts of PROMPT tokens).
 MATRIX: dict[str, dict] = {
@@ -154,23 +161,7 @@ def test_bytes_within_budget_after_prefill_and_every_decode_step(model, method, 
 def test_padded_batch_decodes_as_each_prompt_alone(model, method, request):
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(1, 128, (n,), generator=g) for n in (PROMPT, PROMPT - 27, PROMPT - 12)]
-    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
-    singles = []
-    for p in prompts:
-        with attach(model, method, **_config(method, request)) as cache:
-            out = model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), **kwargs,
-                                 **cache_kwargs(model, cache))
-        singles.append(out[0, len(p):])
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
-    with attach(model, method, **_config(method, request)) as cache:
-        out = model.generate(ids, attention_mask=mask, **kwargs, **cache_kwargs(model, cache))
-    for i, p in enumerate(prompts):
-        assert torch.equal(out[i, width:], singles[i]), f"row {i}"
-        assert all(layer.rows[i].seq_len == len(p) + 7 for layer in cache.kvpack_layers)  # no padding stored
+    check_padded_batch_decodes_as_each_prompt_alone(model, method, _config(method, request), prompts, 8)
 
 
 @pytest.mark.parametrize("method", RESIDENT)
