@@ -34,9 +34,7 @@ def cmd_generate(args) -> int:
     if auto:
         name, config, recommendation = resolve_auto(model, AUTO, {} if args.budget is None else {"budget": args.budget})
         if not args.quiet:
-            print(f"[kvpack] method auto: {name}"
-                  f"{'' if recommendation.budget is None else f' at {recommendation.budget:g}'} — "
-                  f"{recommendation.reason}", file=sys.stderr, flush=True)
+            print(recommendation.announcement(), file=sys.stderr, flush=True)
         method = get_method(name, **config)
     result = generate(model, tokenizer, prompt, method, chat=args.chat,
                       max_new_tokens=args.max_new_tokens, progress=not args.quiet)

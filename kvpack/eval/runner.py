@@ -42,7 +42,7 @@ from ..divergence import kl_per_position
 from ..hf.cache import cache_kwargs
 from ..hf.generation import StepClock, context_limit, greedy_generate
 from ..hf.prefill import ExactPrefill, exact_prefill
-from ..methods import PreparedCache, get_method, method_takes_budget, preset_config
+from ..methods import Method, PreparedCache, get_method, method_takes_budget, preset_config
 from ..methods.recommend import AUTO, recommend
 from ..presets import preset
 from .scoring import score
@@ -303,16 +303,17 @@ def _fidelity(model, unit: _Unit, prepared: PreparedCache | None) -> dict:
             "kl": float(kl.mean()), "top1": float(agree.mean()), "ppl_continuation": float(math.exp(float(nll)))}
 
 
-def _evaluate(model, tokenizer, plan: EvalPlan, unit: _Unit, spec: MethodSpec) -> dict:
+def _evaluate(model, tokenizer, plan: EvalPlan, unit: _Unit, spec: MethodSpec, method: Method) -> dict:
     """One result row: the method's cache from the unit's prefill, its greedy answer and score, its
-    measured bytes (a refused configuration is a row with its error)."""
+    measured bytes (a refused configuration is a row with its error). ``method``: the spec's method, made for the
+    model once per run (its ``calibration="auto"`` resolved)."""
     sample = unit.sample
     row = {"task": sample.task, "depth": sample.depth, "seed": sample.seed, "prompt_tokens": len(unit.ids),
            "compressed_tokens": unit.n_pre, "method": spec.method, "budget": spec.budget, "label": spec.label,
            "overrides": spec.config, "answers": sample.answers, "metric": sample.metric,
            "prefill_s": unit.prefill.seconds}
     try:
-        built = get_method(spec.method, **spec.method_config()).from_prefill(model, unit.prefill)
+        built = method.from_prefill(model, unit.prefill)
         # the fidelity pass runs on a copy of the same compressed cache (decoding mutates it); the
         # exact cache's pass is the unit's reference, already computed
         exact = _is_reference(spec)
@@ -383,8 +384,10 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
         ValueError: a length whose prompts do not fit the model's context (:func:`check_plan_fits`).
     """
     check_plan_fits(model, tokenizer, plan)
-    for spec in plan.specs:  # a preset's calibration="auto": the model's own, made now (once) rather than in a row
-        get_method(spec.method, **spec.method_config()).for_model(model, tokenizer, progress)
+    # each spec's method once per run, made for the model (a preset's calibration="auto": the model's own, made now
+    # rather than in a row)
+    methods = {spec.key: get_method(spec.method, **spec.method_config()).for_model(model, tokenizer, progress)
+               for spec in plan.specs}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = load_results(out_dir)
@@ -421,7 +424,8 @@ def run_eval(model, tokenizer, plan: EvalPlan, out_dir: str | Path, progress: bo
                 for spec in sorted(pending, key=lambda s: not _is_reference(s)):  # FullKV first: it times decode
                     hits = shared["hits"]
                     row = {"setting": setting, "task": task, "length": length, "sample": index,
-                           **_evaluate(model, tokenizer, plan, unit, spec), **(row_fields or {})}
+                           **_evaluate(model, tokenizer, plan, unit, spec, methods[spec.key]),
+                           **(row_fields or {})}
                     if shared["hits"] > hits:  # its compress_s leaves out the scores an earlier build computed
                         row["prefill_scores_reused"] = True
                     if plan.reference_timing and "error" not in row:

@@ -55,8 +55,7 @@ def attach(model: torch.nn.Module, method: StoreFactory | str | None = None, *, 
         return
     name, config, recommendation = resolve_auto(model, method, config)
     if recommendation is not None and progress:
-        print(f"[kvpack] method auto: {name}{'' if recommendation.budget is None else f' at {recommendation.budget:g}'}"
-              f" — {recommendation.reason}", file=sys.stderr, flush=True)
+        print(recommendation.announcement(), file=sys.stderr, flush=True)
     chosen = get_method(name, **config).for_model(model, tokenizer, progress)
     if not isinstance(chosen, ResidentMethod):
         raise ValueError(f"{name} is a storage method (the cache as bytes between turns): attach takes a resident "

@@ -63,6 +63,11 @@ class Recommendation:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def announcement(self) -> str:
+        """The line that says what ``auto`` picked and why (printed on stderr where it is picked)."""
+        at = "" if self.budget is None else f" at {self.budget:g}"
+        return f"[kvpack] method auto: {self.method}{at} — {self.reason}"
+
     def method_config(self) -> dict:
         """The config fields to build it with (``get_method(rec.method, **rec.method_config())``)."""
         return {} if self.budget is None else {"budget": self.budget}
