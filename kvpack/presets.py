@@ -111,6 +111,9 @@ PRESETS: tuple[Preset, ...] = (
            summary="pca_quant with its budget spread over the layers by the model's measured layer profile"),
     Preset("pca_quant-salient", "pca_quant", {"calibration": AUTO_CALIBRATION, "salient": SALIENT_SHARE},
            summary="pca_quant-layers keeping exact the 2% of tokens the prompt's last queries read most"),
+    Preset("pca_quant-fast", "pca_quant", {"calibration": AUTO_CALIBRATION, "key_rope": "block"},
+           summary="pca_quant-layers with each key coded relative to its block's RoPE rotation: attention scores "
+                   "the keys in the basis without rebuilding them"),
     Preset("pca_quant-head", "pca_quant", {"balance": "head", "key_metric": "variance"},
            summary="pca_quant's previous default: every (head, side) priced on the share of its own variance"),
     Preset("pca_quant-gaussian", "pca_quant", {"distortion": "gaussian", "balance": "head", "key_metric": "variance"},

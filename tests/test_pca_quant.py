@@ -263,6 +263,18 @@ def test_a_pre_rope_basis_keeps_rotated_keys_better_than_a_post_rope_one():
     assert _snr_db(k, pre.reconstruct()[0]) > _snr_db(k, post.reconstruct()[0]) + 3
 
 
+def test_a_block_relative_basis_keeps_the_rotated_keys_as_a_pre_rope_one_does():
+    """Keys rotated back by their block's first position only (RoPE within a block kept): the same keys come
+    back rotated to their own positions, about as well as from a pre-RoPE basis (within 3 dB; here 20.3 vs
+    19.3 dB) and far better than from a post-RoPE one (11.8 dB); a wrong position anywhere would be noise."""
+    block, k, _ = _store(budget=0.15, key_rope="block")
+    pre, _, _ = _store(budget=0.15, key_rope="pre")
+    post, _, _ = _store(budget=0.15, key_rope="post")
+    snr = _snr_db(k, block.reconstruct()[0])
+    assert snr > _snr_db(k, pre.reconstruct()[0]) - 3 and snr > _snr_db(k, post.reconstruct()[0]) + 3
+    assert block.blocks_view().rope_at_block and not pre.blocks_view().rope_at_block
+
+
 def test_attention_over_the_blocks_equals_attention_over_the_reconstruction():
     from kvpack.attention.softmax_merge import dense_partial, merge_partials
 
@@ -277,19 +289,23 @@ def test_attention_over_the_blocks_equals_attention_over_the_reconstruction():
 native = pytest.importorskip("kvpack.attention.cpu").native
 
 
-@pytest.mark.parametrize("d,H,M,block,T,pre", [(64, 2, 3, 128, 2100, True), (80, 3, 7, 24, 700, True),
-                                              (48, 1, 1, 16, 300, False)])
-def test_native_kernel_matches_an_fp64_reference(d, H, M, block, T, pre):
+@pytest.mark.parametrize("d,H,M,block,T,rope,key_rope", [
+    (64, 2, 3, 128, 2100, True, "pre"), (80, 3, 7, 24, 700, True, "pre"), (48, 1, 1, 16, 300, False, "auto"),
+    (64, 2, 3, 128, 2100, True, "post"), (80, 3, 7, 24, 700, True, "post"), (64, 2, 3, 128, 2100, True, "block"),
+    (80, 3, 7, 24, 700, True, "block")])
+def test_native_kernel_matches_an_fp64_reference(d, H, M, block, T, rope, key_rope):
     """The CPU kernel against the PyTorch path in fp64 on odd shapes: a head of 80 (a partial vector), 7
-    query rows a head, blocks of 24 and 16, a split count that leaves a short last split, no RoPE."""
+    query rows a head, blocks of 24 and 16, a split count that leaves a short last split, no RoPE; keys
+    rebuilt and rotated (a pre-RoPE basis) and scored in the basis (a post-RoPE one, no RoPE, a block-relative
+    one: the query rotated back once a block)."""
     from kvpack.attention.pca_blocks import pca_blocks_partial, pca_blocks_partials
     from kvpack.attention.softmax_merge import merge_partials
 
     if native() is None:
         pytest.skip("the native CPU kernels cannot be built here")
-    store, _, _ = _store(H=H, d=d, T=T, rope=pre, budget=0.3, block=block, residual=8)
+    store, _, _ = _store(H=H, d=d, T=T, rope=rope, budget=0.3, block=block, residual=8, key_rope=key_rope)
     blocks = store.blocks_view()
-    assert blocks.n_blocks > 12 and (blocks.rope is not None) == pre
+    assert blocks.n_blocks > 12 and (blocks.rope is not None) == (key_rope in ("pre", "block"))
     assert len({w for runs in store.groups for w, _ in runs}) >= 3  # several widths, so several streams a block
     qg = torch.randn(H, M, d, generator=torch.Generator().manual_seed(1))
     got = pca_blocks_partial(blocks, qg, d ** -0.5)
@@ -298,9 +314,10 @@ def test_native_kernel_matches_an_fp64_reference(d, H, M, block, T, pre):
     torch.testing.assert_close(got.m, want.m.float(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("d,H,M,block,T,pre", [(64, 2, 3, 64, 1200, True), (80, 3, 7, 24, 500, True),
-                                              (48, 1, 1, 16, 300, False)])
-def test_triton_kernel_matches_an_fp64_reference(d, H, M, block, T, pre):
+@pytest.mark.parametrize("d,H,M,block,T,rope,key_rope", [
+    (64, 2, 3, 64, 1200, True, "pre"), (80, 3, 7, 24, 500, True, "pre"), (48, 1, 1, 16, 300, False, "auto"),
+    (80, 3, 7, 24, 500, True, "block")])
+def test_triton_kernel_matches_an_fp64_reference(d, H, M, block, T, rope, key_rope):
     """The Triton kernel (under the interpreter on CPU) against the PyTorch path in fp64, the same odd
     shapes as the native kernel's test."""
     import os
@@ -311,7 +328,8 @@ def test_triton_kernel_matches_an_fp64_reference(d, H, M, block, T, pre):
     pytest.importorskip("triton")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("no CUDA device and TRITON_INTERPRET is not set")
-    store, _, _ = _store(H=H, d=d, T=T, rope=pre, budget=0.3, block=block, residual=8, attention_backend="triton")
+    store, _, _ = _store(H=H, d=d, T=T, rope=rope, budget=0.3, block=block, residual=8, attention_backend="triton",
+                         key_rope=key_rope)
     assert store.n_blocks > 4 and len({w for runs in store.groups for w, _ in runs}) >= 3
     qg = torch.randn(H, M, d, generator=torch.Generator().manual_seed(1))
     (got,) = store.history_partials(qg, d ** -0.5)
@@ -321,7 +339,7 @@ def test_triton_kernel_matches_an_fp64_reference(d, H, M, block, T, pre):
 
 
 def test_native_kernel_refuses_a_layout_that_does_not_match_the_widths():
-    from kvpack.attention.pca_blocks import pca_quant_attention
+    from kvpack.attention.pca_blocks import ROPE_TOKEN, pca_quant_attention
 
     if native() is None:
         pytest.skip("the native CPU kernels cannot be built here")
@@ -329,13 +347,15 @@ def test_native_kernel_refuses_a_layout_that_does_not_match_the_widths():
     b = store.blocks_view()
     q = torch.randn(2, 3, 64)
     cos, sin = store.layout.rope.table(store.seq_len, q.device)
-    args = (b.scale, b.zero, b.basis, b.mean, b.widths, cos, sin, b.block, True, b.first_position, 0.125, 16)
+    args = (b.scale, b.zero, b.basis, b.mean, b.widths, cos, sin, b.block, ROPE_TOKEN, b.first_position, 0.125, 16)
     with pytest.raises(RuntimeError, match="codes must be contiguous uint8"):
         pca_quant_attention(q, b.codes[:, 1:].contiguous(), *args)
     bad = b.widths.clone()
     bad[0, 0, -1] = 8
     with pytest.raises(RuntimeError, match="non-increasing"):
         pca_quant_attention(q, b.codes, b.scale, b.zero, b.basis, b.mean, bad, *args[5:])
+    with pytest.raises(RuntimeError, match="rope must be 0 .none., 1 .per token. or 2 .per block., got 3"):
+        pca_quant_attention(q, b.codes, *args[:8], 3, *args[9:])
 
 
 def test_refusals_name_the_problem():

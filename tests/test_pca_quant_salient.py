@@ -85,9 +85,10 @@ def test_the_tokens_the_last_queries_read_are_kept_exact():
     assert err(k_hat[:, NEEDLE[0]:NEEDLE[1]]) < 0.05 * err(plain.reconstruct()[0][:, NEEDLE[0]:NEEDLE[1]])
 
 
+@pytest.mark.parametrize("key_rope", ["auto", "block"])
 @pytest.mark.parametrize("backend", ["torch", "native"])
-def test_attention_with_salient_tokens_equals_attention_over_the_reconstruction(backend):
-    store, _, _ = _store(attention_backend=backend)
+def test_attention_with_salient_tokens_equals_attention_over_the_reconstruction(backend, key_rope):
+    store, _, _ = _store(attention_backend=backend, key_rope=key_rope)
     if backend == "native":
         from kvpack.attention.cpu import native
 

@@ -3,11 +3,18 @@
 :class:`PCABlocks` is what a ``pca_quant`` store hands to attention. Per (side, KV head) the coded
 components ``j`` (the leading ones of a basis, widths non-increasing) hold, per block of ``G`` tokens, a
 ``w_j``-bit code per token with an fp16 scale and zero point per component; a token's vector is
-``mean + Σ_j (code_tj · scale_j + zero_j) · basis_j``, keys then rotated by RoPE at their positions where
-the basis is pre-RoPE. The op's default implementation is the PyTorch path (a tile of blocks decoded to
-fp32, attended densely); its CPU kernel (``cpu/csrc/pca_quant.cpp``) rebuilds a block's keys from the
-codes in registers and accumulates values in the basis: ``Σ_t p_t v_t = mean · Σ_t p_t + Σ_j (Σ_t p_t c_tj)
-basis_j``, so no value is ever rebuilt.
+``mean + Σ_j (code_tj · scale_j + zero_j) · basis_j``, keys then rotated by RoPE as the op's ``rope`` mode
+says: :data:`ROPE_NONE` (the basis is post-RoPE, or the layer has none), :data:`ROPE_TOKEN` (a pre-RoPE
+basis: each key rotated at its own position) or :data:`ROPE_BLOCK` (each key rotated by its block's first
+position: the basis holds keys rotated by their offset within the block, so a block's keys share one
+rotation and a query can be rotated back once per block and scored in the basis).
+
+The op's default implementation is the PyTorch path (a tile of blocks decoded to fp32, attended densely).
+Its CPU kernel (``cpu/csrc/pca_quant.cpp``) reads the codes into registers and never rebuilds a value:
+``Σ_t p_t v_t = mean · Σ_t p_t + Σ_j (Σ_t p_t c_tj) basis_j``; keys it rebuilds where the basis is pre-RoPE
+(``C`` multiply-adds a key channel) and otherwise scores in the basis: ``q · k_t = q' · mean + Σ_j (q' ·
+basis_j) c_tj`` with ``q'`` the query (rotated back by the block's rotation for :data:`ROPE_BLOCK`),
+``C`` multiply-adds a key and query row.
 
 Layouts (``S = 2`` sides, keys first; ``C`` = coded components over every (side, head), in the order
 side, head, component; ``R`` = code bytes of one block over every (side, head)):
@@ -32,6 +39,7 @@ from ..ops.rope import RotaryTable, apply_rope
 from .softmax_merge import PartialAttention, dense_partial, merge_partials
 
 BLOCKS_PER_SPLIT = 16  # coded blocks per (head, split) job of the native kernel
+ROPE_NONE, ROPE_TOKEN, ROPE_BLOCK = 0, 1, 2  # the op's ``rope``: where each key's RoPE rotation is taken
 
 
 def width_groups(widths: torch.Tensor) -> list[list[tuple[int, int]]]:
@@ -75,9 +83,10 @@ class PCABlocks:
     Attributes:
         codes, scale, zero, basis, mean, widths: the tensors, as the store holds them.
         block: tokens per block ``G``.
-        rope: the layer's rotary table where the keys' basis is pre-RoPE, else None.
+        rope: the layer's rotary table where the keys' basis is pre-RoPE (or block-relative), else None.
         first_position: position of the first coded token.
         tile_blocks: blocks decoded per tile on the PyTorch path.
+        rope_at_block: keys rotated by their block's first position, not their own (:data:`ROPE_BLOCK`).
     """
 
     codes: torch.Tensor
@@ -90,10 +99,26 @@ class PCABlocks:
     rope: RotaryTable | None
     first_position: int
     tile_blocks: int = 64
+    rope_at_block: bool = False
 
     @property
     def n_blocks(self) -> int:
         return self.codes.shape[0]
+
+    @property
+    def rope_mode(self) -> int:
+        """The op's ``rope`` argument: :data:`ROPE_NONE`, :data:`ROPE_TOKEN` or :data:`ROPE_BLOCK`."""
+        if self.rope is None:
+            return ROPE_NONE
+        return ROPE_BLOCK if self.rope_at_block else ROPE_TOKEN
+
+    def rotation_positions(self, lo: int, hi: int, device) -> torch.Tensor:
+        """The position each key of blocks ``[lo, hi)`` is rotated at: its own, or its block's first."""
+        G = self.block
+        offset = torch.arange((hi - lo) * G, device=device)
+        if self.rope_at_block:
+            offset = offset // G * G
+        return self.first_position + lo * G + offset
 
     def decoded(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (post-RoPE) and values of blocks ``[lo, hi)`` as ``[H, (hi - lo) · G, d]`` fp32."""
@@ -119,8 +144,7 @@ class PCABlocks:
             out[side, h] = (coef * scale + zero).reshape(n * G, coded) @ basis + self.mean[side, h]
         k, v = out[0], out[1]
         if self.rope is not None:
-            first = self.first_position + lo * G
-            cos, sin = self.rope.cos_sin(torch.arange(first, first + n * G, device=k.device))
+            cos, sin = self.rope.cos_sin(self.rotation_positions(lo, hi, k.device))
             k = apply_rope(k, cos, sin)
         return k, v
 
@@ -135,9 +159,12 @@ def pca_blocks_partials(blocks: PCABlocks, qg: torch.Tensor, scaling: float) -> 
     return out
 
 
-def _reference(q, codes, scale, zero, basis, mean, widths, cos, sin, block, pre_rope, first_position, scaling):
-    rope = _TableView(cos, sin, q.shape[-1]) if pre_rope else None
-    blocks = PCABlocks(codes, scale, zero, basis, mean, widths, block, rope, first_position)
+def _reference(q, codes, scale, zero, basis, mean, widths, cos, sin, block, rope, first_position, scaling):
+    if rope not in (ROPE_NONE, ROPE_TOKEN, ROPE_BLOCK):
+        raise ValueError(f"pca_quant_attention: rope must be {ROPE_NONE}, {ROPE_TOKEN} or {ROPE_BLOCK}, got {rope}")
+    table = _TableView(cos, sin, q.shape[-1]) if rope != ROPE_NONE else None
+    blocks = PCABlocks(codes, scale, zero, basis, mean, widths, block, table, first_position,
+                       rope_at_block=rope == ROPE_BLOCK)
     states = pca_blocks_partials(blocks, q, scaling) if blocks.n_blocks else []
     if not states:
         H, M, D = q.shape
@@ -163,17 +190,17 @@ class _TableView:
 @torch.library.custom_op("kvpack::pca_quant_attention", mutates_args=())
 def pca_quant_attention(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                         basis: torch.Tensor, mean: torch.Tensor, widths: torch.Tensor, cos: torch.Tensor,
-                        sin: torch.Tensor, block: int, pre_rope: bool, first_position: int, scaling: float,
+                        sin: torch.Tensor, block: int, rope: int, first_position: int, scaling: float,
                         blocks_per_split: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax state ``(m [H, M], l [H, M], o [H, M, D])`` fp32 of grouped queries ``q [H, M, D]`` fp32 over
-    the coded blocks (layouts in the module doc); ``cos, sin [positions, W]`` fp32 are the rotary table
-    (read at ``first_position + token`` where ``pre_rope``, else empty). Default implementation: the PyTorch
-    path."""
-    return _reference(q, codes, scale, zero, basis, mean, widths, cos, sin, block, pre_rope, first_position, scaling)
+    the coded blocks (layouts in the module doc); ``cos, sin [positions, W]`` fp32 are the rotary table, read
+    at ``first_position + token`` (``rope`` = :data:`ROPE_TOKEN`) or at each block's first position
+    (:data:`ROPE_BLOCK`); empty for :data:`ROPE_NONE`. Default implementation: the PyTorch path."""
+    return _reference(q, codes, scale, zero, basis, mean, widths, cos, sin, block, rope, first_position, scaling)
 
 
 @pca_quant_attention.register_fake
-def _(q, codes, scale, zero, basis, mean, widths, cos, sin, block, pre_rope, first_position, scaling,
+def _(q, codes, scale, zero, basis, mean, widths, cos, sin, block, rope, first_position, scaling,
       blocks_per_split):
     H, M, D = q.shape
     return q.new_empty(H, M), q.new_empty(H, M), q.new_empty(H, M, D)
@@ -188,6 +215,6 @@ def pca_blocks_partial(blocks: PCABlocks, qg: torch.Tensor, scaling: float, op=N
         cos = sin = torch.empty(0, device=qg.device)
     m, l, o = (op or pca_quant_attention)(qg.float().contiguous(), blocks.codes, blocks.scale, blocks.zero,
                                           blocks.basis, blocks.mean, blocks.widths, cos, sin, blocks.block,
-                                          blocks.rope is not None, blocks.first_position, float(scaling),
+                                          blocks.rope_mode, blocks.first_position, float(scaling),
                                           BLOCKS_PER_SPLIT)
     return PartialAttention(m, l, o)

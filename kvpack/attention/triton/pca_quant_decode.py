@@ -8,7 +8,8 @@ Per program (KV head ``h``, split ``s``, rows ``offs_m``), per block ``b`` of ``
   are component-major), read from a 16-bit window (a code of at most 8 bits spans at most two bytes);
   ``start_j`` and ``w_j`` per component come from the launcher (:func:`component_tables`);
 * coefficients ``code · scale + zero``, keys ``mean + C @ basis`` (two ``tl.dot``, one per RoPE half),
-  scored with RoPE at their positions where the basis is pre-RoPE;
+  scored with RoPE at their positions where the basis is pre-RoPE (``ROPE`` 1), at their block's first
+  position where it is block-relative (2);
 * values stay in the basis: ``acc [BM, BCv] += (P @ codes) · scale + (Σ_t P) · zero``, and at the end
   ``o = acc @ basis_v + l · mean_v``.
 """
@@ -48,7 +49,7 @@ def pca_quant_split_kernel(
     q_ptr, codes_ptr, scale_ptr, zero_ptr, basis_ptr, mean_ptr, start_ptr, width_ptr, head_ptr, cos_ptr, sin_ptr,
     m_ptr, l_ptr, o_ptr,
     H, M, D, G, R, C, NB, scaling, first_position, W, blocks_per_split, n_splits,
-    PRE_ROPE: tl.constexpr, SAME_HALVES: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    ROPE: tl.constexpr, SAME_HALVES: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     BD: tl.constexpr, BDH: tl.constexpr,
 ):
     """Grid ``(H, n_splits, row blocks)``. ``head_ptr [2H, 3]`` int32: per (side, head) its coded count,
@@ -102,8 +103,8 @@ def pca_quant_split_kernel(
         coef = tl.where(kc_mask[None, :] & tmask[:, None], kcode * ks[None, :] + kz[None, :], 0.0)
         k1 = dot(coef, kb1) + mk1[None, :]
         k2 = dot(coef, kb2) + mk2[None, :]
-        if PRE_ROPE:
-            pos = first_position + b * G + offs_t
+        if ROPE != 0:
+            pos = first_position + b * G + (offs_t if ROPE == 1 else offs_t * 0)
             scores = rotated_scores(q1, q2, k1, k2, cos_ptr, sin_ptr, pos, tmask, offs_h, HALF, W, SAME_HALVES)
         else:
             scores = dot(q1, tl.trans(k1)) + dot(q2, tl.trans(k2))
@@ -140,7 +141,7 @@ def component_tables(widths: torch.Tensor, block: int) -> tuple[torch.Tensor, to
 
 def triton_pca_quant_attention(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                                 basis: torch.Tensor, mean: torch.Tensor, widths: torch.Tensor, cos: torch.Tensor,
-                                sin: torch.Tensor, block: int, pre_rope: bool, first_position: int, scaling: float,
+                                sin: torch.Tensor, block: int, rope: int, first_position: int, scaling: float,
                                 blocks_per_split: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton kernel of ``kvpack::pca_quant_attention`` (its contract and layouts:
     ``kvpack.attention.pca_blocks``, which declares the op without importing Triton)."""
@@ -149,14 +150,14 @@ def triton_pca_quant_attention(q: torch.Tensor, codes: torch.Tensor, scale: torc
     heads, start, width = component_tables(widths, block)
     n_splits = max(1, -(-NB // blocks_per_split))
     m, l, o = split_state_buffers(H, M, D, n_splits, q.device)
-    if not pre_rope:
+    if not rope:
         cos = sin = q.new_zeros(1)
-    W = cos.shape[-1] if pre_rope else D
+    W = cos.shape[-1] if rope else D
     launch(pca_quant_split_kernel, (H, n_splits, row_blocks(M)),
            q.float().contiguous(), kernel_arg(codes), kernel_arg(scale), kernel_arg(zero), kernel_arg(basis),
            kernel_arg(mean), start, width, heads, kernel_arg(cos), kernel_arg(sin), m, l, o,
            H, M, D, block, codes.shape[1], scale.shape[1], NB, scaling, first_position, W, blocks_per_split, n_splits,
-           PRE_ROPE=pre_rope, SAME_HALVES=W != D, BM=ROW_BLOCK, BT=pow2(block), BC=pow2(D), BD=pow2(D),
+           ROPE=rope, SAME_HALVES=W != D, BM=ROW_BLOCK, BT=pow2(block), BC=pow2(D), BD=pow2(D),
            BDH=pow2(D // 2))
     return merge_splits(m, l, o)
 

@@ -16,7 +16,11 @@ class PCAQuantConfig(MethodConfig):
         residual: recent tokens kept dense at least (the tail holds up to ``residual + block - 1``).
         block: tokens coded together (one scale and zero point per component per block); a multiple of 8.
         max_bits: the widest code of a component.
-        key_rope: ``auto`` (pre-RoPE keys where the layer has RoPE), ``pre`` or ``post``.
+        key_rope: where the keys' basis is fitted and coded: ``pre`` (keys rotated back to before RoPE),
+            ``post`` (as the model hands them over), ``block`` (each key rotated back by its block's first
+            position, so it keeps RoPE's rotation by its offset within the block: a block's keys share one
+            rotation, and attention rotates the query back once a block and scores the keys in the basis
+            without rebuilding them, as for ``post``); ``auto``: ``pre`` where the layer has RoPE.
         distortion: what a width's purchase is worth to the water-filling: ``measured`` (each component's
             own min/max error at each width over the prompt's blocks: heavy-tailed components, whose ranges
             waste levels, buy fewer bits) or ``gaussian`` (:func:`minmax_distortion`, the same for every
@@ -54,7 +58,8 @@ class PCAQuantConfig(MethodConfig):
     residual: int = option(0, integer(minimum=0), "recent tokens kept dense at least")
     block: int = option(64, integer(minimum=8), "tokens coded together (a multiple of 8)")
     max_bits: int = option(8, integer(minimum=2, maximum=8), "widest code of a component")
-    key_rope: str = option("auto", choice("auto", "pre", "post"), "basis of keys before or after RoPE")
+    key_rope: str = option("auto", choice("auto", "pre", "post", "block"),
+                           "basis of keys before RoPE, after it, or after their rotation within a block")
     distortion: str = option("measured", choice("measured", "gaussian"),
                              "the water-filling's error per width: measured on the prompt or a Gaussian model")
     key_metric: str = option("queries", choice("queries", "variance"),

@@ -59,9 +59,12 @@ class PCAQuantStore(SegmentedStore):
         # profile's allocation
         self.group = group
         self.budget = config.budget
-        self.pre_rope = layout.rope is not None and config.key_rope in ("auto", "pre")
-        if config.key_rope == "pre" and layout.rope is None:
-            raise ValueError("pca_quant: key_rope='pre' needs a layer with RoPE")
+        # where the keys' basis sits: "pre" (before RoPE), "block" (each key rotated back by its block's first
+        # position: RoPE by its offset in the block kept) or "post" (as the model hands them over; also a layer
+        # without RoPE)
+        self.key_rope = ("pre" if layout.rope is not None else "post") if config.key_rope == "auto" else config.key_rope
+        if self.key_rope in ("pre", "block") and layout.rope is None:
+            raise ValueError(f"pca_quant: key_rope='{self.key_rope}' needs a layer with RoPE")
         self.basis: torch.Tensor | None = None  # [C, d] fp16, a row per coded component
         self.mean: torch.Tensor | None = None  # [2, H, d] fp32
         self.widths: torch.Tensor | None = None  # [2, H, d] uint8, non-increasing per (side, head)
@@ -112,7 +115,8 @@ class PCAQuantStore(SegmentedStore):
 
     def blocks_view(self) -> PCABlocks:
         return PCABlocks(self.codes, self.scale, self.zero, self.basis, self.mean, self.widths, self.config.block,
-                         self.layout.rope if self.pre_rope else None, self.history_start, self.config.tile_blocks)
+                         self.layout.rope if self.key_rope != "post" else None, self.history_start,
+                         self.config.tile_blocks, rope_at_block=self.key_rope == "block")
 
     # -- bytes and widths ---------------------------------------------------------------------
 
@@ -222,8 +226,11 @@ class PCAQuantStore(SegmentedStore):
         pos = (first + pick % n).float()  # [S]
         frac = (torch.arange(keys, device=q.device).float() + 0.5) / keys
         t = (pos[:, None] * frac).floor().long()  # [S, K] key positions in [0, p]
+        if self.key_rope == "block":  # a key is coded rotated back by its block's first position (sinks + j G)
+            G, sinks = self.config.block, self.config.sinks
+            t = torch.where(t < sinks, t, sinks + (t - sinks) // G * G)
         z = qi[:, :, None, :].expand(H, len(pick), keys, d)
-        if self.layout.rope is not None:
+        if self.key_rope != "post":
             cos, sin = self.layout.rope.cos_sin(t.reshape(-1).to(q.device))
             z = invert_rope(z.reshape(H, -1, d), cos, sin)
         z = z.reshape(H, -1, d)
@@ -231,8 +238,24 @@ class PCAQuantStore(SegmentedStore):
         self.query_moment = moment if self.query_moment is None else self.query_moment + moment
         self.query_rows += z.shape[1]
 
+    def _rotation_positions(self, pos: torch.Tensor) -> torch.Tensor:
+        """The positions coded keys at positions ``pos`` are rotated at: their own (``pre``) or their block's
+        first (``block``; blocks from ``history_start``)."""
+        if self.key_rope != "block":
+            return pos
+        G = self.config.block
+        return self.history_start + torch.div(pos - self.history_start, G, rounding_mode="floor") * G
+
     def _pre_rope(self, k: torch.Tensor, first: int) -> torch.Tensor:
-        return unrope_at(self.layout.rope, k, first) if self.pre_rope else k
+        """Post-RoPE keys ``k [H, T, d]`` at positions ``first ..`` rotated back to the basis' frame (the first
+        coding has set ``history_start``; ``first`` is a block boundary)."""
+        if self.key_rope == "post":
+            return k
+        if self.key_rope == "pre":
+            return unrope_at(self.layout.rope, k, first)
+        pos = self._rotation_positions(torch.arange(first, first + k.shape[1], device=k.device))
+        cos, sin = self.layout.rope.cos_sin(pos)
+        return invert_rope(k, cos, sin)
 
     def _fit(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Bases, means and widths from the tail's tokens ``k`` (pre-RoPE where configured), ``v``
@@ -280,10 +303,11 @@ class PCAQuantStore(SegmentedStore):
             return
         first = self.tail_start
         n = n_new * cfg.block
-        tail_pre = self._pre_rope(self.tail_k.float(), first)  # [H, T, d], rotated back once
         salient = None  # [H, n] bool: the salient tokens among those coded now (the first coding only)
         if self.basis is None:
             self.history_start = first
+        tail_pre = self._pre_rope(self.tail_k.float(), first)  # [H, T, d], rotated back once
+        if self.basis is None:
             if cfg.salient > 0:
                 salient = self._select_salient(first, n)
             self._fit(tail_pre, self.tail_v.float())
@@ -355,8 +379,8 @@ class PCAQuantStore(SegmentedStore):
             out.append(ghost_tokens(self.scale[:, cols], self.zero[:, cols], widths, self.basis[cols],
                                     self.mean[side, h], blocks[h]))
         k, v = torch.stack(out[:H]), torch.stack(out[H:])
-        if self.pre_rope:
-            cos, sin = self.layout.rope.cos_sin(pos.reshape(-1))
+        if self.key_rope != "post":
+            cos, sin = self.layout.rope.cos_sin(self._rotation_positions(pos).reshape(-1))
             k = apply_rope(k, cos.reshape(*pos.shape, -1), sin.reshape(*pos.shape, -1))
         return k, v
 

@@ -22,7 +22,7 @@ State anchor_segment_attention(const at::Tensor& q, at::TensorList segment, c10:
 State pca_quant_attention(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scale,
                           const at::Tensor& zero, const at::Tensor& basis, const at::Tensor& mean,
                           const at::Tensor& widths, const at::Tensor& cos, const at::Tensor& sin, int64_t block,
-                          bool pre_rope, int64_t first_position, double scaling, int64_t blocks_per_split);
+                          int64_t rope, int64_t first_position, double scaling, int64_t blocks_per_split);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attend(const at::Tensor& m, const at::Tensor& l,
                                                             const at::Tensor& o, const at::Tensor& q,
                                                             const at::Tensor& tail_k, const at::Tensor& tail_v,

@@ -355,6 +355,18 @@ inline void rotate_row(float* k, const float* cos_row, const float* sin_row, int
   }
 }
 
+// The inverse rotation of rotate_row (R^T k): k1' = k1 c + k2 s, k2' = k2 c2 - k1 s2.
+inline void unrotate_row(float* k, const float* cos_row, const float* sin_row, int64_t D, int64_t W) {
+  const RopeRow r(cos_row, sin_row, D, W);
+  const int64_t half = D / 2;
+#pragma omp simd
+  for (int64_t j = 0; j < half; ++j) {
+    const float k1 = k[j], k2 = k[j + half];
+    k[j] = k1 * r.c[j] + k2 * r.s[j];
+    k[j + half] = k2 * r.c2[j] - k1 * r.s2[j];
+  }
+}
+
 // Splits of `n` items, `per` at a time.
 inline int64_t n_chunks(int64_t n, int64_t per) { return per > 0 ? (n + per - 1) / per : 0; }
 
