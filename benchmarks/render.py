@@ -136,21 +136,24 @@ def decode_long_context() -> str:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
     if not rows:
         return "(no long-context decode rows yet)\n"
-    lines = ["| model | dtype | prompt tokens | cache | ms/token (median) | slowest ÷ median | ÷ DynamicCache | "
-             "÷ kvpack `full` | × the memory floor | KV ÷ dense bf16 | prefill s | CPU |",
+    runs: dict[tuple, int] = {}  # (command, commit, CPU, bandwidth) -> run number, in the file's order
+    for r in rows:
+        runs.setdefault((r["command"], r.get("commit"), r["cpu"], r["read_bandwidth_gbs"]), len(runs) + 1)
+    lines = ["| run | model | dtype | prompt tokens | cache | ms/token (median) | slowest ÷ median | ÷ DynamicCache | "
+             "÷ kvpack `full` | × the memory floor | KV ÷ dense bf16 | prefill s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        run = runs[(r["command"], r.get("commit"), r["cpu"], r["read_bandwidth_gbs"])]
         full = "–" if r.get("ratio_full") is None else f"{r['ratio_full']:.2f}x"
         kv = "–" if r.get("kv_ratio") is None else f"{r['kv_ratio']:.3f}"
-        lines.append(f"| {r['model']} | {r['dtype']} | {r['prompt_tokens']} | `{r['row']}` | {r['median_ms']:.1f} | "
-                     f"{r['slowest_vs_median']:.2f} | {r['ratio']:.2f}x | {full} | {r['x_floor']:.2f}x | {kv} | "
-                     f"{r['prefill_s']:.1f} | {r['cpu']} |")
-    bandwidths = sorted({f"{r['cpu']}: {r['read_bandwidth_gbs']} GB/s" for r in rows})
-    commands = sorted({r["command"] for r in rows})
-    return ("\n".join(lines) + f"\n\nRatios within one run (one CPU): each row's median decode step ÷ the same run's "
+        lines.append(f"| {run} | {r['model']} | {r['dtype']} | {r['prompt_tokens']} | `{r['row']}` | "
+                     f"{r['median_ms']:.1f} | {r['slowest_vs_median']:.2f} | {r['ratio']:.2f}x | {full} | "
+                     f"{r['x_floor']:.2f}x | {kv} | {r['prefill_s']:.1f} |")
+    described = [f"run {n}: {cpu}, kvpack {commit}, streaming read {bw} GB/s, `{command}`"
+                 for (command, commit, cpu, bw), n in runs.items()]
+    return ("\n".join(lines) + "\n\nRatios within one run (one CPU): each row's median decode step ÷ the same run's "
             "`DynamicCache` row and `full` row; the floor is (weights + the cache's held bytes) ÷ the streaming-read "
-            f"bandwidth measured in that run ({'; '.join(bandwidths)}). Commands: "
-            + "; ".join(f"`{c}`" for c in commands) + ".\n")
+            "bandwidth measured in that run. " + "; ".join(described) + ".\n")
 
 
 def frontier_summary(records: dict[str, dict]) -> str:
