@@ -347,7 +347,9 @@ def test_native_kernel_refuses_a_layout_that_does_not_match_the_widths():
     b = store.blocks_view()
     q = torch.randn(2, 3, 64)
     cos, sin = store.layout.rope.table(store.seq_len, q.device)
-    args = (b.scale, b.zero, b.basis, b.mean, b.widths, cos, sin, b.block, ROPE_TOKEN, b.first_position, 0.125, 16)
+    none = torch.empty(0, 0, dtype=torch.int32)
+    args = (b.scale, b.zero, b.basis, b.mean, b.widths, cos, sin, none, b.block, ROPE_TOKEN, b.first_position, 0.125,
+            16)
     with pytest.raises(RuntimeError, match="codes must be contiguous uint8"):
         pca_quant_attention(q, b.codes[:, 1:].contiguous(), *args)
     bad = b.widths.clone()
@@ -355,7 +357,11 @@ def test_native_kernel_refuses_a_layout_that_does_not_match_the_widths():
     with pytest.raises(RuntimeError, match="non-increasing"):
         pca_quant_attention(q, b.codes, b.scale, b.zero, b.basis, b.mean, bad, *args[5:])
     with pytest.raises(RuntimeError, match="rope must be 0 .none., 1 .per token. or 2 .per block., got 3"):
-        pca_quant_attention(q, b.codes, *args[:8], 3, *args[9:])
+        pca_quant_attention(q, b.codes, *args[:9], 3, *args[10:])
+    for skip in ([[5, 3], [1, 2]], [[1, 10 ** 6], [1, 2]]):  # descending; past the coded tokens
+        skip = torch.tensor(skip, dtype=torch.int32)
+        with pytest.raises(RuntimeError, match="skip must hold ascending token indices"):
+            pca_quant_attention(q, b.codes, *args[:7], skip, *args[8:])
 
 
 def test_refusals_name_the_problem():

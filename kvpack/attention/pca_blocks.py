@@ -87,6 +87,8 @@ class PCABlocks:
         first_position: position of the first coded token.
         tile_blocks: blocks decoded per tile on the PyTorch path.
         rope_at_block: keys rotated by their block's first position, not their own (:data:`ROPE_BLOCK`).
+        skip: ``[H, n]`` int32, ascending per KV head: tokens (counted from the first coded one) attention leaves
+            out — a store's exact copies stand for them (``pca_quant``'s salient tokens); None: none.
     """
 
     codes: torch.Tensor
@@ -100,6 +102,7 @@ class PCABlocks:
     first_position: int
     tile_blocks: int = 64
     rope_at_block: bool = False
+    skip: torch.Tensor | None = None
 
     @property
     def n_blocks(self) -> int:
@@ -154,17 +157,26 @@ def pca_blocks_partials(blocks: PCABlocks, qg: torch.Tensor, scaling: float) -> 
     tile = blocks.tile_blocks
     out = []
     for lo in range(0, blocks.n_blocks, tile):
-        k, v = blocks.decoded(lo, min(lo + tile, blocks.n_blocks))
-        out.append(dense_partial(qg, k.to(qg.dtype), v.to(qg.dtype), scaling))
+        hi = min(lo + tile, blocks.n_blocks)
+        k, v = blocks.decoded(lo, hi)
+        mask = None
+        if blocks.skip is not None and blocks.skip.numel():
+            G, H = blocks.block, k.shape[0]
+            rel = blocks.skip.long() - lo * G  # [H, n]
+            inside = (rel >= 0) & (rel < (hi - lo) * G)
+            mask = torch.ones(H, 1, (hi - lo) * G, dtype=torch.bool, device=k.device)
+            heads = torch.arange(H, device=k.device)[:, None].expand_as(rel)
+            mask[heads[inside], 0, rel[inside]] = False
+        out.append(dense_partial(qg, k.to(qg.dtype), v.to(qg.dtype), scaling, mask))
     return out
 
 
-def _reference(q, codes, scale, zero, basis, mean, widths, cos, sin, block, rope, first_position, scaling):
+def _reference(q, codes, scale, zero, basis, mean, widths, cos, sin, skip, block, rope, first_position, scaling):
     if rope not in (ROPE_NONE, ROPE_TOKEN, ROPE_BLOCK):
         raise ValueError(f"pca_quant_attention: rope must be {ROPE_NONE}, {ROPE_TOKEN} or {ROPE_BLOCK}, got {rope}")
     table = _TableView(cos, sin, q.shape[-1]) if rope != ROPE_NONE else None
     blocks = PCABlocks(codes, scale, zero, basis, mean, widths, block, table, first_position,
-                       rope_at_block=rope == ROPE_BLOCK)
+                       rope_at_block=rope == ROPE_BLOCK, skip=skip if skip.numel() else None)
     states = pca_blocks_partials(blocks, q, scaling) if blocks.n_blocks else []
     if not states:
         H, M, D = q.shape
@@ -190,17 +202,19 @@ class _TableView:
 @torch.library.custom_op("kvpack::pca_quant_attention", mutates_args=())
 def pca_quant_attention(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                         basis: torch.Tensor, mean: torch.Tensor, widths: torch.Tensor, cos: torch.Tensor,
-                        sin: torch.Tensor, block: int, rope: int, first_position: int, scaling: float,
-                        blocks_per_split: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        sin: torch.Tensor, skip: torch.Tensor, block: int, rope: int, first_position: int,
+                        scaling: float, blocks_per_split: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax state ``(m [H, M], l [H, M], o [H, M, D])`` fp32 of grouped queries ``q [H, M, D]`` fp32 over
     the coded blocks (layouts in the module doc); ``cos, sin [positions, W]`` fp32 are the rotary table, read
     at ``first_position + token`` (``rope`` = :data:`ROPE_TOKEN`) or at each block's first position
-    (:data:`ROPE_BLOCK`); empty for :data:`ROPE_NONE`. Default implementation: the PyTorch path."""
-    return _reference(q, codes, scale, zero, basis, mean, widths, cos, sin, block, rope, first_position, scaling)
+    (:data:`ROPE_BLOCK`); empty for :data:`ROPE_NONE`. ``skip [H, n]`` int32 (ascending per head; empty: none): tokens,
+    counted from the first coded one, left out. Default implementation: the PyTorch path."""
+    return _reference(q, codes, scale, zero, basis, mean, widths, cos, sin, skip, block, rope, first_position,
+                      scaling)
 
 
 @pca_quant_attention.register_fake
-def _(q, codes, scale, zero, basis, mean, widths, cos, sin, block, rope, first_position, scaling,
+def _(q, codes, scale, zero, basis, mean, widths, cos, sin, skip, block, rope, first_position, scaling,
       blocks_per_split):
     H, M, D = q.shape
     return q.new_empty(H, M), q.new_empty(H, M), q.new_empty(H, M, D)
@@ -213,8 +227,10 @@ def pca_blocks_partial(blocks: PCABlocks, qg: torch.Tensor, scaling: float, op=N
         cos, sin = blocks.rope.table(blocks.first_position + blocks.n_blocks * blocks.block, qg.device)
     else:
         cos = sin = torch.empty(0, device=qg.device)
+    skip = (blocks.skip.to(torch.int32).contiguous() if blocks.skip is not None
+            else torch.empty(0, 0, dtype=torch.int32, device=qg.device))
     m, l, o = (op or pca_quant_attention)(qg.float().contiguous(), blocks.codes, blocks.scale, blocks.zero,
-                                          blocks.basis, blocks.mean, blocks.widths, cos, sin, blocks.block,
+                                          blocks.basis, blocks.mean, blocks.widths, cos, sin, skip, blocks.block,
                                           blocks.rope_mode, blocks.first_position, float(scaling),
                                           BLOCKS_PER_SPLIT)
     return PartialAttention(m, l, o)

@@ -141,10 +141,15 @@ def component_tables(widths: torch.Tensor, block: int) -> tuple[torch.Tensor, to
 
 def triton_pca_quant_attention(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                                 basis: torch.Tensor, mean: torch.Tensor, widths: torch.Tensor, cos: torch.Tensor,
-                                sin: torch.Tensor, block: int, rope: int, first_position: int, scaling: float,
+                                sin: torch.Tensor, skip: torch.Tensor, block: int, rope: int, first_position: int,
+                                scaling: float,
                                 blocks_per_split: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton kernel of ``kvpack::pca_quant_attention`` (its contract and layouts:
-    ``kvpack.attention.pca_blocks``, which declares the op without importing Triton)."""
+    ``kvpack.attention.pca_blocks``, which declares the op without importing Triton). Tokens left out (``skip``)
+    are not supported here: a store on this path takes its exact copies' place by subtracting their ghosts."""
+    if skip.numel():
+        raise NotImplementedError("the Triton pca_quant kernel does not leave tokens out (skip); the store corrects "
+                                  "for its salient tokens' ghosts instead")
     H, M, D = q.shape
     NB = codes.shape[0]
     heads, start, width = component_tables(widths, block)

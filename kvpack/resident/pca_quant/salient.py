@@ -17,9 +17,11 @@ holds a *ghost* in their place whose reconstruction is known without decoding th
   scale), 0, levels)``: a code computed from the block's stored scale and zero point alone. So the blocks
   hold a ghost whose reconstruction (:func:`ghost_tokens`) is known without decoding the codes, and which is
   a typical token (near the mean), never an extreme one whose weight would dominate the subtraction.
-* **Attention**: the coded history's softmax state, minus the ghosts' (a state with negated normaliser and
-  output: the states merge linearly), plus the exact tokens' — attention over the history with the
-  salient tokens exact, whatever backend computed the coded part (:func:`corrected_partials`).
+* **Attention**: the coded history's softmax state with the ghosts left out (the native kernel and the
+  PyTorch path give each ghost a -inf logit: ``PCABlocks.skip``), plus the exact tokens' — attention over the
+  history with the salient tokens exact. The Triton kernel attends the ghosts too; its state is corrected by
+  subtracting theirs (a state with negated normaliser and output: the states merge linearly;
+  :func:`corrected_partials`).
 """
 
 from __future__ import annotations

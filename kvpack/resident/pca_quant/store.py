@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -14,6 +15,7 @@ from ...attention.pca_blocks import (
     pca_blocks_partials,
     width_groups,
 )
+from ...attention.softmax_merge import dense_partial
 from ...attention.triton.pca_quant_op import pca_quant_triton_partial
 from ...ops.accounting import dense_bf16_bytes
 from ...ops.bitpack import pack_bitstream_fast
@@ -408,13 +410,20 @@ class PCAQuantStore(SegmentedStore):
         if not self.n_blocks:
             return []
         backend = self.backend(qg.device)
-        if backend == "triton":
+        if backend == "triton":  # the salient tokens' ghosts attended, then taken out (corrected_partials)
             coded = [pca_quant_triton_partial(self.blocks_view(), qg, scaling)]
-        elif qg.dtype != torch.float64 and backend == "native":  # fp64: the reference
-            coded = [pca_blocks_partial(self.blocks_view(), qg, scaling)]
+            if not self.n_salient:
+                return coded
+            ghost_k, ghost_v = self._ghosts()
+            return corrected_partials(coded, qg, scaling, ghost_k, ghost_v, self.salient_k, self.salient_v)
+        # native and PyTorch paths: the salient tokens' ghosts left out of the coded blocks, their exact copies in
+        blocks = self.blocks_view()
+        if self.n_salient:
+            blocks = dataclasses.replace(blocks, skip=self.salient_pos - self.history_start)
+        if qg.dtype != torch.float64 and backend == "native":  # fp64: the reference
+            coded = [pca_blocks_partial(blocks, qg, scaling)]
         else:
-            coded = pca_blocks_partials(self.blocks_view(), qg, scaling)
+            coded = pca_blocks_partials(blocks, qg, scaling)
         if not self.n_salient:
             return coded
-        ghost_k, ghost_v = self._ghosts()
-        return corrected_partials(coded, qg, scaling, ghost_k, ghost_v, self.salient_k, self.salient_v)
+        return [*coded, dense_partial(qg, self.salient_k, self.salient_v, scaling)]

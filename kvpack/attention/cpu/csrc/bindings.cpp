@@ -21,8 +21,9 @@ State anchor_segment_attention(const at::Tensor& q, at::TensorList segment, c10:
                                double hfactor, double scaling, int64_t first_position, int64_t blocks_per_split);
 State pca_quant_attention(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scale,
                           const at::Tensor& zero, const at::Tensor& basis, const at::Tensor& mean,
-                          const at::Tensor& widths, const at::Tensor& cos, const at::Tensor& sin, int64_t block,
-                          int64_t rope, int64_t first_position, double scaling, int64_t blocks_per_split);
+                          const at::Tensor& widths, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& skip, int64_t block, int64_t rope, int64_t first_position, double scaling,
+                          int64_t blocks_per_split);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attend(const at::Tensor& m, const at::Tensor& l,
                                                             const at::Tensor& o, const at::Tensor& q,
                                                             const at::Tensor& tail_k, const at::Tensor& tail_v,

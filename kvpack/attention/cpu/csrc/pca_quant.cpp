@@ -17,6 +17,8 @@
 //           state is kept over the Cv coefficients ([M, Cv]) from the codes (`AccumulateTile`: lane-wise
 //           sums, one horizontal sum per row and component when the split ends), and turned into [M, D]
 //           once, when the split ends (Cv basis rows per query row).
+// Tokens listed in `skip` (per head, counted from the first coded token) get a -inf logit: left out, an exact
+// copy attended beside this op stands for each (pca_quant's salient tokens).
 // Numerics: fp32 throughout; the fp16 basis, scales and zero points are widened once per split / block.
 #include "common.h"
 
@@ -319,8 +321,9 @@ struct AccumulateTile {
 
 State pca_quant_attention(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scale,
                           const at::Tensor& zero, const at::Tensor& basis, const at::Tensor& mean,
-                          const at::Tensor& widths, const at::Tensor& cos, const at::Tensor& sin, int64_t block,
-                          int64_t rope, int64_t first_position, double scaling, int64_t blocks_per_split) {
+                          const at::Tensor& widths, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& skip, int64_t block, int64_t rope, int64_t first_position, double scaling,
+                          int64_t blocks_per_split) {
   check_queries(q);
   const int64_t H = q.size(0), M = q.size(1), D = q.size(2), G = block;
   TORCH_CHECK(G > 0 && G % 8 == 0, "pca_quant: block must be a positive multiple of 8, got ", G);
@@ -372,6 +375,18 @@ State pca_quant_attention(const at::Tensor& q, const at::Tensor& codes, const at
                 " or ", D / 2, "], got ", cos.sizes());
     W = cos.size(1);
   }
+  // Tokens left out: per head an ascending run of token indices counted from the first coded token.
+  const int64_t n_skip = skip.numel() ? skip.size(1) : 0;
+  if (n_skip)
+    TORCH_CHECK(skip.scalar_type() == at::kInt && skip.is_contiguous() && skip.dim() == 2 && skip.size(0) == H,
+                "pca_quant: skip must be contiguous int32 [", H, ", n], got ", skip.sizes());
+  const int32_t* kp = n_skip ? skip.data_ptr<int32_t>() : nullptr;
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < n_skip; ++i) {
+      const int32_t t = kp[h * n_skip + i];
+      TORCH_CHECK(t >= 0 && t < NB * G && (i == 0 || t > kp[h * n_skip + i - 1]),
+                  "pca_quant: skip must hold ascending token indices in [0, ", NB * G, ") per head");
+    }
   const int64_t bps = std::max<int64_t>(1, blocks_per_split);
   const float* qp = q.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
@@ -409,6 +424,9 @@ State pca_quant_attention(const at::Tensor& q, const at::Tensor& codes, const at
     RowsState sv(M, cv.count);
     std::vector<float> vacc(M * cv.count * Vec::kLanes, 0.f), m_before(M);
     const int64_t b0 = s * bps, b1 = std::min(NB, b0 + bps);
+    // this head's tokens left out, from the split's first token on (ascending: a cursor walks them)
+    const int32_t* skip_at = kp ? std::lower_bound(kp + h * n_skip, kp + (h + 1) * n_skip, int32_t(b0 * G)) : nullptr;
+    const int32_t* skip_end = kp ? kp + (h + 1) * n_skip : nullptr;
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* row = cp + b * bytes;
       widen_halves(sp + b * cols + ck.col, ks.data(), ck.count);
@@ -447,6 +465,9 @@ State pca_quant_attention(const at::Tensor& q, const at::Tensor& codes, const at
           std::fill(p.data() + i * G, p.data() + (i + 1) * G, c0 * float(scaling));
         }
         over_tiles<ScoreTile>(M, G, ck, row, G, a.data(), p.data());
+      }
+      for (; skip_at != skip_end && *skip_at < (b + 1) * G; ++skip_at) {  // left out: an exact copy stands for it
+        for (int64_t i = 0; i < M; ++i) p[i * G + (*skip_at - b * G)] = NEG_INF;
       }
       std::copy(sv.m.begin(), sv.m.end(), m_before.begin());
       sv.absorb(p.data(), G, G);  // p: exp(s - m); o rescaled
