@@ -116,15 +116,16 @@ def supported_models() -> str:
     for f in FAMILIES:
         served = f"refused: {f.refused}" if f.refused else "served (FullKV equal to transformers' generation)"
         refusals = "; ".join(f"`{m}`: {why}" for m, why in f.method_refusals.items()) or "–"
-        budget = ("–" if f.refused else "full-attention layers only: sliding-window layers kept dense, outside it"
-                  if f.sliding_outside_budget else "the whole cache")
+        budget = ("–" if f.refused else "the whole cache: the sliding-window layers kept dense, their bytes charged "
+                  "to the full-attention layers" if f.sliding_layers else "the whole cache")
         lines.append(f"| {f.name} | `{f.model_type}` | {f.features} | {served} | {refusals} | {budget} |")
     return "\n".join(lines) + ("\n\nFrom `kvpack/hf/families.py`, the table `tests/test_architectures.py` holds kvpack "
                                "to "
                                "on a tiny random-weight model of each family (built from transformers' own config "
                                "class): FullKV's generation token for token, every compressing resident method "
-                               "but `kvtc_resident` within its budget after the prefill and every decode step "
-                               "(SnapKV and H2O: after the prefill), a left-padded batch equal to each prompt alone, "
+                               "but `kvtc_resident` within its budget over the whole cache after the prefill and "
+                               "every decode step (SnapKV and H2O: after the prefill), a left-padded batch equal "
+                               "to each prompt alone, "
                                "attention equal in fp64 to attention over the stored form's reconstruction, each "
                                "refusal by its message. "
                                "`load_model` refuses a family not listed, naming it (`allow_untested=True`, "

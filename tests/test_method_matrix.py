@@ -47,7 +47,8 @@ from .helpers import (
 MATRIX: dict[str, dict] = {
     "full": {},
     "puzzle": {"page_size": 8, "budget": 0.7},
-    "puzzle_plus": {"page_size": 8, "budget": 0.6, "observation_window": 8},
+    # 0.7: on the Gemma 3 model the sliding windows charged to its two full layers leave them 0.57 at 150 tokens
+    "puzzle_plus": {"page_size": 8, "budget": 0.7, "observation_window": 8},
     "anchor": {"window": 8, "anchors": 8, "budget": 0.6},
     "anchor_plus": {"window": 8, "anchors": 8, "budget": 0.6},
     "svd": {"page_size": 8, "budget": 0.6},

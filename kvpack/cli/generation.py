@@ -8,6 +8,7 @@ import sys
 
 from ..generate import generate
 from ..hf.models import load_model
+from ..hf.whole_budget import BUDGET_SCOPES
 from ..methods import available_methods, available_presets, get_method, method_config_class
 from ..methods.recommend import AUTO, DEFAULT_BUDGET, resolve_auto
 from ..presets import PRESETS
@@ -37,7 +38,7 @@ def cmd_generate(args) -> int:
             print(recommendation.announcement(), file=sys.stderr, flush=True)
         method = get_method(name, **config)
     result = generate(model, tokenizer, prompt, method, chat=args.chat,
-                      max_new_tokens=args.max_new_tokens, progress=not args.quiet)
+                      max_new_tokens=args.max_new_tokens, progress=not args.quiet, budget_scope=args.budget_scope)
     if args.json:
         out = result.to_dict()
         if recommendation is not None:
@@ -103,7 +104,11 @@ def add_parsers(sub) -> None:
                    f"({', '.join(available_methods())}) or a preset ({', '.join(available_presets())}); "
                    "`kvpack methods` lists each one's fields and defaults")
     g.add_argument("--budget", type=float, default=None,
-                   help=f"target fraction of the dense bf16 KV bytes (--method {AUTO}: default {DEFAULT_BUDGET:g})")
+                   help=f"target fraction of the dense bf16 KV bytes of the whole cache (--method {AUTO}: default "
+                   f"{DEFAULT_BUDGET:g})")
+    g.add_argument("--budget-scope", default="whole", choices=BUDGET_SCOPES,
+                   help="whole (default): the budget covers every layer, a model's sliding-window layers charged to "
+                   "the compressed ones; full_layers: the full-attention layers alone")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config field of the method (see `kvpack methods`)")
     g.add_argument("--calibration", default=None, help="calibration directory (kvtc)")

@@ -21,6 +21,7 @@ store alone, and its pages line up as in batch 1.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch
@@ -32,6 +33,7 @@ from ..resident import LayerLayout, LayerStore, StoreFactory, get_resident_metho
 from .attention import active_cache
 from .fingerprint import attention_shape, full_attention_layers, model_fingerprint
 from .rotary import find_rotary
+from .whole_budget import BUDGET_SCOPES, CacheShape, full_layers_budget
 
 
 class KVPackLayer(CacheLayerMixin):
@@ -42,13 +44,14 @@ class KVPackLayer(CacheLayerMixin):
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, codec: StoreFactory, layout: LayerLayout, row_groups=None):
+    def __init__(self, codec: StoreFactory, layout: LayerLayout, new_row_store=None):
         super().__init__()
         self.codec = codec
         self.layout = layout
-        # row_groups(layer_idx, batch) -> what each row's stores share across layers (KVPackCache).
-        self.row_groups = row_groups or (lambda layer_idx, batch: [None] * batch)
-        self.rows: list[LayerStore] = []
+        # new_row_store(layout, batch, row, tokens) -> the store of one batch row, made when its first tokens
+        # arrive (``tokens``: how many, padding excluded); KVPackCache's shares a sequence's state across layers
+        self.new_row_store = new_row_store or (lambda layout, batch, row, tokens: self.codec.new_store(layout))
+        self.rows: list[LayerStore | None] = []  # None: a row whose first tokens have not arrived
         self.columns = 0  # tokens seen incl. padding: the length transformers' masks and positions use
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -56,8 +59,7 @@ class KVPackLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        groups = self.row_groups(self.layout.layer_idx, key_states.shape[0])
-        self.rows = [self.codec.new_store(self.layout, group) for group in groups]
+        self.rows = [None] * key_states.shape[0]  # made at attend, when each row's real tokens are known
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -134,7 +136,7 @@ class KVPackLayer(CacheLayerMixin):
         B, _, n_q, _ = query.shape
         valid = _valid_chunk_tokens(attention_mask, B, n_q)
         out = torch.zeros_like(query)
-        for b, store in enumerate(self.rows):
+        for b in range(len(self.rows)):
             if valid is None:
                 q_b, k_b, v_b = query[b], key[b], value[b]
             else:
@@ -142,6 +144,9 @@ class KVPackLayer(CacheLayerMixin):
                 if keep.numel() == 0:
                     continue
                 q_b, k_b, v_b = query[b][:, keep], key[b][:, keep], value[b][:, keep]
+            store = self.rows[b]
+            if store is None:
+                store = self.rows[b] = self.new_row_store(self.layout, len(self.rows), b, k_b.shape[1])
             o_b = store.attend(q_b, k_b, v_b, scaling)
             store.append(k_b, v_b, q=q_b, out=o_b)
             if valid is None:
@@ -162,9 +167,8 @@ class KVPackLayer(CacheLayerMixin):
             raise ValueError(f"layer {self.layout.layer_idx}: load_prefill needs an empty layer")
         self.device = key.device
         self.rows = []
-        groups = self.row_groups(self.layout.layer_idx, key.shape[0])
         for b in range(key.shape[0]):
-            store = self.codec.new_store(self.layout, groups[b])
+            store = self.new_row_store(self.layout, key.shape[0], b, key.shape[2])
             store.load_prefill(key[b], value[b], query[b], out[b], scaling)
             self.rows.append(store)
         self.columns = key.shape[2]
@@ -173,10 +177,10 @@ class KVPackLayer(CacheLayerMixin):
     # -- accounting -------------------------------------------------------------------------
 
     def nbytes(self) -> int:
-        return sum(store.nbytes() for store in self.rows)
+        return sum(store.nbytes() for store in self.rows if store is not None)
 
     def dense_reference_bytes(self) -> int:
-        return sum(store.dense_reference_bytes() for store in self.rows)
+        return sum(store.dense_reference_bytes() for store in self.rows if store is not None)
 
 
 def _valid_chunk_tokens(mask: torch.Tensor | None, batch: int, n_q: int) -> torch.Tensor | None:
@@ -230,7 +234,10 @@ class KVPackCache(Cache):
         ...     model(**tok("...", return_tensors="pt"), **cache_kwargs(model, cache))
     """
 
-    def __init__(self, model: torch.nn.Module, method: StoreFactory | str = "full", **config):
+    def __init__(self, model: torch.nn.Module, method: StoreFactory | str = "full", budget_scope: str = "whole",
+                 **config):
+        if budget_scope not in BUDGET_SCOPES:
+            raise ValueError(f"budget_scope must be one of {BUDGET_SCOPES}, got {budget_scope!r}")
         if isinstance(method, str):
             method = get_resident_method(method, **config)
         elif config:
@@ -250,24 +257,55 @@ class KVPackCache(Cache):
         for i in full_attention_layers(model):  # plain full attention: compress it (the rest is the model's)
             layout = LayerLayout(layer_idx=i, kv_heads=shape["kv_heads"], q_heads=shape["q_heads"],
                                  head_dim=shape["head_dim"], model_dtype=model.dtype, rope=tables[i])
-            layers[i] = KVPackLayer(method, layout, self._row_groups)
+            layers[i] = KVPackLayer(method, layout, self._new_row_store)
         if not any(isinstance(layer, KVPackLayer) for layer in layers):
             kinds = sorted({type(layer).__name__ for layer in layers})
             raise ValueError(f"this model has no full-attention layer with a standard cache for kvpack to compress "
                              f"(its cache layers: {', '.join(kinds)}; a sliding window on every layer is kept as the "
                              "model keeps it)")
         self._layouts = [layer.layout for layer in layers if isinstance(layer, KVPackLayer)]
-        self._groups: list = []
+        # budget_scope="whole": the model's own (sliding) layers charged to the compressed ones (whole_budget.py),
+        # per batch row from its first chunk's real tokens, before its stores are made
+        self.budget_scope = budget_scope
+        self.requested_budget = getattr(method.config, "budget", None)
+        self._shape = CacheShape(
+            full_layers=len(self._layouts),
+            windows=tuple(getattr(layer, "sliding_window", 0) - 1 if getattr(layer, "is_sliding", False) else None
+                          for layer in layers if not isinstance(layer, KVPackLayer)),
+            model_bytes=model.dtype.itemsize)
+        self._rows: list = []  # per batch row of the sequence: (its method, what its stores share across layers)
         self.method_label = method.name  # a preset's name where kvpack.attach made it from one
         self.recommendation = None  # what method="auto" chose and why (kvpack.methods.recommend), where it did
         super().__init__(layers=layers)
 
-    def _row_groups(self, layer_idx: int, batch: int) -> list:
-        """What each batch row's stores share across layers (``StoreFactory.new_group``; None for
-        most methods). The first compressed layer starts a sequence's stores, so it makes them anew."""
-        if layer_idx == self._layouts[0].layer_idx or len(self._groups) != batch:
-            self._groups = [self.codec.new_group(self._layouts) for _ in range(batch)]
-        return self._groups
+    @property
+    def full_layers_budget(self) -> float | None:
+        """The budget the compressed layers were given: the requested one, or under ``budget_scope="whole"`` on a
+        model with layers kvpack does not hold, the charged one (a batch: its rows' smallest)."""
+        given = [codec.config.budget for codec, _ in filter(None, self._rows)]
+        return min(given) if given else self.requested_budget
+
+    def _row_codec(self, tokens: int) -> StoreFactory:
+        """The method for a row whose first chunk holds ``tokens`` real tokens: the budget charged for the model's
+        own layers where the scope is the whole cache."""
+        if self.budget_scope != "whole" or self.requested_budget is None or not self._shape.windows:
+            return self.codec
+        budget = full_layers_budget(self.requested_budget, tokens, self._shape)
+        if budget == self.requested_budget:
+            return self.codec
+        return StoreFactory(self.codec.store_cls, dataclasses.replace(self.codec.config, budget=budget))
+
+    def _new_row_store(self, layout: LayerLayout, batch: int, row: int, tokens: int) -> LayerStore:
+        """A store of batch row ``row`` for ``layout``'s layer, made when the row's first ``tokens`` real tokens
+        arrive: the row's method and the state its stores share across layers (``StoreFactory.new_group``) are
+        made by its first compressed layer, so a row of a padded batch gets what the prompt alone gets."""
+        if len(self._rows) != batch:
+            self._rows = [None] * batch
+        if self._rows[row] is None or layout.layer_idx == self._layouts[0].layer_idx:
+            codec = self._row_codec(tokens)
+            self._rows[row] = (codec, codec.new_group(self._layouts))
+        codec, group = self._rows[row]
+        return codec.new_store(layout, group)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if isinstance(self.layers[layer_idx], KVPackLayer) and active_cache() is not self:

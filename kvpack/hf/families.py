@@ -23,8 +23,8 @@ class Family:
         features: what its attention does that a cache must get right.
         refused: why kvpack's cache refuses this family, as its message says it (None: served).
         method_refusals: per method, the feature it refuses on this family, as its message names it.
-        sliding_outside_budget: its sliding-window layers are kept dense, outside the budget, so the whole cache
-            holds more than the budget asks.
+        sliding_layers: it interleaves sliding-window layers, which the model keeps (dense, in its dtype) and the
+            budget charges to the full-attention layers (:mod:`kvpack.hf.whole_budget`).
     """
 
     model_type: str
@@ -32,7 +32,7 @@ class Family:
     features: str
     refused: str | None = None
     method_refusals: Mapping[str, str] = field(default_factory=dict)
-    sliding_outside_budget: bool = False
+    sliding_layers: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method_refusals", MappingProxyType(dict(self.method_refusals)))
@@ -50,7 +50,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3", "Qwen3", "q/k norm before RoPE"),
     Family("gemma2", "Gemma 2", "attention logit softcap, alternating sliding layers", refused="softcap"),
     Family("gemma3_text", "Gemma 3", "sliding and global layers with two RoPE bases, q/k norm",
-           sliding_outside_budget=True),
+           sliding_layers=True),
     Family("phi3", "Phi-3", "fused qkv projection"),
     Family("olmo2", "OLMo 2", "q/k norm after the projection"),
     Family("gpt_neox", "GPT-NeoX / Pythia", "partial rotary (a quarter of the head), no GQA",

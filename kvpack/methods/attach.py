@@ -18,7 +18,7 @@ from .resident import ResidentMethod
 
 @contextlib.contextmanager
 def attach(model: torch.nn.Module, method: StoreFactory | str | None = None, *, cache: KVPackCache | None = None,
-           tokenizer=None, progress: bool = True, **config) -> Iterator[KVPackCache]:
+           tokenizer=None, progress: bool = True, budget_scope: str = "whole", **config) -> Iterator[KVPackCache]:
     """``with kvpack.attach(model, budget=0.28) as cache:`` — a new :class:`KVPackCache` that the model uses
     inside the block: the recommended method at that budget, or the method or preset named.
 
@@ -37,6 +37,9 @@ def attach(model: torch.nn.Module, method: StoreFactory | str | None = None, *, 
         tokenizer: the model's tokenizer, used only to make a calibration a preset needs on first use (default:
             the one saved beside the model).
         progress: print the automatic choice and a calibration's progress on stderr.
+        budget_scope: ``"whole"`` (default): ``budget`` is the fraction of the whole cache's dense bf16 bytes, a
+            model's sliding-window layers included (their bytes charged to the compressed layers:
+            :mod:`kvpack.hf.whole_budget`); ``"full_layers"``: of the full-attention layers' alone.
         **config: the method's config fields (``budget=0.28``, ``page_size=64``, ...).
 
     Example:
@@ -50,7 +53,8 @@ def attach(model: torch.nn.Module, method: StoreFactory | str | None = None, *, 
         True
     """
     if cache is not None or isinstance(method, StoreFactory):
-        with attach_store(model, method if method is not None else "full", cache=cache, **config) as made:
+        scope = {} if cache is not None else {"budget_scope": budget_scope}
+        with attach_store(model, method if method is not None else "full", cache=cache, **scope, **config) as made:
             yield made
         return
     name, config, recommendation = resolve_auto(model, method, config)
@@ -60,7 +64,7 @@ def attach(model: torch.nn.Module, method: StoreFactory | str | None = None, *, 
     if not isinstance(chosen, ResidentMethod):
         raise ValueError(f"{name} is a storage method (the cache as bytes between turns): attach takes a resident "
                          "method; use kvpack.get_method(...).compress / resume")
-    made = KVPackCache(model, chosen.codec)
+    made = KVPackCache(model, chosen.codec, budget_scope=budget_scope)
     made.recommendation = recommendation
     made.method_label = chosen.label
     with attach_store(model, cache=made) as attached_cache:

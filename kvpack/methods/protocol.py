@@ -107,9 +107,11 @@ class Method(ABC):
 
     @abstractmethod
     def generate(self, model, tokenizer, token_ids: list[int], max_new_tokens: int, min_new_tokens: int = 0,
-                 progress: bool = False) -> GenerationResult:
+                 progress: bool = False, budget_scope: str = "whole") -> GenerationResult:
         """Greedy generation after ``token_ids`` with this method's cache, with measured bytes
-        (implementations call :func:`kvpack.hf.generation.check_context` first)."""
+        (implementations call :func:`kvpack.hf.generation.check_context` first). ``budget_scope``: what a
+        resident method's budget covers (:mod:`kvpack.hf.whole_budget`); a storage method codes every layer the
+        cache holds and ignores it."""
 
     @abstractmethod
     def from_prefill(self, model, prefill: ExactPrefill) -> PreparedCache:

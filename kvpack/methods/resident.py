@@ -28,22 +28,27 @@ class ResidentMethod(Method):
         return ResidentMethod(StoreFactory(self.codec.store_cls, config))
 
     def resolved_config(self, cache: KVPackCache) -> dict:
-        """The config plus what the stores decided from the input (e.g. PuzzleKV's ranks)."""
+        """The config plus what the stores decided from the input (e.g. PuzzleKV's ranks; on a model with
+        sliding-window layers, the compressed layers' share of a whole-cache budget, ``full_layers_budget``)."""
         config = self.config.to_dict()
+        if cache.full_layers_budget != cache.requested_budget:
+            config["full_layers_budget"] = cache.full_layers_budget
         for layer in cache.kvpack_layers:
-            for store in layer.rows:
+            for store in filter(None, layer.rows):
                 config.update(store.resolved_params())
                 return config
         return config
 
     @torch.no_grad()
-    def generate(self, model, tokenizer, token_ids, max_new_tokens, min_new_tokens=0, progress=False):
+    def generate(self, model, tokenizer, token_ids, max_new_tokens, min_new_tokens=0, progress=False,
+                 budget_scope="whole"):
         bound = self.for_model(model, tokenizer, progress)  # an "auto" calibration: the model's own
         if bound is not self:
-            return bound.generate(model, tokenizer, token_ids, max_new_tokens, min_new_tokens, progress)
+            return bound.generate(model, tokenizer, token_ids, max_new_tokens, min_new_tokens, progress,
+                                  budget_scope)
         streamer = ProgressStreamer(len(token_ids), max_new_tokens, progress)
         start = time.perf_counter()
-        with attach(model, self.codec) as cache:
+        with attach(model, self.codec, budget_scope=budget_scope) as cache:
             new = greedy_generate(model, tokenizer, cache, token_ids, max_new_tokens, min_new_tokens, streamer)
         total = time.perf_counter() - start
         return GenerationResult(

@@ -84,12 +84,14 @@ class StorageMethod(Method):
         return to_dynamic_cache(model, dense, len(token_ids)), len(blob)
 
     @torch.no_grad()
-    def generate(self, model, tokenizer, token_ids, max_new_tokens, min_new_tokens=0, progress=False):
+    def generate(self, model, tokenizer, token_ids, max_new_tokens, min_new_tokens=0, progress=False,
+                 budget_scope="whole"):
         """:meth:`compress` all but the last prompt token, then :meth:`resume` after them (the last
         token is prefilled over the restored cache); prefill_s and total_s include the compression."""
         bound = self.for_model(model, tokenizer, progress)  # an "auto" calibration: the model's own
         if bound is not self:
-            return bound.generate(model, tokenizer, token_ids, max_new_tokens, min_new_tokens, progress)
+            return bound.generate(model, tokenizer, token_ids, max_new_tokens, min_new_tokens, progress,
+                                  budget_scope)
         if len(token_ids) < 2:
             raise ValueError(f"{self.name} needs a prompt of at least 2 tokens (a prefix to compress and one to "
                              "continue)")
