@@ -306,7 +306,7 @@ class PCAQuantStore(SegmentedStore):
         first = self.tail_start
         n = n_new * cfg.block
         salient = None  # [H, n] bool: the salient tokens among those coded now (the first coding only)
-        if self.basis is None:
+        if self.basis is None:  # first: block-relative keys count their blocks from here
             self.history_start = first
         tail_pre = self._pre_rope(self.tail_k.float(), first)  # [H, T, d], rotated back once
         if self.basis is None:
