@@ -308,7 +308,8 @@ def test_sliding_window_model_allocates_over_its_full_attention_layers():
     from kvpack.hf.cache import KVPackCache
 
     model = tiny_gemma3()
-    cache = KVPackCache(model, _codec(budget=0.5, page_size=16))
+    # the budget over the full-attention layers alone (the whole cache's is tests/test_whole_budget.py's)
+    cache = KVPackCache(model, _codec(budget=0.5, page_size=16), budget_scope="full_layers")
     ids = torch.randint(0, 128, (1, 160), generator=torch.Generator().manual_seed(2))
     ratios = _decode(model, cache, ids, 40)
     stores = [layer.rows[0] for layer in cache.kvpack_layers]

@@ -343,28 +343,23 @@ inline void rotate_pair(Vec& k1, Vec& k2, const RopeRow& r, int64_t j) {
   k2 = fma(b, Vec::load(r.c2 + j), a * Vec::load(r.s2 + j));
 }
 
-// Rotates row k [D] in place (cos_row / sin_row: the table's row, W = D or D / 2 wide).
+// Rotates row k [D] in place (cos_row / sin_row: the table's row, W = D or D / 2 wide); INVERSE: by the transpose
+// (k1' = k1 c + k2 s, k2' = k2 c2 - k1 s2), which undoes it.
+template <bool INVERSE = false>
 inline void rotate_row(float* k, const float* cos_row, const float* sin_row, int64_t D, int64_t W) {
   const RopeRow r(cos_row, sin_row, D, W);
   const int64_t half = D / 2;
+  constexpr float sign = INVERSE ? -1.f : 1.f;
 #pragma omp simd
   for (int64_t j = 0; j < half; ++j) {
     const float k1 = k[j], k2 = k[j + half];
-    k[j] = k1 * r.c[j] - k2 * r.s[j];
-    k[j + half] = k2 * r.c2[j] + k1 * r.s2[j];
+    k[j] = k1 * r.c[j] - sign * k2 * r.s[j];
+    k[j + half] = k2 * r.c2[j] + sign * k1 * r.s2[j];
   }
 }
 
-// The inverse rotation of rotate_row (R^T k): k1' = k1 c + k2 s, k2' = k2 c2 - k1 s2.
 inline void unrotate_row(float* k, const float* cos_row, const float* sin_row, int64_t D, int64_t W) {
-  const RopeRow r(cos_row, sin_row, D, W);
-  const int64_t half = D / 2;
-#pragma omp simd
-  for (int64_t j = 0; j < half; ++j) {
-    const float k1 = k[j], k2 = k[j + half];
-    k[j] = k1 * r.c[j] + k2 * r.s[j];
-    k[j + half] = k2 * r.c2[j] - k1 * r.s2[j];
-  }
+  rotate_row<true>(k, cos_row, sin_row, D, W);
 }
 
 // Splits of `n` items, `per` at a time.
