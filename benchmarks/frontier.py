@@ -345,9 +345,17 @@ def main() -> int:
         return 0
     out = Path(args.out) if args.out else rows_dir(args.model)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "frontier-plan.json").write_text(json.dumps(
-        {"tasks": plan.tasks, "lengths": lengths, "samples_per_task_and_length": args.samples, "budgets": budgets,
-         "settings": plan.settings, "dtype": args.dtype, "specs": [s.label for s in specs], "command": command,
+    # the plan the cells are rendered against: a run of some methods (--only) at some budgets adds to it, never
+    # narrows it (a run at 0.28 alone would otherwise drop every other budget's cells from the results)
+    planned = out / "frontier-plan.json"
+    plan_budgets = budgets
+    if args.only and planned.is_file():
+        plan_budgets = sorted(set(budgets) | set(json.loads(planned.read_text())["budgets"]), reverse=True)
+    planned.write_text(json.dumps(
+        {"tasks": plan.tasks, "lengths": lengths, "samples_per_task_and_length": args.samples,
+         "budgets": plan_budgets,
+         "settings": plan.settings, "dtype": args.dtype,
+         "specs": [s.label for s in frontier_specs(plan_budgets, calibration, layer_profile)], "command": command,
          "written": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}, indent=1) + "\n")
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     if args.kvtc:
