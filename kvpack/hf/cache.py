@@ -267,7 +267,6 @@ class KVPackCache(Cache):
         # budget_scope="whole": the model's own (sliding) layers charged to the compressed ones (whole_budget.py),
         # per batch row from its first chunk's real tokens, before its stores are made
         self.budget_scope = budget_scope
-        self.requested_budget = getattr(method.config, "budget", None)
         self._shape = CacheShape(
             full_layers=len(self._layouts),
             windows=tuple(getattr(layer, "sliding_window", 0) - 1 if getattr(layer, "is_sliding", False) else None
@@ -277,6 +276,11 @@ class KVPackCache(Cache):
         self.method_label = method.name  # a preset's name where kvpack.attach made it from one
         self.recommendation = None  # what method="auto" chose and why (kvpack.methods.recommend), where it did
         super().__init__(layers=layers)
+
+    @property
+    def requested_budget(self) -> float | None:
+        """The method's own budget (None where it has none): over the whole cache under ``budget_scope="whole"``."""
+        return getattr(self.codec.config, "budget", None)
 
     @property
     def full_layers_budget(self) -> float | None:

@@ -20,6 +20,8 @@
 // Tokens listed in `skip` (per head, counted from the first coded token) get a -inf logit: left out, an exact
 // copy attended beside this op stands for each (pca_quant's salient tokens).
 // Numerics: fp32 throughout; the fp16 basis, scales and zero points are widened once per split / block.
+#include <type_traits>
+
 #include "common.h"
 
 namespace kvpack {
@@ -42,16 +44,19 @@ inline void widen_codes(const uint8_t* __restrict src, int64_t n, float* __restr
   for (; i < n; ++i) dst[i] = float(stream_code<W>(src, i));
 }
 
-inline void widen_codes_any(int w, const uint8_t* src, int64_t n, float* dst) {
+// f(std::integral_constant<int, W>{}) for a code width w of 1..8 (8 for anything wider: the layout checks
+// widths <= 8): the one place a runtime width picks a kernel's compile-time width.
+template <typename F>
+inline void with_width(int w, F&& f) {
   switch (w) {
-    case 1: return widen_codes<1>(src, n, dst);
-    case 2: return widen_codes<2>(src, n, dst);
-    case 3: return widen_codes<3>(src, n, dst);
-    case 4: return widen_codes<4>(src, n, dst);
-    case 5: return widen_codes<5>(src, n, dst);
-    case 6: return widen_codes<6>(src, n, dst);
-    case 7: return widen_codes<7>(src, n, dst);
-    default: return widen_codes<8>(src, n, dst);
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
   }
 }
 
@@ -135,15 +140,25 @@ struct Coded {
                                                    // byte of a block's row, sum of widths
 };
 
+// f(std::integral_constant<int, W>{}, src, n, j0) for each width-W run of one (side, head)'s codes in a block's
+// row, widest first: its n components from column j0, their stream from src (G codes a component).
+template <typename F>
+inline void for_each_run(const Coded& cd, const uint8_t* row, int64_t G, F&& f) {
+  const uint8_t* src = row + cd.byte;
+  int64_t j0 = 0;
+  for (const auto& [w, n] : cd.runs) {
+    with_width(w, [&](auto W) { f(W, src, n, j0); });
+    src += G * n * w / 8;
+    j0 += n;
+  }
+}
+
 // A block's codes of one (side, head) as floats, component-major c [count, G]: each width's stream holds
 // its components' codes component-major, so it widens straight into its rows.
 inline void block_codes(const Coded& cd, const uint8_t* row, int64_t G, float* c) {
-  const uint8_t* src = row + cd.byte;
-  for (const auto& [w, n] : cd.runs) {
-    widen_codes_any(w, src, G * n, c);
-    src += G * n * w / 8;
-    c += G * n;
-  }
+  for_each_run(cd, row, G, [&](auto W, const uint8_t* src, int64_t n, int64_t j0) {
+    widen_codes<decltype(W)::value>(src, G * n, c + j0 * G);
+  });
 }
 
 // Halves -> floats, a vector at a time (the fp16 scales and zero points of a block's components).
@@ -201,22 +216,9 @@ inline void score_tile(const Coded& cd, const uint8_t* row, int64_t G, const flo
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < NC; ++k)
       acc[r][k] = NC == 4 ? Vec::load(s + r * G + (k0 + k) * L) : Vec::load(s + r * G + k0 * L, m);
-  const uint8_t* src = row + cd.byte;
-  const float* ai = a;
-  for (const auto& [w, n] : cd.runs) {
-    switch (w) {
-      case 1: score_run<1, R, NC>(src, n, G, ai, cd.count, k0, acc); break;
-      case 2: score_run<2, R, NC>(src, n, G, ai, cd.count, k0, acc); break;
-      case 3: score_run<3, R, NC>(src, n, G, ai, cd.count, k0, acc); break;
-      case 4: score_run<4, R, NC>(src, n, G, ai, cd.count, k0, acc); break;
-      case 5: score_run<5, R, NC>(src, n, G, ai, cd.count, k0, acc); break;
-      case 6: score_run<6, R, NC>(src, n, G, ai, cd.count, k0, acc); break;
-      case 7: score_run<7, R, NC>(src, n, G, ai, cd.count, k0, acc); break;
-      default: score_run<8, R, NC>(src, n, G, ai, cd.count, k0, acc);
-    }
-    src += G * n * w / 8;
-    ai += n;
-  }
+  for_each_run(cd, row, G, [&](auto W, const uint8_t* src, int64_t n, int64_t j0) {
+    score_run<decltype(W)::value, R, NC>(src, n, G, a + j0, cd.count, k0, acc);
+  });
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < NC; ++k) {
       if (NC == 4) acc[r][k].store(s + r * G + (k0 + k) * L);
@@ -256,23 +258,9 @@ inline void accumulate_tile(const Coded& cd, const uint8_t* row, int64_t G, cons
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < NC; ++k)
       pr[r][k] = NC == 4 ? Vec::load(p + r * G + (k0 + k) * L) : Vec::load(p + r * G + k0 * L, m);
-  const uint8_t* src = row + cd.byte;
-  int64_t j0 = 0;
-  for (const auto& [w, n] : cd.runs) {
-    float* out = acc + j0 * L;
-    switch (w) {
-      case 1: accumulate_run<1, R, NC>(src, n, G, scale + j0, pr, cd.count, k0, out); break;
-      case 2: accumulate_run<2, R, NC>(src, n, G, scale + j0, pr, cd.count, k0, out); break;
-      case 3: accumulate_run<3, R, NC>(src, n, G, scale + j0, pr, cd.count, k0, out); break;
-      case 4: accumulate_run<4, R, NC>(src, n, G, scale + j0, pr, cd.count, k0, out); break;
-      case 5: accumulate_run<5, R, NC>(src, n, G, scale + j0, pr, cd.count, k0, out); break;
-      case 6: accumulate_run<6, R, NC>(src, n, G, scale + j0, pr, cd.count, k0, out); break;
-      case 7: accumulate_run<7, R, NC>(src, n, G, scale + j0, pr, cd.count, k0, out); break;
-      default: accumulate_run<8, R, NC>(src, n, G, scale + j0, pr, cd.count, k0, out);
-    }
-    src += G * n * w / 8;
-    j0 += n;
-  }
+  for_each_run(cd, row, G, [&](auto W, const uint8_t* src, int64_t n, int64_t j0) {
+    accumulate_run<decltype(W)::value, R, NC>(src, n, G, scale + j0, pr, cd.count, k0, acc + j0 * L);
+  });
 }
 
 // Calls tile<R, NC>(i0, k0) over rows [0, M) and the block's token vectors: rows kTileRows at a time (the last
