@@ -105,6 +105,11 @@ KVTC_RATIOS = (4, 8, 16)  # kvtc (storage) presets
 KVTC_RESIDENT_RATIOS = (8, 16, 32)  # kvtc_resident presets: 4x sits above 0.15 of the bytes, 32x near 0.0625
 KVTC_RESIDENT_KEYS_PER_LAYER_RATIOS = (8, 16)
 KEYS_PER_LAYER = f"{AUTO_CALIBRATION}:key_layer_group=1"
+# LMCache's TurboQuant presets (lmcache_quant's peer rows) and what each codes
+TURBOQUANT_PRESETS = (("turboquant_k8v4", "fp8 keys, 4-bit values"),
+                      ("turboquant_4bit_nc", "4-bit Lloyd-Max keys with norm correction, 4-bit values"),
+                      ("turboquant_k3v4_nc", "3-bit keys, 4-bit values"),
+                      ("turboquant_3bit_nc", "3-bit keys, 3-bit values"))
 
 PRESETS: tuple[Preset, ...] = (
     Preset("pca_quant-layers", "pca_quant", {"calibration": AUTO_CALIBRATION},
@@ -127,6 +132,12 @@ PRESETS: tuple[Preset, ...] = (
            summary="transformers' QuantizedCache, quanto 2-bit"),
     Preset("hf_quantized-hqq4", "hf_quantized", {"backend": "hqq", "nbits": 4}, budgeted=False,
            summary="transformers' QuantizedCache, HQQ 4-bit"),
+    *(Preset(f"turboquant-{preset.removeprefix('turboquant_').replace('_', '-')}", "lmcache_quant",
+             {"serde": "turboquant", "preset": preset}, budgeted=False,
+             summary=f"LMCache's TurboQuant serde, preset {preset} ({detail}): the cache round-trips through it")
+      for preset, detail in TURBOQUANT_PRESETS),
+    Preset("fp8-e4m3", "lmcache_quant", {"serde": "fp8"}, budgeted=False,
+           summary="LMCache's fp8 serde (e4m3fn, one byte a value): the cache round-trips through it"),
     *(Preset(f"kvtc-{r}x", "kvtc", {"ratio": float(r), "calibration": AUTO_CALIBRATION}, budgeted=False,
              summary=f"kvtc at {r}x smaller than bf16: the cache as a blob between turns") for r in KVTC_RATIOS),
     *(Preset(f"kvtc_resident-{r}x", "kvtc_resident", {"ratio": float(r), "calibration": AUTO_CALIBRATION},

@@ -21,6 +21,7 @@ from ..resident.streaming import StreamingStore
 from ..resident.svd import SVDStore
 from ..storage.kvtc.codec import KvtcCodec
 from ..storage.kvtc.resident import KvtcResidentStore
+from ..storage.lmcache_quant import LMCacheQuantCodec
 
 KVPACK_METHODS: tuple[tuple[str, type], ...] = (
     ("full", FullStore),
@@ -37,6 +38,7 @@ KVPACK_METHODS: tuple[tuple[str, type], ...] = (
     ("snapkv", SnapKVStore),
     ("hf_quantized", HFQuantizedStore),
     ("kvtc", KvtcCodec),
+    ("lmcache_quant", LMCacheQuantCodec),
 )
 
 

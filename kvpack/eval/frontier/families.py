@@ -10,7 +10,7 @@ from ...methods.recommend import BYTES_TOLERANCE  # noqa: F401 - re-exported
 
 REFERENCE = "full"
 # Method families that are peers (what users run today), not kvpack's own methods or its baselines.
-PEER_FAMILIES = ("hf_quantized", "llamacpp", "kvpress")
+PEER_FAMILIES = ("hf_quantized", "lmcache_quant", "llamacpp", "kvpress")
 # Storage codecs: the cache is a blob between turns and is decoded before attention reads it.
 STORAGE_FAMILIES = ("kvtc",)
 SIGNIFICANCE = 0.05  # McNemar's p and the paired KL interval's level
