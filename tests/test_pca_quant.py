@@ -371,3 +371,51 @@ def test_refusals_name_the_problem():
         _store(budget=0.05, T=300, residual=64, block=128)
     with pytest.raises(ValueError, match="key_rope='pre' needs a layer with RoPE"):
         PCAQuantStore(anchor_layout(rope=False), PCAQuantConfig(key_rope="pre"))
+
+
+@pytest.mark.parametrize("blocks,G,widths", [(37, 64, [8, 8, 7, 6, 5, 5, 4, 3, 3, 2, 2, 1]), (5, 24, [4, 4, 2]),
+                                             (1, 8, [3])])
+def test_native_block_coding_writes_the_pytorch_paths_bits(blocks, G, widths):
+    """``kvpack::pca_quant_encode``'s CPU kernel against its PyTorch path: the same codes, scales and zero points,
+    bit for bit, on coefficients with ties at code boundaries (values on the fp16 grid), constant components (a
+    zero scale) and negative ranges; a width of every size 1..8."""
+    from kvpack.attention.pca_encode import pca_quant_encode
+
+    if native() is None:
+        pytest.skip("the native CPU kernels cannot be built here")
+    g = torch.Generator().manual_seed(3)
+    C = len(widths)
+    c = torch.randn(blocks, G, C, generator=g) * torch.logspace(1, -3, C)
+    c[:, :, 1 % C] = c[:, :, 1 % C].half().float()  # values on the fp16 grid: exact ties between levels
+    c[0, :, 2 % C] = -0.75  # a constant component: its scale rounds to 0
+    w = torch.tensor(widths, dtype=torch.int32)
+    # the CPU kernel, registered when the library loaded (not the op's default implementation)
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("kvpack::pca_quant_encode", "CPU")
+    got = pca_quant_encode(c, w)
+    from kvpack.attention.pca_encode import _runs
+    from kvpack.ops.bitpack import pack_bitstream_fast
+
+    # the PyTorch path, spelled out (encode_blocks_reference, the op's default, which the kernel replaces on CPU)
+    codes, scale, zero = quantize_minmax(c, dim=1, bits=w.long())
+    codes = codes.transpose(1, 2)
+    runs, j = [], 0
+    for width, count in _runs(widths):
+        runs.append(pack_bitstream_fast(codes[:, j:j + count].contiguous(), width).reshape(blocks, -1))
+        j += count
+    assert got[0].shape == (blocks, G * sum(widths) // 8)
+    assert torch.equal(got[0], torch.cat(runs, dim=1))
+    assert torch.equal(got[1].float(), scale[:, 0].float()) and torch.equal(got[2].float(), zero[:, 0].float())
+
+
+def test_native_block_coding_refuses_bad_layouts():
+    if native() is None:
+        pytest.skip("the native CPU kernels cannot be built here")
+    c = torch.randn(2, 16, 3)
+    with pytest.raises(RuntimeError, match="non-increasing"):
+        torch.ops.kvpack.pca_quant_encode(c, torch.tensor([2, 4, 1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="widths must be 1..8"):
+        torch.ops.kvpack.pca_quant_encode(c, torch.tensor([9, 4, 1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        torch.ops.kvpack.pca_quant_encode(torch.randn(2, 12, 3), torch.tensor([4, 4, 1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"\[blocks, G, C\] fp32"):
+        torch.ops.kvpack.pca_quant_encode(c.double(), torch.tensor([4, 4, 1], dtype=torch.int32))

@@ -31,7 +31,7 @@ NATIVE_CHOICES = ("auto", "native", "torch")  # attention_backend of methods wit
 # dot_precision of the PuzzleKV stores: how the native kernels rebuild pre-RoPE keys (see bf16_products)
 DOT_PRECISIONS = ("auto", "float32", "bfloat16")
 SOURCES = ("simd.h", "common.h", "pages.h", "bindings.cpp", "dense.cpp", "kivi.cpp", "puzzle.cpp", "ragged.cpp",
-           "anchor.cpp", "chunk.cpp", "pca_quant.cpp")
+           "anchor.cpp", "chunk.cpp", "pca_quant.cpp", "pca_encode.cpp")
 _CSRC = Path(__file__).parent / "csrc"
 
 

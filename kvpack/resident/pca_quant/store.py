@@ -15,6 +15,7 @@ from ...attention.pca_blocks import (
     pca_blocks_partials,
     width_groups,
 )
+from ...attention.pca_encode import encode_blocks_reference, pca_quant_encode
 from ...attention.softmax_merge import dense_partial
 from ...attention.triton.pca_quant_op import pca_quant_triton_partial
 from ...ops.accounting import dense_bf16_bytes
@@ -324,13 +325,20 @@ class PCAQuantStore(SegmentedStore):
                 continue
             basis = self.basis[cols].float()  # [coded, d]
             c = (x[side, h] @ basis.T).reshape(n_new, cfg.block, coded)  # [blocks, block, coded]
-            if salient is not None:  # their rows left out of the blocks' ranges (salient.py)
-                c = ghost_coefficients(c, salient[h].reshape(n_new, cfg.block))
-            bits = torch.tensor([w for w, count in groups for _ in range(count)], device=c.device)
+            bits = torch.tensor([w for w, count in groups for _ in range(count)], dtype=torch.int32)
+            if salient is None:  # min/max codes packed into the width streams: one native pass, or PyTorch's
+                encode = pca_quant_encode if self.backend(c.device) == "native" else encode_blocks_reference
+                packed, scale, zero = encode(c.contiguous(), bits)
+                runs.append(packed)
+                scales.append(scale)
+                zeros.append(zero)
+                continue
+            # salient tokens: their rows left out of the blocks' ranges, their codes ghosts (salient.py)
+            c = ghost_coefficients(c, salient[h].reshape(n_new, cfg.block))
+            bits = bits.to(device=c.device, dtype=torch.int64)
             codes, scale, zero = quantize_minmax(c, dim=1, bits=bits)  # every width at once: bits per column
-            if salient is not None:  # their codes: ghosts whose reconstruction the scale and zero point give
-                at = salient[h].reshape(n_new, cfg.block)
-                codes = torch.where(at[:, :, None], ghost_codes(scale, zero, bits), codes)
+            at = salient[h].reshape(n_new, cfg.block)
+            codes = torch.where(at[:, :, None], ghost_codes(scale, zero, bits), codes)
             codes = codes.transpose(1, 2)  # [blocks, coded, block]: component-major, the layout PCABlocks reads
             j = 0
             for width, count in groups:

@@ -1,4 +1,4 @@
-// The CPU kernels of kvpack's decode-attention ops registered as the ops' CPU implementations.
+// The CPU kernels of kvpack's decode-attention ops (and pca_quant's block coding) registered as the ops' CPU implementations.
 #include <torch/library.h>
 #include <torch/extension.h>
 
@@ -28,6 +28,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_attend(const at::Tensor& m,
                                                             const at::Tensor& o, const at::Tensor& q,
                                                             const at::Tensor& tail_k, const at::Tensor& tail_v,
                                                             const at::Tensor& k, const at::Tensor& v, double scaling);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pca_quant_encode(const at::Tensor& coefficients,
+                                                                const at::Tensor& widths);
 bool bf16_products_available();
 
 // dense_attention and kivi_attention read their tensors in place; the stores' own tensors already are
@@ -57,6 +59,7 @@ TORCH_LIBRARY_IMPL(kvpack, CPU, m) {
   m.impl("anchor_segment_attention", &kvpack::anchor_segment_attention);
   m.impl("pca_quant_attention", &kvpack::pca_quant_attention);
   m.impl("chunk_attend", &kvpack::chunk_attend);
+  m.impl("pca_quant_encode", &kvpack::pca_quant_encode);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
