@@ -227,3 +227,14 @@ def test_bad_settings_inputs_and_models_are_refused(model, monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
             triton_codec.compress(model, prefill(model, ids), ids)
+
+
+def test_its_presets_are_frontier_peers_measured_beside_kvpack():
+    from kvpack.eval.frontier import is_peer, is_storage
+    from kvpack.presets import PRESETS
+
+    names = {p.name for p in PRESETS if p.method == "lmcache_quant"}
+    assert names == {"turboquant-k8v4", "turboquant-4bit-nc", "turboquant-k3v4-nc", "turboquant-3bit-nc", "fp8-e4m3"}
+    assert is_peer("lmcache_quant") and not is_storage({"family": "lmcache_quant"})
+    for name in names:  # each a name kvpack resolves, with no budget (its bytes follow the serde)
+        assert get_method(name).config.budget is None
