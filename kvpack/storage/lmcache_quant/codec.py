@@ -181,6 +181,31 @@ class LMCacheQuantCodec(StorageCodec):
                     else:
                         decode_kernel._FP8_E4B15[device.index or 0] = capability
 
+    def _zero_padding(self, out: torch.Tensor, shape, dtype: torch.dtype, head_dim: int) -> torch.Tensor:
+        """``out`` (one chunk's serialized bytes) with the bytes TurboQuant leaves unwritten set to zero: the
+        slots of a partial last block's missing tokens and each slot's alignment byte, which its serializer
+        copies from an uninitialized staging buffer (so a blob would carry stray process memory and differ
+        between runs). fp8 writes every byte."""
+        if self.config.serde != "turboquant":
+            return out
+        from lmcache.v1.distributed.serde.turboquant import turboquant as tq
+
+        cfg = tq.TurboQuantSerdeConfig(preset=self.config.preset, head_dim=head_dim,
+                                       block_size=self.config.block_size,
+                                       skip_first_layers=self.config.skip_first_layers,
+                                       skip_last_layers=self.config.skip_last_layers)
+        start, end = tq._layer_ranges(shape[1], cfg)
+        if end == start:
+            return out
+        layout = tq._compressed_layout_for_shape(torch.Size(shape), cfg, end - start)
+        first = tq._raw_group_nbytes(torch.Size(shape), dtype, start)
+        coded = out[first:first + int(torch.Size(layout).numel())].view(*layout)
+        tokens = shape[2]
+        if tokens % cfg.block_size:
+            coded[:, -1, tokens % cfg.block_size:] = 0
+        coded[..., cfg.slot_size:] = 0
+        return out
+
     def _device(self) -> torch.device:
         if self.config.serde == "turboquant" and self.config.kernels == "triton" and torch.cuda.is_available():
             return torch.device("cuda")
@@ -245,7 +270,7 @@ class LMCacheQuantCodec(StorageCodec):
                 if written != out.numel():
                     raise RuntimeError(f"LMCache's {self.config.serde} serde wrote {written} bytes of a chunk, "
                                        f"its own size says {out.numel()}")
-                pieces.append(out.cpu())
+                pieces.append(self._zero_padding(out.cpu(), chunk.shape, dtype, d))
         meta = {"codec": CODEC, **self._settings(), "model": model_fingerprint(model), "tokens": n,
                 "tokens_sha256": tokens_digest(token_ids), "num_layers": len(layers), "kv_heads": heads,
                 "head_dim": d, "cache_dtype": str(dtype).removeprefix("torch."),
