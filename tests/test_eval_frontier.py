@@ -345,7 +345,7 @@ def test_planned_cells_name_every_kvpack_spec_and_peer_configuration(monkeypatch
     assert {"full", "h2o@0.15", "svd@0.28", "pca_quant-salient@0.28", "puzzle-int4-paper", "kvtc-16x",
             "kvtc_resident-32x", "kvtc_resident-8x-keys-per-layer"} <= set(planned["cells"])
     # FullKV; every budgeted method and the 4 budgeted pca_quant presets (layers, salient, fast, head) at 2 budgets;
-    # puzzle-int4-paper, 3 hf_quantized, 3 kvtc, 3 + 2 kvtc_resident
-    assert len(planned["cells"]) == 1 + 2 * (len(frontier.BUDGETED) + 4) + 1 + 3 + 3 + 3 + 2
+    # puzzle-int4-paper, 3 hf_quantized, 4 TurboQuant + fp8 (lmcache_quant), 3 kvtc, 3 + 2 kvtc_resident
+    assert len(planned["cells"]) == 1 + 2 * (len(frontier.BUDGETED) + 4) + 1 + 3 + 5 + 3 + 3 + 2
     assert planned["peers"][:3] == ["llamacpp-f16", "llamacpp-q8_0", "llamacpp-q4_0"]
     assert len(planned["peers"]) == 3 + 4 * 2 and "kvpress-kvzip@0.15" in planned["peers"]

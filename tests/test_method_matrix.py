@@ -30,6 +30,7 @@ import torch
 from kvpack.attention.reference import reference_attention
 from kvpack.hf.attach import attach
 from kvpack.hf.cache import cache_kwargs
+from kvpack.hf.fingerprint import full_attention_layers
 from kvpack.hf.prefill import exact_prefill
 from kvpack.methods import available_methods, get_method, method_config_class, method_takes_budget
 from kvpack.resident import get_resident_method, resident_methods
@@ -59,6 +60,8 @@ MATRIX: dict[str, dict] = {
     "snapkv": {"budget": 0.5, "window": 8},
     "hf_quantized": {"group_size": 16, "residual_length": 16},  # transformers' QuantizedCache (quanto)
     "kvtc": {"ratio": 4.0},  # storage: compressed on demand (its calibration comes with the call)
+    # LMCache's TurboQuant serde (storage); the tiny models' 2 layers all coded (LMCache keeps 2 + 2 raw)
+    "lmcache_quant": {"preset": "turboquant_4bit_nc", "skip_first_layers": 0, "skip_last_layers": 0},
     # + the model's kvtc calibration (_config). fp32 GEMMs: decoding contracts the values on the coefficients,
     # reconstruct rebuilds them, and in bf16 the two round different products (test_kvtc_resident bounds that)
     "kvtc_resident": {"ratio": 4.0, "block": 8, "decode_precision": "float32"},
@@ -241,10 +244,16 @@ def calibration_dir(model, tmp_path_factory):
 
 @pytest.mark.parametrize("method", STORAGE)
 @torch.no_grad()
-def test_storage_cache_from_one_exact_prefill_equals_compress_and_resume(model, calibration_dir, method):
-    assert method == "kvtc", "a new storage method needs its own calibration (or none) here"
+def test_storage_cache_from_one_exact_prefill_equals_compress_and_resume(model, request, method):
+    assert method in ("kvtc", "lmcache_quant"), "a new storage method needs its own calibration (or none) here"
     ids = prompt_ids(120)[0].tolist()
-    storage = get_method(method, **MATRIX[method], calibration=calibration_dir)
+    config = {**MATRIX[method], "calibration": request.getfixturevalue("calibration_dir")} if method == "kvtc" \
+        else MATRIX[method]
+    storage = get_method(method, **config)
+    if method == "lmcache_quant" and len(full_attention_layers(model)) < model.config.num_hidden_layers:
+        with pytest.raises(ValueError, match="sliding-window layers"):  # LMCache's chunks hold every layer alike
+            storage.compress(model, ids[:-1])
+        return
     blob = storage.compress(model, ids[:-1])
     resumed = storage.resume(model, _IdsTokenizer(), blob, ids[-1:], max_new_tokens=1)
     assert resumed.restored_tokens == len(ids) - 1 and resumed.kv_bytes == len(blob)

@@ -12,6 +12,7 @@ import pytest
 
 from kvpack.methods import available_methods, get_method, method_config_class
 from kvpack.prompts import needle_prompt
+from kvpack.resident import resident_methods
 
 pytestmark = pytest.mark.model
 
@@ -26,8 +27,9 @@ def needle_ids(smollm2):
 
 
 def test_every_resident_method_but_full_has_a_backend_choice():
-    # kvtc stores bytes; FullKV is SDPA; hf_quantized is transformers' own QuantizedCache code (the peer)
-    resident = [m for m in available_methods() if m not in ("kvtc", "full", "hf_quantized")]
+    # storage methods (kvtc, lmcache_quant) store bytes; FullKV is SDPA; hf_quantized is transformers' own
+    # QuantizedCache code (the peer)
+    resident = [m for m in resident_methods() if m not in ("full", "hf_quantized")]
     assert set(resident) <= set(WITH_BACKEND)
 
 
