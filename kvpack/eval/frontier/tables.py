@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ...presets import preset
 from ..runner import SETTINGS
-from .families import REFERENCE, label
+from .families import REFERENCE, is_peer, label
 from .ranking import best_per_budget
 
 
@@ -146,7 +147,9 @@ def coverage_markdown(records: dict[str, dict]) -> str:
                     continue
                 name, _, budget = planned.partition("@")
                 text = " / ".join(f"{n}" + (f" (+{refused} refused)" if refused else "") for n, refused in counts)
-                short.setdefault((kind, name), []).append(f"{budget}: {text}" if budget else text)
+                spec = preset(name)  # a peer run inside kvpack's harness (hf_quantized, lmcache_quant) is a peer
+                who = "peer" if kind == "peer" or is_peer(spec.method if spec else name) else "kvpack"
+                short.setdefault((who, name), []).append(f"{budget}: {text}" if budget else text)
         n_short, total = sum(len(v) for v in short.values()), len(plan["cells"]) + len(plan["peers"])
         lines.append(f"{model}: {total - n_short} of {total} planned cells hold all {target} samples in both "
                      f"settings; {n_short} hold fewer.")
