@@ -392,14 +392,14 @@ def test_native_block_coding_writes_the_pytorch_paths_bits(blocks, G, widths):
     # the CPU kernel, registered when the library loaded (not the op's default implementation)
     assert torch._C._dispatch_has_kernel_for_dispatch_key("kvpack::pca_quant_encode", "CPU")
     got = pca_quant_encode(c, w)
-    from kvpack.attention.pca_encode import _runs
+    from kvpack.attention.pca_blocks import width_groups
     from kvpack.ops.bitpack import pack_bitstream_fast
 
     # the PyTorch path, spelled out (encode_blocks_reference, the op's default, which the kernel replaces on CPU)
     codes, scale, zero = quantize_minmax(c, dim=1, bits=w.long())
     codes = codes.transpose(1, 2)
     runs, j = [], 0
-    for width, count in _runs(widths):
+    for width, count in width_groups(w.reshape(1, 1, -1))[0]:
         runs.append(pack_bitstream_fast(codes[:, j:j + count].contiguous(), width).reshape(blocks, -1))
         j += count
     assert got[0].shape == (blocks, G * sum(widths) // 8)

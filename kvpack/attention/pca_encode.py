@@ -8,7 +8,7 @@ fp16 zero point rounded down and an fp16 scale rounded up (:func:`~kvpack.ops.mi
 start at byte ``G · Σ_{i<j} w_i / 8`` of the block's run).
 
 The default implementation is the PyTorch path below; the CPU kernel (``cpu/csrc/pca_encode.cpp``) does it in one
-pass per block with the same fp32 arithmetic — the same bits (``tests/test_native_kernels.py`` checks it).
+pass per block with the same fp32 arithmetic — the same bits (``tests/test_pca_quant.py`` checks it).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 from ..ops.bitpack import pack_bitstream_fast
 from ..ops.minmax import quantize_minmax
+from .pca_blocks import width_groups
 
 
 @torch.library.custom_op("kvpack::pca_quant_encode", mutates_args=())
@@ -30,15 +31,21 @@ def pca_quant_encode(coefficients: torch.Tensor, widths: torch.Tensor) -> tuple[
 def encode_blocks_reference(coefficients: torch.Tensor, widths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                                         torch.Tensor]:
     """The PyTorch path of :func:`pca_quant_encode` (its default implementation, callable on its own)."""
-    blocks, G, C = coefficients.shape
     codes, scale, zero = quantize_minmax(coefficients, dim=1, bits=widths.to(torch.int64).to(coefficients.device))
-    codes = codes.transpose(1, 2)  # [blocks, C, G]: component-major
-    runs, j = [], 0
-    for width, count in _runs(widths.tolist()):
-        runs.append(pack_bitstream_fast(codes[:, j:j + count].contiguous(), width).reshape(blocks, -1))
+    runs = width_groups(widths.reshape(1, 1, -1))[0]
+    return pack_width_runs(codes.transpose(1, 2), runs), scale[:, 0], zero[:, 0]
+
+
+def pack_width_runs(codes: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """``codes [blocks, C, G]`` uint8 (component-major) packed into one stream per ``(width, count)`` run, widest
+    first, each block's streams side by side: ``[blocks, G · Σ w / 8]`` uint8."""
+    blocks = codes.shape[0]
+    packed, j = [], 0
+    for width, count in runs:
+        # each block's stream is whole bytes (G % 8 == 0)
+        packed.append(pack_bitstream_fast(codes[:, j:j + count].contiguous(), width).reshape(blocks, -1))
         j += count
-    packed = torch.cat(runs, dim=1) if runs else coefficients.new_empty(blocks, 0, dtype=torch.uint8)
-    return packed, scale[:, 0], zero[:, 0]
+    return torch.cat(packed, dim=1) if packed else codes.new_empty(blocks, 0)
 
 
 @pca_quant_encode.register_fake
@@ -48,13 +55,3 @@ def _(coefficients, widths):
     return (coefficients.new_empty(blocks, R, dtype=torch.uint8), coefficients.new_empty(blocks, C, dtype=torch.half),
             coefficients.new_empty(blocks, C, dtype=torch.half))
 
-
-def _runs(widths: list[int]) -> list[tuple[int, int]]:
-    """``(width, count)`` runs of consecutive equal widths."""
-    runs: list[tuple[int, int]] = []
-    for w in widths:
-        if runs and runs[-1][0] == w:
-            runs[-1] = (w, runs[-1][1] + 1)
-        else:
-            runs.append((w, 1))
-    return runs

@@ -15,11 +15,10 @@ from ...attention.pca_blocks import (
     pca_blocks_partials,
     width_groups,
 )
-from ...attention.pca_encode import encode_blocks_reference, pca_quant_encode
+from ...attention.pca_encode import encode_blocks_reference, pack_width_runs, pca_quant_encode
 from ...attention.softmax_merge import dense_partial
 from ...attention.triton.pca_quant_op import pca_quant_triton_partial
 from ...ops.accounting import dense_bf16_bytes
-from ...ops.bitpack import pack_bitstream_fast
 from ...ops.minmax import quantize_minmax
 from ...ops.rope import apply_rope, invert_rope, unrope_at
 from ..base import LayerLayout
@@ -339,13 +338,7 @@ class PCAQuantStore(SegmentedStore):
             codes, scale, zero = quantize_minmax(c, dim=1, bits=bits)  # every width at once: bits per column
             at = salient[h].reshape(n_new, cfg.block)
             codes = torch.where(at[:, :, None], ghost_codes(scale, zero, bits), codes)
-            codes = codes.transpose(1, 2)  # [blocks, coded, block]: component-major, the layout PCABlocks reads
-            j = 0
-            for width, count in groups:
-                # each block's stream is whole bytes (block % 8 == 0)
-                stream = pack_bitstream_fast(codes[:, j:j + count].contiguous(), width)
-                runs.append(stream.reshape(n_new, -1))
-                j += count
+            runs.append(pack_width_runs(codes.transpose(1, 2), groups))  # component-major, as PCABlocks reads
             scales.append(scale[:, 0])
             zeros.append(zero[:, 0])
         codes = torch.cat(runs, dim=1) if runs else x.new_empty(n_new, 0, dtype=torch.uint8)
