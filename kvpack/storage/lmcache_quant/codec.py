@@ -136,10 +136,17 @@ class LMCacheQuantCodec(StorageCodec):
                     lambda shape, dtype: int(torch.Size(shape).numel()))
         from lmcache.v1.distributed.serde.turboquant import turboquant as tq
 
-        cfg = tq.TurboQuantSerdeConfig(preset=c.preset, head_dim=head_dim, block_size=c.block_size,
-                                       skip_first_layers=c.skip_first_layers, skip_last_layers=c.skip_last_layers)
+        cfg = self._turboquant_config(head_dim)
         return (tq.TurboQuantSerializer(cfg), tq.TurboQuantDeserializer(cfg),
                 lambda shape, dtype: tq._serialized_nbytes_for_shape(torch.Size(shape), dtype, cfg))
+
+    def _turboquant_config(self, head_dim: int):
+        """LMCache's ``TurboQuantSerdeConfig`` of this codec's settings."""
+        from lmcache.v1.distributed.serde.turboquant import turboquant as tq
+
+        c = self.config
+        return tq.TurboQuantSerdeConfig(preset=c.preset, head_dim=head_dim, block_size=c.block_size,
+                                        skip_first_layers=c.skip_first_layers, skip_last_layers=c.skip_last_layers)
 
     @contextlib.contextmanager
     def _on_device(self, device: torch.device):
@@ -190,10 +197,7 @@ class LMCacheQuantCodec(StorageCodec):
             return out
         from lmcache.v1.distributed.serde.turboquant import turboquant as tq
 
-        cfg = tq.TurboQuantSerdeConfig(preset=self.config.preset, head_dim=head_dim,
-                                       block_size=self.config.block_size,
-                                       skip_first_layers=self.config.skip_first_layers,
-                                       skip_last_layers=self.config.skip_last_layers)
+        cfg = self._turboquant_config(head_dim)
         start, end = tq._layer_ranges(shape[1], cfg)
         if end == start:
             return out
@@ -214,7 +218,10 @@ class LMCacheQuantCodec(StorageCodec):
     # -- the model ----------------------------------------------------------------------------
 
     def check_model(self, model) -> None:
-        fp = model_fingerprint(model)
+        self._check_fingerprint(model_fingerprint(model))
+
+    def _check_fingerprint(self, fp: dict) -> None:
+        """Refuse a model (by its fingerprint) whose cache LMCache's chunks or TurboQuant cannot hold."""
         if len(fp["full_layers"]) != fp["layers"]:
             raise ValueError(f"lmcache_quant needs every layer to hold every token in one shape (LMCache's "
                              f"[2, layers, tokens, hidden] chunks); {fp['architecture']} has "
@@ -237,7 +244,8 @@ class LMCacheQuantCodec(StorageCodec):
 
     def compress(self, model, cache, token_ids: list[int]) -> bytes:
         """The serde's bytes of a filled one-sequence cache (``cache.layers[i].keys [1, kv_heads, T, d]``)."""
-        self.check_model(model)
+        fingerprint = model_fingerprint(model)  # once: it hashes a sample of every weight
+        self._check_fingerprint(fingerprint)
         n = len(token_ids)
         if n == 0:
             raise ValueError("cannot compress an empty cache (no tokens)")
@@ -271,7 +279,7 @@ class LMCacheQuantCodec(StorageCodec):
                     raise RuntimeError(f"LMCache's {self.config.serde} serde wrote {written} bytes of a chunk, "
                                        f"its own size says {out.numel()}")
                 pieces.append(self._zero_padding(out.cpu(), chunk.shape, dtype, d))
-        meta = {"codec": CODEC, **self._settings(), "model": model_fingerprint(model), "tokens": n,
+        meta = {"codec": CODEC, **self._settings(), "model": fingerprint, "tokens": n,
                 "tokens_sha256": tokens_digest(token_ids), "num_layers": len(layers), "kv_heads": heads,
                 "head_dim": d, "cache_dtype": str(dtype).removeprefix("torch."),
                 "dense_bf16_bytes": 2 * len(layers) * n * heads * d * DENSE_REFERENCE_BYTES_PER_ELEMENT,

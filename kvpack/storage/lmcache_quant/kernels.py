@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from ...ops.bitpack import pack_bitstream_fast, unpack_bitstream_fast
+
 BYTE_ORDER_SHIFT = 8  # fp16 bit patterns are stored low byte first
 
 
@@ -67,26 +69,19 @@ def _fp16_from_bytes(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """``[rows, D]`` codes in ``[0, 2^bits)`` -> ``[rows, D·bits/8]`` uint8 as the kernels pack them: 4 bits two
     to a byte (the even lane low), 3 bits eight to three bytes (lane ``j`` of a group at bit ``3j`` of a
-    little-endian 24-bit word)."""
+    little-endian 24-bit word) — each row one little-endian bit stream, kvpack's own
+    :func:`~kvpack.ops.bitpack.pack_bitstream_fast` (``D`` a multiple of 8: every row whole bytes)."""
     rows, d = codes.shape
-    c = codes.to(torch.int32)
-    if bits == 4:
-        pairs = (c & 0xF).view(rows, d // 2, 2)
-        return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
-    _check(bits == 3 and d % 8 == 0, f"{bits}-bit codes of a head dim of {d} are not packed by the kernels")
-    groups = (c & 0x7).view(rows, d // 8, 8)
-    word = (groups << (torch.arange(8, dtype=torch.int32) * 3)).sum(dim=-1, dtype=torch.int32)
-    return torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], dim=-1).view(rows, -1).to(torch.uint8)
+    _check(bits in (3, 4) and d % 8 == 0, f"{bits}-bit codes of a head dim of {d} are not packed by the kernels")
+    return pack_bitstream_fast(codes.to(torch.uint8), bits).view(rows, -1)
 
 
 def unpack_codes(raw: torch.Tensor, bits: int, d: int) -> torch.Tensor:
-    """``[rows, bytes]`` uint8 -> ``[rows, d]`` int64 codes, read as the dequant kernel reads them: the 16 bits
-    at lane ``i``'s byte (``i·bits // 8``) and the next, shifted by ``i·bits % 8``. ``raw`` must hold one byte
-    past the last code's (the kernel reads it too)."""
-    offsets = torch.arange(d) * bits
-    byte = offsets // 8
-    word = raw[:, byte].to(torch.int32) | (raw[:, byte + 1].to(torch.int32) << 8)
-    return ((word >> (offsets % 8)) & ((1 << bits) - 1)).long()
+    """``[rows, ≥ d·bits/8]`` uint8 -> ``[rows, d]`` int64 codes: :func:`pack_codes`' inverse (code ``i`` at bit
+    ``i·bits`` of its row, as the dequant kernel reads it), by :func:`~kvpack.ops.bitpack.unpack_bitstream_fast`."""
+    rows = raw.shape[0]
+    stream = raw[:, :d * bits // 8].reshape(-1)
+    return unpack_bitstream_fast(stream, bits, rows * d).view(rows, d).long()
 
 
 def _slot_bases(slots: torch.Tensor, heads: torch.Tensor, block_size: int, strides: tuple[int, int, int]):
@@ -200,7 +195,7 @@ def _tq_full_dequant_kv(grid, KV_cache_ptr, Block_table_ptr, Centroids_ptr, K_ou
     if KEY_FP8:
         keys = _gather(cache, bases, 0, d).view(torch.float8_e4m3fn).to(torch.float32)
     else:
-        codes = unpack_codes(_gather(cache, bases, 0, MSE_BYTES + 1), MSE_BITS, d)
+        codes = unpack_codes(_gather(cache, bases, 0, MSE_BYTES), MSE_BITS, d)
         keys = Centroids_ptr.to(torch.float32)[codes]
         if NORM_CORRECTION:  # the centroid vector back to unit norm
             keys = keys * (1.0 / torch.sqrt((keys * keys).sum(dim=1, keepdim=True) + 1e-16))
@@ -208,7 +203,7 @@ def _tq_full_dequant_kv(grid, KV_cache_ptr, Block_table_ptr, Centroids_ptr, K_ou
         keys = _fp16_from_bytes(norm[:, 0], norm[:, 1])[:, None] * keys
 
     if VQB in (3, 4):
-        codes = unpack_codes(_gather(cache, bases, KPS, VAL_DATA_BYTES + 1), VQB, d).to(torch.float32)
+        codes = unpack_codes(_gather(cache, bases, KPS, VAL_DATA_BYTES), VQB, d).to(torch.float32)
         sz = _gather(cache, bases, KPS + VAL_DATA_BYTES, 4)
         values = codes * _fp16_from_bytes(sz[:, 0], sz[:, 1])[:, None] + _fp16_from_bytes(sz[:, 2], sz[:, 3])[:, None]
     else:
